@@ -1,0 +1,49 @@
+"""monarch_nb: drive a mesh of GPU (or CPU) worker processes from a notebook.
+
+The notebook kernel (or any Python process) is the single controller::
+
+    import monarch_nb as mnb
+    mesh = mnb.local_mesh(dp=2)
+    x = mnb.remote(torch.ones)(4, mesh=mesh)
+    x.fetch(rank=0)
+
+In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
+"""
+
+from .controller.errors import MeshClosedError, RemoteError, WorkerCrashed
+from .mesh import DeviceMesh, Stream, get_mesh, local_mesh
+from .protocol.wire import RefUseError
+from .remote import Ref, RemoteFunction, remote
+from .worker.context import current_coords, current_rank, current_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceMesh",
+    "MeshClosedError",
+    "Ref",
+    "RefUseError",
+    "RemoteError",
+    "RemoteFunction",
+    "Stream",
+    "WorkerCrashed",
+    "current_coords",
+    "current_rank",
+    "current_size",
+    "get_mesh",
+    "local_mesh",
+    "remote",
+]
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext monarch_nb``: register the magics."""
+    from .notebook import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .notebook import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,628 @@
+"""The Controller: one ROUTER socket, one IO thread that owns it, and futures.
+
+User threads encode messages (pickling and signing happen on the caller's
+thread) and hand the frames to the IO thread through a deque plus a wake-up
+pipe; they get futures back. The IO thread sends, receives, decodes replies,
+resolves futures, updates MeshState and watches the worker processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+
+import zmq
+
+from ..protocol import BadMessage, Signer, decode, encode, new_secret
+from ..protocol import messages as m
+from ..protocol.ndslice import NDSlice
+from .errors import MeshClosedError, RemoteError, WorkerCrashed
+from .launcher import LocalLauncher, LocalProcess
+from .state import MeshState
+
+logger = logging.getLogger("monarch_nb.controller")
+
+BIG_SEND = 1 << 20
+TICK = 0.1  # seconds between process checks and housekeeping
+DEPENDENT_GRACE = 2.0  # how long a dependent fetch waits for its original failure to arrive
+MAX_FAILURES_KEPT = 10_000
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for c in list(_live):
+        try:
+            c.shutdown(timeout=2.0)
+        except Exception:
+            pass
+
+
+class _Pending:
+    """Replies that one user call waits for."""
+
+    __slots__ = ("ident", "order", "expected", "values", "failures", "dependent", "future", "single", "what")
+
+    def __init__(self, ident: int, expected, order, single: bool, what: str):
+        self.ident = ident
+        self.order = order
+        self.expected = set(expected)
+        self.values: dict = {}
+        self.failures: dict = {}
+        self.dependent: dict = {}
+        self.future: Future = Future()
+        self.single = single
+        self.what = what
+
+
+class Controller:
+    """Drives the workers of one mesh. Scripts, tests and the notebook use it the same way."""
+
+    def __init__(
+        self,
+        name: str,
+        dims: dict,
+        backend: str,
+        interface: str = "127.0.0.1",
+        launcher=None,
+        startup_timeout: float = 180.0,
+    ):
+        self.name = name
+        self.dims = dict(dims)
+        self.world = 1
+        for s in self.dims.values():
+            self.world *= s
+        self.state = MeshState(name, self.dims, backend)
+        self._secret = new_secret()
+        self.signer = Signer(self._secret)
+        self._launcher = launcher or LocalLauncher()
+        self._startup_timeout = startup_timeout
+        self._ids = itertools.count(1)  # ref, stream and mesh ids (0 is the root mesh)
+        self._idents = itertools.count(1)  # command idents
+        self._lifecycle = threading.Lock()
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.LINGER, 0)
+        port = self._router.bind_to_random_port(f"tcp://{interface}")
+        self.address = f"tcp://{interface}:{port}"
+        self._outq: deque = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._wake_pending = False
+        self._stop = False
+        self.on_output = print_output
+        self._begin_generation()
+        self._io = threading.Thread(target=self._io_loop, name=f"monarch-io-{name}", daemon=True)
+        self._io.start()
+        _live.add(self)
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown(timeout=1.0)
+            raise
+
+    # ------------------------------------------------------------ generations
+
+    def _begin_generation(self) -> None:
+        self.generation = getattr(self, "generation", -1) + 1
+        self.state.generation = self.generation
+        self.state.reset(range(self.world))
+        self._identities: dict[int, bytes] = {}
+        self._procs: dict[int, LocalProcess] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._failures: dict[int, dict] = {}
+        self._failure_what: dict[int, str] = {}
+        self._awaiting_failure: dict[int, list] = {}
+        self._unreported: list[int] = []
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._broken: BaseException | None = None
+        self._closing = False
+        self._closed = False
+        self.streams: dict[str, int] = {"default": 0}
+
+    def _start_workers(self) -> None:
+        procs = self.call_in_io(
+            lambda: self._launcher.launch(self.address, self._secret, self.world)
+        ).result(timeout=60)
+        self._procs = procs
+        if not self._ready.wait(self._startup_timeout) or self._startup_error is not None:
+            err = self._startup_error or TimeoutError(
+                f"mesh {self.name!r}: workers not ready after {self._startup_timeout:.0f} s "
+                f"(missing ranks {sorted(set(range(self.world)) - set(self._identities))})"
+            )
+            raise err
+        sizes = tuple(self.dims.values())
+        self.send(m.CreateDeviceMesh(0, tuple(self.dims), NDSlice.contiguous(sizes)), None)
+
+    # ------------------------------------------------------------ ids
+
+    def next_ident(self) -> int:
+        return next(self._idents)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    # ------------------------------------------------------------ sending
+
+    @property
+    def usable(self) -> bool:
+        return not self._closed and not self._closing and self._broken is None
+
+    def check_usable(self) -> None:
+        if self._closed or self._closing:
+            raise MeshClosedError(f"mesh {self.name!r} is shut down")
+        if self._broken is not None:
+            raise self._broken
+
+    def send(self, msg, ranks, stream: int | None = None, what: str = "", check: bool = True) -> None:
+        """Send ``msg`` to ``ranks`` (None: every rank). With ``stream``, it is a
+        command whose progress MeshState tracks."""
+        if check:
+            self.check_usable()
+        frames = encode(msg, self.signer)
+        targets = range(self.world) if ranks is None else ranks
+        if stream is not None:
+            self.state.record_sent(msg.ident, stream, tuple(targets), what)
+        big = len(frames) > 2 and sum(memoryview(f).nbytes for f in frames[2:]) > BIG_SEND
+        done = Future() if big else None
+        self._enqueue(("msg", targets, frames, done))
+        if done is not None:
+            # the caller may mutate its tensor once this returns: wait until ZeroMQ is done
+            tracker = done.result()
+            if tracker is not None:
+                tracker.wait()
+
+    def _enqueue(self, item) -> None:
+        self._outq.append(item)
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+
+    def call_in_io(self, fn) -> Future:
+        """Run ``fn`` on the IO thread (e.g. spawning, so that workers' parent
+        death signal is tied to a thread that lives as long as the controller)."""
+        fut: Future = Future()
+        self._enqueue(("call", fn, fut))
+        return fut
+
+    def delete_ref(self, ref_id: int) -> None:
+        """Free a worker-side value (called from Ref.__del__, any thread): sent with
+        the next batch, after every command already handed over."""
+        if not self._closed:
+            self._outq.append(("del", ref_id))
+
+    def expect(self, ident: int, ranks, single: bool = False, what: str = "") -> Future:
+        """Register interest in the FetchResults of command ``ident`` before sending it."""
+        p = _Pending(ident, ranks, list(ranks), single, what)
+        self._pending[ident] = p
+        return p.future
+
+    def expect_status(self, ident: int, ranks) -> Future:
+        expected = [(r, sid) for r in ranks for sid in self.streams.values()]
+        p = _Pending(ident, expected, None, False, "wait")
+        self._pending[ident] = p
+        return p.future
+
+    def interrupt(self, streams=()) -> None:
+        """Raise KeyboardInterrupt in the running commands of these streams (all by default)."""
+        if self.usable:
+            alive = [r for r, w in self.state.workers.items() if w.alive]
+            self.send(m.Interrupt(tuple(streams)), alive, check=False)
+
+    def wait_result(self, fut: Future, timeout: float | None = None):
+        """Block for ``fut``; Ctrl-C interrupts the remote commands and re-raises."""
+        try:
+            return fut.result(timeout)
+        except KeyboardInterrupt:
+            self.interrupt()
+            raise
+
+    # ------------------------------------------------------------ failures
+
+    def take_unreported(self) -> RemoteError | None:
+        """The failures not yet raised to the user, as one RemoteError (or None)."""
+        if not self._unreported:
+            return None
+        idents, self._unreported = self._unreported, []
+        first = idents[0]
+        context = f"command {first} ({self._failure_what.get(first, '?')}) failed"
+        if len(idents) > 1:
+            context += f"; {len(idents) - 1} later command(s) failed too: {idents[1:6]}"
+        return RemoteError({r: tuple(f) for r, f in self._failures.get(first, {}).items()}, first, context)
+
+    def mark_reported(self, ident: int) -> None:
+        try:
+            self._unreported.remove(ident)
+        except ValueError:
+            pass
+
+    def failure_error(self, ident: int, context: str) -> RemoteError | None:
+        failures = self._failures.get(ident)
+        if not failures:
+            return None
+        self.mark_reported(ident)
+        return RemoteError({r: tuple(f) for r, f in failures.items()}, ident, context)
+
+    # ------------------------------------------------------------ IO thread
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        registered: dict[int, LocalProcess] = {}
+        next_tick = 0.0
+        while not self._stop:
+            try:
+                for p in list(self._procs.values()):
+                    if p.fd is not None and p.fd not in registered:
+                        registered[p.fd] = p
+                        poller.register(p.fd, zmq.POLLIN)
+                events = dict(poller.poll(int(TICK * 1000)))
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                self._wake_pending = False
+                self._drain_outq()
+                if self._router in events:
+                    self._receive()
+                for fd in [fd for fd in events if fd in registered]:
+                    p = registered[fd]
+                    if not p.read_output():
+                        poller.unregister(fd)
+                        del registered[fd]
+                        self._check_process(p, wait=0.5)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK
+                    self._tick()
+            except Exception:
+                logger.exception("controller IO thread error (continuing)")
+        self._drain_outq()
+
+    def _drain_outq(self) -> None:
+        q = self._outq
+        deletes: list[int] = []
+        while True:
+            try:
+                item = q.popleft()
+            except IndexError:
+                break
+            kind = item[0]
+            if kind == "del":
+                deletes.append(item[1])
+                continue
+            if deletes:
+                self._send_deletes(deletes)
+                deletes = []
+            if kind == "msg":
+                self._route(item[1], item[2], item[3])
+            elif kind == "call":
+                fn, fut = item[1], item[2]
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+        if deletes:
+            self._send_deletes(deletes)
+
+    def _send_deletes(self, ids: list[int]) -> None:
+        if self._closed or not self._identities:
+            return
+        frames = encode(m.DeleteRefs(tuple(ids)), self.signer)
+        self._route(range(self.world), frames, None)
+
+    def _route(self, ranks, frames, done: Future | None) -> None:
+        router = self._router
+        tracker = None
+        try:
+            for r in ranks:
+                ident = self._identities.get(r)
+                if ident is None:
+                    continue
+                if done is None:
+                    router.send_multipart([ident, *frames])
+                else:
+                    tracker = router.send_multipart([ident, *frames], copy=False, track=True)
+        finally:
+            if done is not None:
+                done.set_result(tracker)
+
+    def _receive(self) -> None:
+        router = self._router
+        for _ in range(1000):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frames[1:], self.signer)
+            except BadMessage as e:
+                self.state.bad_messages += 1
+                logger.warning(
+                    "mesh %r dropped a message (%s); %d dropped so far", self.name, e, self.state.bad_messages
+                )
+                continue
+            handler = getattr(self, "_on_" + type(msg).__name__, None)
+            rank = getattr(msg, "rank", None)
+            if handler is None or not isinstance(rank, int) or not 0 <= rank < self.world:
+                self.state.bad_messages += 1
+                logger.warning("mesh %r dropped an unexpected %s", self.name, type(msg).__name__)
+                continue
+            self.state.seen(rank)
+            try:
+                if type(msg) is m.WorkerReady:
+                    handler(msg, frames[0].bytes)
+                else:
+                    handler(msg)
+            except Exception:
+                logger.exception("handling %s failed", type(msg).__name__)
+
+    # ------------------------------------------------------------ replies
+
+    def _on_WorkerReady(self, msg: m.WorkerReady, identity: bytes) -> None:
+        if msg.rank in self._identities or msg.world != self.world:
+            logger.warning("mesh %r refused a worker claiming rank %d", self.name, msg.rank)
+            return
+        self._identities[msg.rank] = identity
+        self.state.worker_ready(msg.rank, msg.pid, msg.host)
+        if len(self._identities) == self.world:
+            self._ready.set()
+
+    def _on_FetchResult(self, msg: m.FetchResult) -> None:
+        p = self._pending.get(msg.ident)
+        if p is None or msg.rank not in p.expected:
+            return
+        p.expected.discard(msg.rank)
+        if msg.error is None:
+            p.values[msg.rank] = msg.value
+        elif type(msg.error) is m.DependentOn:
+            p.dependent[msg.rank] = msg.error.ident
+        else:
+            p.failures[msg.rank] = tuple(msg.error)
+        if not p.expected:
+            self._finish(p)
+
+    def _finish(self, p: _Pending, deadline_passed: bool = False) -> None:
+        if p.failures:
+            self._pending.pop(p.ident, None)
+            p.future.set_exception(RemoteError(p.failures, p.ident, f"{p.what} failed"))
+            return
+        if p.dependent:
+            orig = min(p.dependent.values())
+            err = self.failure_error(
+                orig,
+                f"{p.what}: the value depends on command {orig} "
+                f"({self._failure_what.get(orig, '?')}), which failed",
+            )
+            if err is None and not deadline_passed:
+                # the original failure is still on its way (it may come through another socket)
+                self._awaiting_failure.setdefault(orig, []).append((time.monotonic(), p))
+                return
+            self._pending.pop(p.ident, None)
+            p.future.set_exception(
+                err or RemoteError({}, orig, f"{p.what}: the value depends on command {orig}, which failed")
+            )
+            return
+        self._pending.pop(p.ident, None)
+        if p.order is None:
+            p.future.set_result(None)
+        elif p.single:
+            p.future.set_result(p.values[p.order[0]])
+        else:
+            p.future.set_result([p.values[r] for r in p.order])
+
+    def _on_RemoteFunctionFailed(self, msg: m.RemoteFunctionFailed) -> None:
+        failures = self._failures.setdefault(msg.ident, {})
+        if not failures:
+            self._unreported.append(msg.ident)
+            self._failure_what[msg.ident] = self._what_of(msg.stream, msg.ident)
+            if len(self._failures) > MAX_FAILURES_KEPT:
+                oldest = next(iter(self._failures))
+                self._failures.pop(oldest)
+                self._failure_what.pop(oldest, None)
+        failures[msg.rank] = tuple(msg.failure)
+        self.state.add_error(msg.ident, msg.rank, msg.stream, msg.failure)
+        for _, p in self._awaiting_failure.pop(msg.ident, []):
+            self._finish(p)
+
+    def _what_of(self, sid: int, ident: int) -> str:
+        with self.state.lock:
+            for i, _, what, _ in self.state.sent.get(sid, ()):
+                if i == ident:
+                    return what
+        return "?"
+
+    def _on_Status(self, msg: m.Status) -> None:
+        self.state.progress(msg.rank, {msg.stream: msg.progress})
+        p = self._pending.get(msg.ident)
+        if p is None:
+            return
+        p.expected.discard((msg.rank, msg.stream))
+        if not p.expected:
+            self._finish(p)
+
+    def _on_Progress(self, msg: m.Progress) -> None:
+        self.state.progress(msg.rank, msg.streams)
+
+    def _on_Health(self, msg: m.Health) -> None:
+        self.state.health(msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages)
+
+    def _on_Output(self, msg: m.Output) -> None:
+        try:
+            self.on_output(msg)
+        except Exception:
+            logger.exception("output handler failed")
+
+    def _on_InternalException(self, msg: m.InternalException) -> None:
+        info = {"rank": msg.rank, **msg.failure._asdict()}
+        self.state.internal_errors.append(info)
+        err = RemoteError(
+            {msg.rank: tuple(msg.failure)},
+            None,
+            f"mesh {self.name!r} is broken: an internal error on rank {msg.rank}; restart it",
+        )
+        self._break(err)
+
+    # ------------------------------------------------------------ processes
+
+    def _tick(self) -> None:
+        for p in list(self._procs.values()):
+            self._check_process(p)
+        if self._awaiting_failure:
+            now = time.monotonic()
+            for orig, waiting in list(self._awaiting_failure.items()):
+                keep = [(t, p) for t, p in waiting if now - t < DEPENDENT_GRACE]
+                for t, p in waiting:
+                    if now - t >= DEPENDENT_GRACE:
+                        self._finish(p, deadline_passed=True)
+                if keep:
+                    self._awaiting_failure[orig] = keep
+                else:
+                    self._awaiting_failure.pop(orig, None)
+
+    def _check_process(self, p: LocalProcess, wait: float = 0.0) -> None:
+        code = p.popen.poll()
+        if code is None and wait:
+            try:
+                code = p.popen.wait(wait)
+            except Exception:
+                code = None
+        if code is None:
+            return
+        w = self.state.workers.get(p.rank)
+        if w is None or (not w.alive and w.exit is not None):
+            return
+        while p.fd is not None and p.read_output():
+            pass
+        self.state.worker_exited(p.rank, code)
+        if self._closing or self._closed:
+            return
+        err = WorkerCrashed(p.rank, code, p.tail_text(), self.name)
+        if not self._ready.is_set():
+            self._startup_error = err
+            self._ready.set()
+        self._break(err)
+
+    def _break(self, err: BaseException) -> None:
+        """The mesh cannot go on: fail every pending future with ``err``."""
+        if self._broken is None:
+            self._broken = err
+            logger.error("%s", str(err).splitlines()[0])
+        pending, self._pending = self._pending, {}
+        self._awaiting_failure = {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(err)
+
+    # ------------------------------------------------------------ life cycle
+
+    def _stop_workers(self, timeout: float) -> None:
+        self._closing = True
+        alive = [r for r, w in self.state.workers.items() if w.alive]
+        if alive and self._identities:
+            try:
+                self.send(m.Exit(), alive, check=False)
+            except Exception:
+                pass
+        deadline = time.monotonic() + timeout
+        procs = list(self._procs.values())
+        for p in procs:
+            try:
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+        for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0)):
+            left = [p for p in procs if p.popen.poll() is None]
+            if not left:
+                break
+            for p in left:
+                p.kill(sig)
+            end = time.monotonic() + grace
+            for p in left:
+                try:
+                    p.popen.wait(max(0.0, end - time.monotonic()))
+                except Exception:
+                    pass
+        for p in procs:
+            if p.popen.stdout is not None:
+                try:
+                    p.popen.stdout.close()
+                except OSError:
+                    pass
+            code = p.popen.poll()
+            self.state.worker_exited(p.rank, code)
+        err = MeshClosedError(f"mesh {self.name!r} was shut down")
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(err)
+
+    def restart(self) -> None:
+        """Stop every worker and start fresh ones (a new generation)."""
+        with self._lifecycle:
+            if self._closed:
+                raise MeshClosedError(f"mesh {self.name!r} is shut down")
+            self._stop_workers(timeout=3.0)
+            self._begin_generation()
+        self._start_workers()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the workers (Exit, then SIGTERM, then SIGKILL) and the IO thread."""
+        with self._lifecycle:
+            if self._closed:
+                return
+            try:
+                self._stop_workers(timeout)
+            finally:
+                self._closed = True
+                self._stop = True
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass
+                if threading.current_thread() is not self._io:
+                    self._io.join(timeout=5)
+                self._router.close(linger=0)
+                self._ctx.term()
+                for fd in (self._wake_r, self._wake_w):
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                _live.discard(self)
+
+    def worker_pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self._procs.items()}
+
+    def __repr__(self) -> str:  # never shows the secret
+        return f"<Controller {self.name!r} {self.address} world={self.world}>"
+
+
+def print_output(msg: m.Output) -> None:
+    """Default output handler (scripts, tests): each line prefixed ``[rank r]``."""
+    out = sys.stdout if msg.name == "stdout" else sys.stderr
+    text = msg.text
+    lines = text.splitlines(keepends=True)
+    out.write("".join(f"[rank {msg.rank}] {line}" for line in lines))
+    if text and not text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+

@@ -1,0 +1,196 @@
+"""MeshState: the one model of what every worker and stream is doing.
+
+The IO thread updates it from what workers report; user threads record what
+they send. ``snapshot()`` is ``mesh.status()``, and everything the notebook
+shows is drawn from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .errors import describe_exit
+
+
+@dataclass
+class WorkerState:
+    rank: int
+    pid: int | None = None
+    host: str | None = None
+    alive: bool = False
+    exit: int | None = None
+    rss: int | None = None
+    cpu: float | None = None
+    gpu: dict | None = None
+    last_seen: float = 0.0
+    bad_messages: int = 0
+    # stream id -> [last started ident, last finished ident, commands done]
+    progress: dict = field(default_factory=dict)
+    paused: dict = field(default_factory=dict)  # stream id -> {"file", "line", "function"}
+
+
+class MeshState:
+    def __init__(self, name: str, dims: dict, backend: str):
+        self.name = name
+        self.dims = dict(dims)
+        self.backend = backend
+        self.lock = threading.Lock()
+        self.workers: dict[int, WorkerState] = {}
+        self.stream_names: dict[int, str] = {0: "default"}
+        # stream id -> deque of (ident, ranks, what, time sent), oldest first
+        self.sent: dict[int, deque] = {0: deque()}
+        self.errors: list[dict] = []
+        self.bad_messages = 0  # dropped by the controller
+        self.internal_errors: list[dict] = []
+        self.generation = 0
+
+    # -------------------------------------------------------------- updates
+
+    def reset(self, ranks) -> None:
+        with self.lock:
+            self.workers = {r: WorkerState(r) for r in ranks}
+            self.stream_names = {0: "default"}
+            self.sent = {0: deque()}
+            self.errors = []
+            self.internal_errors = []
+
+    def add_stream(self, sid: int, name: str) -> None:
+        with self.lock:
+            self.stream_names[sid] = name
+            self.sent.setdefault(sid, deque())
+
+    def record_sent(self, ident: int, sid: int, ranks, what: str) -> None:
+        with self.lock:
+            self.sent[sid].append((ident, ranks, what, time.time()))
+
+    def worker_ready(self, rank: int, pid: int, host: str) -> None:
+        with self.lock:
+            w = self.workers[rank]
+            w.pid, w.host, w.alive, w.last_seen = pid, host, True, time.time()
+
+    def seen(self, rank: int) -> None:
+        w = self.workers.get(rank)
+        if w is not None:
+            w.last_seen = time.time()
+
+    def worker_exited(self, rank: int, code: int | None) -> None:
+        with self.lock:
+            w = self.workers[rank]
+            w.alive, w.exit = False, code
+
+    def progress(self, rank: int, streams: dict) -> None:
+        with self.lock:
+            w = self.workers[rank]
+            for sid, v in streams.items():
+                old = w.progress.get(sid)
+                # reports travel on several sockets: never go backwards
+                w.progress[sid] = list(v) if old is None else [max(a, b) for a, b in zip(old, v)]
+            self._prune()
+
+    def health(self, rank: int, rss: int, cpu: float, gpu, bad: int) -> None:
+        w = self.workers[rank]
+        w.rss, w.cpu, w.gpu, w.bad_messages = rss, cpu, gpu, bad
+
+    def add_error(self, ident: int, rank: int, sid: int, failure) -> None:
+        with self.lock:
+            self.errors.append(
+                {
+                    "ident": ident,
+                    "rank": rank,
+                    "stream": self.stream_names.get(sid, str(sid)),
+                    "type": failure.exc_type,
+                    "message": failure.message,
+                    "traceback": failure.traceback,
+                    "time": time.time(),
+                }
+            )
+            del self.errors[:-1000]
+
+    def _prune(self) -> None:
+        """Forget sent commands that every target rank has finished."""
+        for sid, q in self.sent.items():
+            while q:
+                ident, ranks, _, _ = q[0]
+                if all(self._finished(r, sid) >= ident for r in ranks):
+                    q.popleft()
+                else:
+                    break
+
+    def _finished(self, rank: int, sid: int) -> int:
+        w = self.workers.get(rank)
+        if w is None or not w.alive:
+            return 1 << 62  # a dead worker finishes nothing: don't keep its queue
+        return w.progress.get(sid, (0, 0, 0))[1]
+
+    # -------------------------------------------------------------- snapshot
+
+    def snapshot(self) -> dict:
+        """Plain, JSON-serialisable data: the shape of ``mesh.status()``."""
+        now = time.time()
+        with self.lock:
+            ranks = {}
+            for r, w in sorted(self.workers.items()):
+                streams = {}
+                for sid, name in self.stream_names.items():
+                    started, finished, _ = w.progress.get(sid, (0, 0, 0))
+                    queued, running = 0, None
+                    for ident, targets, what, sent_at in self.sent.get(sid, ()):
+                        if r not in targets or ident <= finished:
+                            continue
+                        if ident == started and started > finished:
+                            running = {"ident": ident, "what": what, "elapsed": now - sent_at}
+                        elif ident > started:
+                            queued += 1
+                    streams[name] = {
+                        "queued": queued,
+                        "running": running,
+                        "done": w.progress.get(sid, (0, 0, 0))[2],
+                        "paused": w.paused.get(sid),
+                    }
+                ranks[r] = {
+                    "pid": w.pid,
+                    "host": w.host,
+                    "alive": w.alive,
+                    "exit": None if w.exit is None else describe_exit(w.exit),
+                    "exit_code": w.exit,
+                    "rss": w.rss,
+                    "cpu": w.cpu,
+                    "gpu": w.gpu,
+                    "heartbeat_age": (now - w.last_seen) if w.last_seen else None,
+                    "bad_messages": w.bad_messages,
+                    "streams": streams,
+                }
+            errors = self._grouped_errors()
+            debugger = [
+                {"rank": r, "stream": self.stream_names.get(sid, str(sid)), **info}
+                for r, w in sorted(self.workers.items())
+                for sid, info in w.paused.items()
+            ]
+            return {
+                "name": self.name,
+                "dims": dict(self.dims),
+                "backend": self.backend,
+                "generation": self.generation,
+                "ranks": ranks,
+                "errors": errors,
+                "debugger": debugger,
+                "bad_messages": self.bad_messages,
+                "internal_errors": list(self.internal_errors),
+            }
+
+    def _grouped_errors(self) -> list[dict]:
+        groups: dict = {}
+        for e in self.errors:
+            key = (e["ident"], e["type"], e["traceback"])
+            g = groups.get(key)
+            if g is None:
+                g = groups[key] = {k: e[k] for k in ("ident", "type", "message", "traceback", "stream", "time")}
+                g["ranks"] = []
+            g["ranks"].append(e["rank"])
+        out = sorted(groups.values(), key=lambda g: -g["time"])
+        for g in out:
+            g["ranks"].sort()
+        return out

@@ -1,0 +1,359 @@
+"""DeviceMesh: named dims over a slice of ranks, and the user's handle on a mesh."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import Any
+
+from .controller import Controller
+from .controller.errors import MeshClosedError
+from .protocol import messages as m
+from .protocol.ndslice import NDSlice
+from .protocol.wire import pack_args
+from .remote import Ref, check_refs
+
+_meshes: dict[str, DeviceMesh] = {}  # root meshes by name
+_default: list = [None]  # the most recently created or activated mesh
+_names = itertools.count()
+_tls = threading.local()
+
+
+class Stream:
+    """A named queue and thread on every worker of a mesh (a CUDA stream on GPU)."""
+
+    def __init__(self, mesh: DeviceMesh, stream_id: int, name: str):
+        self.mesh = mesh
+        self.id = stream_id
+        self.name = name
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Within this block, calls without ``stream=`` go to this stream."""
+        stack = _stack("streams")
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.name!r} of mesh {self.mesh.name!r}>"
+
+
+def _stack(kind: str) -> list:
+    s = getattr(_tls, kind, None)
+    if s is None:
+        s = []
+        setattr(_tls, kind, s)
+    return s
+
+
+class DeviceMesh:
+    """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
+
+    def __init__(self, controller: Controller, mesh_id: int, names: tuple, ranks: NDSlice, name: str):
+        self._controller = controller
+        self.id = mesh_id
+        self._names = tuple(names)
+        self._slice = ranks
+        self.name = name
+
+    # ------------------------------------------------------------ shape
+
+    @property
+    def dims(self) -> dict:
+        """``{"dp": 2}``: dim names and sizes, in order."""
+        return dict(zip(self._names, self._slice.sizes))
+
+    @property
+    def size(self) -> int:
+        return len(self._slice)
+
+    @property
+    def ranks(self) -> list:
+        """The global ranks of this mesh, in row-major order of its dims."""
+        return self._slice.ranks()
+
+    @property
+    def backend(self) -> str:
+        return self._controller.state.backend
+
+    def coords(self, rank: int) -> dict:
+        """The coordinates of global ``rank`` on this mesh's dims."""
+        c = self._slice.coordinates(rank)
+        if c is None:
+            raise ValueError(f"rank {rank} is not in mesh {self.name!r} (ranks {self.ranks})")
+        return dict(zip(self._names, c))
+
+    def _global_rank(self, rank: int) -> int:
+        if not isinstance(rank, int) or rank not in self.ranks:
+            raise ValueError(f"rank {rank!r} is not in mesh {self.name!r} (ranks {self.ranks})")
+        return rank
+
+    def slice(self, **dims) -> DeviceMesh:
+        """A sub-mesh: ``dp=0`` keeps one index and drops the dim; ``dp=slice(0, 2)`` keeps it."""
+        offset = self._slice.offset
+        names, sizes, strides = [], [], []
+        for n in dims:
+            if n not in self._names:
+                raise ValueError(f"mesh {self.name!r} has no dim {n!r} (dims: {list(self._names)})")
+        for n, size, stride in zip(self._names, self._slice.sizes, self._slice.strides):
+            sel = dims.get(n)
+            if sel is None:
+                names.append(n)
+                sizes.append(size)
+                strides.append(stride)
+            elif isinstance(sel, int) and not isinstance(sel, bool):
+                i = sel + size if sel < 0 else sel
+                if not 0 <= i < size:
+                    raise IndexError(f"index {sel} out of range for dim {n!r} of size {size}")
+                offset += i * stride
+            elif isinstance(sel, slice):
+                start, stop, step = sel.indices(size)
+                count = len(range(start, stop, step))
+                if count == 0:
+                    raise IndexError(f"slice {sel} of dim {n!r} (size {size}) is empty")
+                offset += start * stride
+                names.append(n)
+                sizes.append(count)
+                strides.append(stride * step)
+            else:
+                raise TypeError(f"dim {n!r}: expected an int or a slice, got {type(sel).__name__}")
+        sub = NDSlice(offset, tuple(sizes), tuple(strides))
+        ctrl = self._controller
+        ctrl.check_usable()
+        mesh_id = ctrl.next_id()
+        ctrl.send(m.CreateDeviceMesh(mesh_id, tuple(names), sub), None)
+        return DeviceMesh(ctrl, mesh_id, tuple(names), sub, self.name)
+
+    # ------------------------------------------------------------ streams, activation
+
+    def stream(self, name: str) -> Stream:
+        """The stream called ``name`` on every worker (created on first use)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("a stream name must be a non-empty string")
+        ctrl = self._controller
+        sid = ctrl.streams.get(name)
+        if sid is None:
+            ctrl.check_usable()
+            sid = ctrl.next_id()
+            ctrl.send(m.CreateStream(sid, name, False), None)
+            ctrl.streams[name] = sid
+            ctrl.state.add_stream(sid, name)
+        return Stream(self, sid, name)
+
+    @property
+    def default_stream(self) -> Stream:
+        return Stream(self, 0, "default")
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Within this block, calls without ``mesh=`` go to this mesh."""
+        stack = _stack("meshes")
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    # ------------------------------------------------------------ namespace
+
+    def exec(self, source: str, *, stream: Stream | None = None) -> Ref:
+        """Run ``source`` in each worker's persistent namespace (``rank``, ``size``
+        and the mesh coordinates are predefined). Returns a Ref to the value of a
+        trailing expression (None when there is none)."""
+        if not isinstance(source, str):
+            raise TypeError(f"exec() needs source text, got {type(source).__name__}")
+        compile(source, "<exec>", "exec")  # a SyntaxError here, not on every worker
+        _, stream = resolve_target(self, stream)
+        ctrl = self._controller
+        ctrl.check_usable()
+        ident, result = ctrl.next_ident(), ctrl.next_id()
+        first = source.strip().splitlines()[0] if source.strip() else ""
+        what = f"exec: {first[:40]}"
+        ctrl.send(
+            m.RunCode(ident, result, source, f"<monarch-exec-{ident}>", stream.id, self.id, what),
+            self.ranks,
+            stream.id,
+            what,
+        )
+        return Ref(result, self, stream)
+
+    def push(self, **names) -> None:
+        """Bind ``names`` in every worker's namespace (Refs become their per-rank values)."""
+        ctrl = self._controller
+        ctrl.check_usable()
+        args, refs = pack_args((), names)
+        stream = self.default_stream
+        check_refs(refs, self, stream)
+        ident = ctrl.next_ident()
+        ctrl.send(m.SetNames(ident, args, stream.id), self.ranks, stream.id, "push")
+
+    def pull(self, name: str, rank: int | None = None, timeout: float | None = None) -> Any:
+        """The value of ``name`` in the workers' namespaces: a list per rank, or one rank's."""
+        ctrl = self._controller
+        ctrl.check_usable()
+        ranks = self.ranks if rank is None else [self._global_rank(rank)]
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"pull() needs a variable name, got {name!r}")
+        ident = ctrl.next_ident()
+        fut = ctrl.expect(ident, ranks, single=rank is not None, what=f"pull of {name!r}")
+        ctrl.send(m.Pull(ident, name, 0), ranks, 0, f"pull {name}")
+        return ctrl.wait_result(fut, timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every command sent so far has finished on every stream; raise
+        a RemoteError for failures not raised yet."""
+        ctrl = self._controller
+        ctrl.check_usable()
+        ident = ctrl.next_ident()
+        fut = ctrl.expect_status(ident, self.ranks)
+        ctrl.send(m.RequestStatus(ident), self.ranks)
+        ctrl.wait_result(fut, timeout)
+        err = ctrl.take_unreported()
+        if err is not None:
+            raise err
+
+    def interrupt(self) -> None:
+        """Raise KeyboardInterrupt in whatever runs on this mesh's workers."""
+        self._controller.interrupt()
+
+    def status(self) -> dict:
+        """Plain data: workers, streams, errors and debugger sessions (MeshState)."""
+        return self._controller.state.snapshot()
+
+    def dashboard(self):
+        """The ipywidgets dashboard of this mesh."""
+        from .ui import Dashboard
+
+        return Dashboard(self)
+
+    # ------------------------------------------------------------ life cycle
+
+    def restart(self) -> None:
+        """Fresh workers on every rank; Refs of the old generation become invalid."""
+        self._controller.restart()
+
+    def shutdown(self) -> None:
+        """Stop every worker of this mesh. Nothing is left running."""
+        self._controller.shutdown()
+        if _meshes.get(self.name) is not None and _meshes[self.name]._controller is self._controller:
+            del _meshes[self.name]
+        if _default[0] is not None and _default[0]._controller is self._controller:
+            _default[0] = next(reversed(_meshes.values()), None)
+
+    @property
+    def alive(self) -> bool:
+        return self._controller.usable
+
+    def __enter__(self) -> DeviceMesh:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{k}={v}" for k, v in self.dims.items())
+        return f"<DeviceMesh {self.name!r} {dims} ranks={self.ranks} backend={self.backend}>"
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{k}</th>" for k in self._names)
+        rows = "".join(
+            "<tr><td>{}</td>{}</tr>".format(
+                r, "".join(f"<td>{c}</td>" for c in self.coords(r).values())
+            )
+            for r in self.ranks
+        )
+        return (
+            f"<div><b>{self.name}</b> ({self.backend}, {self.size} ranks)"
+            f"<table><tr><th>rank</th>{head}</tr>{rows}</table></div>"
+        )
+
+
+def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[DeviceMesh, Stream]:
+    """The mesh and stream a call goes to: explicit, else active, else default."""
+    if mesh is None:
+        if stream is not None:
+            mesh = stream.mesh
+        else:
+            mesh = get_mesh()
+    elif not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh= must be a DeviceMesh, got {type(mesh).__name__}")
+    if stream is None:
+        active = _stack("streams")
+        stream = active[-1] if active else None
+        if stream is None or stream.mesh._controller is not mesh._controller:
+            stream = mesh.default_stream
+    elif not isinstance(stream, Stream):
+        raise TypeError(f"stream= must be a Stream (mesh.stream(name)), got {type(stream).__name__}")
+    elif stream.mesh._controller is not mesh._controller:
+        raise ValueError(f"{stream!r} does not belong to mesh {mesh.name!r}")
+    return mesh, stream
+
+
+def get_mesh(name: str | None = None) -> DeviceMesh:
+    """The mesh called ``name``, or the active one."""
+    if name is not None:
+        try:
+            return _meshes[name]
+        except KeyError:
+            raise KeyError(f"no mesh named {name!r} (meshes: {sorted(_meshes)})") from None
+    active = _stack("meshes")
+    if active:
+        return active[-1]
+    if _default[0] is None or not _default[0].alive and _default[0].name not in _meshes:
+        raise RuntimeError("no active mesh: create one with mnb.local_mesh(dp=2) or pass mesh=")
+    return _default[0]
+
+
+def _default_backend() -> str:
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    except Exception:
+        return "gloo"
+
+
+def local_mesh(
+    name: str | None = None,
+    backend: str | None = None,
+    interface: str = "127.0.0.1",
+    **dims: int,
+) -> DeviceMesh:
+    """Spawn ``prod(dims)`` local workers (one per GPU when there are GPUs) on the
+    named dims, in the order given: ``local_mesh(dp=2)``, ``local_mesh(hosts=1, gpus=4)``.
+
+    ``name``, ``backend`` and ``interface`` are reserved words, not dims. The new
+    mesh becomes the active one."""
+    if not dims:
+        raise ValueError("local_mesh() needs at least one named dim, e.g. local_mesh(dp=2)")
+    for k, v in dims.items():
+        if not k.isidentifier():
+            raise ValueError(f"dim name {k!r} is not an identifier")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"dim {k!r} must be a positive int, got {v!r}")
+    if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc"):
+        raise ValueError(f"unknown backend {backend!r}: expected 'gloo' or 'nccl'")
+    if name is None:
+        name = f"mesh{next(_names)}"
+        while name in _meshes:
+            name = f"mesh{next(_names)}"
+    elif not isinstance(name, str) or not name:
+        raise ValueError("a mesh name must be a non-empty string")
+    elif name in _meshes and _meshes[name].alive:
+        raise ValueError(f"a mesh named {name!r} already exists: shut it down first or pick another name")
+    ctrl = Controller(name, dims, backend or _default_backend(), interface=interface)
+    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
+    _meshes[name] = mesh
+    _default[0] = mesh
+    return mesh
+
+
+def all_meshes() -> dict:
+    return dict(_meshes)
+
+
+__all__ = ["DeviceMesh", "Stream", "get_mesh", "local_mesh", "MeshClosedError"]

@@ -1,0 +1,215 @@
+"""Every message that crosses the wire, as plain typed records.
+
+The worker dispatches each message to the handler named after its class (as
+the reference worker does); the controller does the same for replies. Records
+are NamedTuples: immutable, cheap to build and to pickle.
+
+Ref ids, stream ids and mesh ids are plain ints chosen by the controller.
+`ident` is the controller's command counter (one per controller; see
+``controller.Controller.next_ident``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from .ndslice import NDSlice
+
+
+class Function(NamedTuple):
+    """A function to call on workers: its pickle (by reference when importable,
+    by value via cloudpickle when defined in ``__main__`` or a notebook)."""
+
+    payload: bytes
+    name: str
+
+
+class Args(NamedTuple):
+    """Positional and keyword arguments pickled apart from the message, so that the
+    worker unpickles them on the stream thread when the Refs inside are ready.
+
+    ``refs`` lists the ref ids the pickle mentions; ``buffers`` are its
+    out-of-band buffers (tensor bytes), which travel as frames of their own.
+    """
+
+    payload: bytes
+    buffers: tuple
+    refs: tuple
+
+
+# ---------------------------------------------------------------- controller -> worker
+
+
+class CreateDeviceMesh(NamedTuple):
+    result: int
+    names: tuple
+    ranks: NDSlice
+
+
+class CreateStream(NamedTuple):
+    result: int
+    name: str
+    default: bool
+
+
+class CallFunction(NamedTuple):
+    ident: int
+    result: int
+    function: Function
+    args: Args | None
+    stream: int
+    mesh: int | None
+    what: str
+
+
+class RunCode(NamedTuple):
+    """Execute source in the worker's persistent namespace; the value of a
+    trailing expression (if any) is stored in ``result``."""
+
+    ident: int
+    result: int
+    source: str
+    filename: str
+    stream: int
+    mesh: int | None
+    what: str
+
+
+class SetNames(NamedTuple):
+    """Bind names in the worker's namespace (``mesh.push``)."""
+
+    ident: int
+    args: Args
+    stream: int
+
+
+class SendValue(NamedTuple):
+    """Send ``function(*args)`` (identity when None) back as a FetchResult."""
+
+    ident: int
+    function: Function | None
+    args: Args
+    stream: int
+
+
+class Pull(NamedTuple):
+    """Send the value of ``name`` in the worker's namespace as a FetchResult."""
+
+    ident: int
+    name: str
+    stream: int
+
+
+class RequestStatus(NamedTuple):
+    """Answer with Status once every stream has finished what came before."""
+
+    ident: int
+
+
+class DeleteRefs(NamedTuple):
+    refs: tuple
+
+
+class CommandGroup(NamedTuple):
+    commands: tuple
+
+
+class Interrupt(NamedTuple):
+    """Raise KeyboardInterrupt in the commands running on these streams
+    (every stream when ``streams`` is empty)."""
+
+    streams: tuple
+
+
+class Exit(NamedTuple):
+    pass
+
+
+class DebuggerMessage(NamedTuple):
+    """Debugger traffic for one paused stream, in either direction."""
+
+    rank: int
+    stream: int
+    action: Any
+
+
+# ---------------------------------------------------------------- worker -> controller
+
+
+class WorkerReady(NamedTuple):
+    rank: int
+    world: int
+    pid: int
+    host: str
+    cuda: bool
+    versions: dict
+
+
+class FetchResult(NamedTuple):
+    """``error`` is None, a RemoteFailure, or DependentOn(original ident)."""
+
+    ident: int
+    rank: int
+    value: Any
+    error: Any
+
+
+class RemoteFailure(NamedTuple):
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class DependentOn(NamedTuple):
+    ident: int
+
+
+class RemoteFunctionFailed(NamedTuple):
+    """Sent exactly once per failing command and rank."""
+
+    ident: int
+    rank: int
+    stream: int
+    failure: RemoteFailure
+
+
+class Status(NamedTuple):
+    """Stream ``stream`` of ``rank`` finished everything sent before RequestStatus ``ident``."""
+
+    rank: int
+    stream: int
+    ident: int
+    progress: tuple  # (last started, last finished, commands done) of that stream
+
+
+class Progress(NamedTuple):
+    """Per stream id: (last started ident, last finished ident, commands done)."""
+
+    rank: int
+    streams: dict
+
+
+class Output(NamedTuple):
+    """stdout/stderr text written while ``ident`` ran (None: outside commands)."""
+
+    rank: int
+    stream: int
+    ident: int | None
+    name: str
+    text: str
+
+
+class Health(NamedTuple):
+    rank: int
+    pid: int
+    rss: int
+    cpu: float
+    gpu: dict | None
+    bad_messages: int
+
+
+class InternalException(NamedTuple):
+    """The worker's own machinery failed: the mesh is broken until restarted."""
+
+    rank: int
+    failure: RemoteFailure

@@ -1,0 +1,44 @@
+"""Cells: the worker-side slots that Refs name."""
+
+from __future__ import annotations
+
+
+class DependentOnError(Exception):
+    """Reading a value whose computation failed (in command ``ident``).
+
+    Commands that read such a value fail silently with the same error: the
+    controller already has the original failure.
+    """
+
+    def __init__(self, ident: int):
+        super().__init__(ident)
+        self.ident = ident
+
+    def __str__(self) -> str:
+        return f"depends on failed command {self.ident}"
+
+
+_UNDEFINED = object()
+
+
+class Cell:
+    """Holds one value of the worker's env, or the DependentOnError it failed with."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value=_UNDEFINED):
+        self.value = value
+
+    def set(self, value) -> None:
+        self.value = value
+
+    def get(self):
+        v = self.value
+        if v is _UNDEFINED:
+            raise RuntimeError("value read before it was defined")
+        if type(v) is DependentOnError:
+            raise v
+        return v
+
+    def __repr__(self) -> str:
+        return "<Cell>"

@@ -1,0 +1,227 @@
+"""Streams: one queue and one thread each, executing commands in order."""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from ..protocol import encode
+from ..protocol.messages import Output, RemoteFunctionFailed
+from . import capture
+from .cell import DependentOnError
+from .failure import describe
+
+OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
+BIG_SEND = 1 << 20  # sends with more buffer bytes than this wait until ZeroMQ is done with them
+
+_STOP = object()
+
+
+class Outbox:
+    """A stream's own socket to the controller and its buffered output.
+
+    Everything a stream sends (output, results, failures) leaves through this one
+    socket, so the controller sees it in order. The receiver thread may flush
+    stale output while a long command runs: the lock serialises use of the
+    socket (ZeroMQ sockets may move between threads across a memory barrier).
+    """
+
+    def __init__(self, worker, stream_id: int):
+        self._worker = worker
+        self._stream_id = stream_id
+        self.lock = threading.Lock()
+        self._sock: zmq.Socket | None = None
+        self._pending: list = []  # [name, ident, text]
+        self._pending_bytes = 0
+        self._pending_since = 0.0
+        self.ident: int | None = None  # command whose output is being written
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = self._worker.connect_socket()
+        return self._sock
+
+    def write(self, name: str, text: str) -> None:
+        with self.lock:
+            p = self._pending
+            if p and p[-1][0] == name and p[-1][1] == self.ident:
+                p[-1][2] += text
+            else:
+                if not p:
+                    self._pending_since = time.monotonic()
+                p.append([name, self.ident, text])
+            self._pending_bytes += len(text)
+            if self._pending_bytes >= OUTPUT_CHUNK:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        rank = self._worker.rank
+        for name, ident, text in self._pending:
+            for i in range(0, len(text), OUTPUT_CHUNK):
+                self._send_locked(
+                    Output(rank, self._stream_id, ident, name, text[i : i + OUTPUT_CHUNK])
+                )
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def _send_locked(self, msg) -> None:
+        frames = encode(msg, self._worker.signer)
+        sock = self._socket()
+        if len(frames) > 2 and sum(memoryview(f).nbytes for f in frames[2:]) > BIG_SEND:
+            # zero-copy: wait until ZeroMQ no longer reads the value's memory
+            tracker = sock.send_multipart(frames, copy=False, track=True)
+            tracker.wait()
+        else:
+            sock.send_multipart(frames)
+
+    def send(self, msg) -> None:
+        """Send ``msg`` after any output written before it."""
+        with self.lock:
+            if self._pending:
+                self._flush_locked()
+            self._send_locked(msg)
+
+    def flush(self) -> None:
+        with self.lock:
+            if self._pending:
+                self._flush_locked()
+
+    def flush_if_stale(self, now: float, age: float) -> None:
+        if self._pending and now - self._pending_since >= age:
+            with self.lock:
+                if self._pending:
+                    self._flush_locked()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._sock is not None:
+                self._sock.close(linger=2000)
+                self._sock = None
+
+
+class Stream:
+    """A named queue of commands executed in order by one thread.
+
+    The default stream runs on the worker process's main thread, so that
+    SIGINT interrupts blocking calls (``time.sleep``) in it; other streams run
+    on threads of their own and are interrupted with an asynchronous exception.
+    """
+
+    def __init__(self, worker, stream_id: int, name: str, main_thread: bool = False):
+        self.worker = worker
+        self.id = stream_id
+        self.name = name
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox = Outbox(worker, stream_id)
+        self.started = 0  # last ident started
+        self.finished = 0  # last ident finished
+        self.done = 0  # commands finished
+        self.running: tuple | None = None  # (ident, what, since)
+        self.in_user_code = False
+        self._lock = threading.Lock()
+        self._interrupt_sent = False
+        self.main_thread = main_thread
+        self.thread_id: int | None = threading.main_thread().ident if main_thread else None
+        self.thread: threading.Thread | None = None
+        if not main_thread:
+            self.thread = threading.Thread(
+                target=self.run_forever, name=f"monarch-stream-{name}", daemon=True
+            )
+            self.thread.start()
+
+    def schedule(
+        self,
+        ident: int,
+        what: str,
+        work: Callable[[], object],
+        results: tuple = (),
+        report: bool = True,
+    ) -> None:
+        """Queue ``work``; its value goes into ``results`` (cells), its failure into
+        the same cells and (when ``report``) one RemoteFunctionFailed."""
+        self.q.put((ident, what, work, results, report))
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Queue bookkeeping that runs in order with commands (markers, borrows)."""
+        self.q.put((None, "", fn, (), False))
+
+    def stop(self) -> None:
+        self.q.put(_STOP)
+
+    def run_forever(self) -> None:
+        if not self.main_thread:
+            self.thread_id = threading.get_ident()
+        capture.set_outbox(self.outbox)
+        while True:
+            try:
+                item = self.q.get()
+                if item is _STOP:
+                    break
+                self._execute(*item)
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived just after its command ended
+        self.outbox.flush()
+        self.outbox.close()
+
+    def _execute(self, ident, what, work, results, report) -> None:
+        if ident is None:
+            work()
+            return
+        outbox = self.outbox
+        self.started = ident
+        outbox.ident = ident
+        self.running = (ident, what, time.time())
+        try:
+            try:
+                self.in_user_code = True
+                value = work()
+            finally:
+                self.in_user_code = False
+                self._settle_interrupt()
+            for c in results:
+                c.set(value)
+        except DependentOnError as e:
+            for c in results:
+                c.set(e)
+        except BaseException as e:  # noqa: B036 - SystemExit, KeyboardInterrupt: user code failed
+            failed = DependentOnError(ident)
+            for c in results:
+                c.set(failed)
+            if report:
+                outbox.send(RemoteFunctionFailed(ident, self.worker.rank, self.id, describe(e)))
+            del e
+        finally:
+            outbox.flush()
+            outbox.ident = None
+            self.running = None
+            self.finished = ident
+            self.done += 1
+
+    # ------------------------------------------------------------ interrupt
+
+    def interrupt(self) -> bool:
+        """Raise KeyboardInterrupt in the running command, if any; True if one runs."""
+        with self._lock:
+            if not self.in_user_code or self.thread_id is None:
+                return False
+            self._interrupt_sent = True
+            if self.main_thread:
+                signal.pthread_kill(self.thread_id, signal.SIGINT)
+            else:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.thread_id), ctypes.py_object(KeyboardInterrupt)
+                )
+            return True
+
+    def _settle_interrupt(self) -> None:
+        with self._lock:
+            if self._interrupt_sent and not self.main_thread and self.thread_id is not None:
+                # clear an asynchronous exception not yet delivered
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+            self._interrupt_sent = False

@@ -1,0 +1,348 @@
+"""The worker: a receiver thread that dispatches each message to the handler of
+the same name, and stream threads that execute commands in order.
+
+The default stream runs on the process's main thread (so SIGINT interrupts a
+blocking call in it); the receiver runs on a thread of its own and never runs
+user code, so the worker keeps answering whatever its streams do.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import zmq
+
+from ..protocol import BadMessage, Signer, decode, encode
+from ..protocol import messages as m
+from ..protocol.wire import resolve_function, unpack_args
+from . import capture, context
+from .cell import Cell, DependentOnError
+from .code import run_source
+from .failure import describe
+from .health import HealthSampler
+from .stream import Stream
+
+logger = logging.getLogger("monarch_nb.worker")
+
+OUTPUT_AGE = 0.05  # flush output buffered longer than this
+PROGRESS_PERIOD = 0.1
+HEALTH_PERIOD = 1.0
+DEFAULT_STREAM = 0
+
+
+class Worker:
+    def __init__(
+        self,
+        address: str,
+        key: bytes,
+        rank: int,
+        world: int,
+        local_rank: int = 0,
+        parent_pid: int | None = None,
+    ):
+        self.address = address
+        self.signer = Signer(key)
+        self.rank = rank
+        self.world = world
+        self.local_rank = local_rank
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.env: dict[int, Cell] = {}
+        self.streams: dict[int, Stream] = {}
+        self.meshes: dict[int, tuple] = {}  # id -> (names, NDSlice, coords or None)
+        self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
+        self.bad_messages = 0
+        self.cuda = _cuda_available()
+        self._exiting = False
+        self._sock: zmq.Socket | None = None
+        self._handlers = {
+            cls: getattr(self, cls.__name__)
+            for cls in vars(m).values()
+            if isinstance(cls, type) and hasattr(self, cls.__name__) and cls.__module__ == m.__name__
+        }
+        self._sent_progress: dict = {}
+
+    # ------------------------------------------------------------ sockets
+
+    def connect_socket(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.connect(self.address)
+        return s
+
+    def _send(self, msg) -> None:
+        """Send on the receiver's own socket (receiver thread only)."""
+        assert self._sock is not None
+        self._sock.send_multipart(encode(msg, self.signer))
+
+    # ------------------------------------------------------------ life cycle
+
+    def serve(self) -> None:
+        """Run until Exit: the receiver on a thread, the default stream here."""
+        context.namespace = self.namespace
+        sys.stdout = capture.RoutedWriter("stdout", sys.__stdout__)
+        sys.stderr = capture.RoutedWriter("stderr", sys.__stderr__)
+        default = Stream(self, DEFAULT_STREAM, "default", main_thread=True)
+        self.streams[DEFAULT_STREAM] = default
+        signal.signal(signal.SIGINT, self._on_sigint)
+        receiver = threading.Thread(target=self._receive_loop, name="monarch-receiver", daemon=True)
+        receiver.start()
+        default.run_forever()
+        for s in list(self.streams.values()):
+            if s.thread is not None:
+                s.thread.join(timeout=5)
+        receiver.join(timeout=5)
+        self.ctx.destroy(linger=1000)
+
+    def _on_sigint(self, signum, frame):
+        if self.streams[DEFAULT_STREAM].in_user_code:
+            raise KeyboardInterrupt
+
+    def _receive_loop(self) -> None:
+        try:
+            self._sock = sock = self.connect_socket()
+            self._send(
+                m.WorkerReady(
+                    self.rank,
+                    self.world,
+                    os.getpid(),
+                    socket.gethostname(),
+                    self.cuda,
+                    {"python": sys.version.split()[0], "torch": _torch_version()},
+                )
+            )
+            self._health = HealthSampler(self.cuda)
+            self._next_progress = self._next_health = 0.0
+            while not self._exiting:
+                if sock.poll(20):
+                    for _ in range(256):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._dispatch(frames)
+                        if self._exiting:
+                            break
+                self._tick()
+            self._tick(final=True)
+        except Exception as e:
+            logger.exception("receiver thread failed")
+            try:
+                self._send(m.InternalException(self.rank, describe(e)))
+            except Exception:
+                pass
+            os._exit(3)
+        finally:
+            if self._sock is not None:
+                self._sock.close(linger=2000)
+
+    def _dispatch(self, frames) -> None:
+        try:
+            msg = decode(frames, self.signer)
+        except BadMessage as e:
+            self.bad_messages += 1
+            logger.warning("dropped a message (%s); %d dropped so far", e, self.bad_messages)
+            return
+        self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.bad_messages += 1
+            logger.warning("dropped a message of unknown type %s", type(msg).__name__)
+            return
+        try:
+            handler(msg)
+        except Exception as e:
+            logger.exception("handler %s failed", type(msg).__name__)
+            self._send(m.InternalException(self.rank, describe(e)))
+
+    def _tick(self, final: bool = False) -> None:
+        now = time.monotonic()
+        for s in list(self.streams.values()):
+            s.outbox.flush_if_stale(now, OUTPUT_AGE)
+        if now >= self._next_progress or final:
+            self._next_progress = now + PROGRESS_PERIOD
+            progress = {s.id: (s.started, s.finished, s.done) for s in list(self.streams.values())}
+            if progress != self._sent_progress:
+                self._sent_progress = progress
+                self._send(m.Progress(self.rank, progress))
+        if now >= self._next_health:
+            self._next_health = now + HEALTH_PERIOD
+            rss, cpu, gpu = self._health.sample()
+            self._send(m.Health(self.rank, os.getpid(), rss, cpu, gpu, self.bad_messages))
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.error("controller (pid %d) is gone; exiting", self.parent_pid)
+            os._exit(1)
+
+    # ------------------------------------------------------------ helpers
+
+    def _resolver(self, args: m.Args | None):
+        """A function mapping the ref ids of ``args`` to their values at run time.
+
+        Cells are looked up now (in message order); values are read when the
+        command runs on its stream."""
+        if args is None or not args.refs:
+            return _no_refs
+        cells = {}
+        for rid in args.refs:
+            c = self.env.get(rid)
+            if c is None:
+                c = Cell(_MissingRef(rid))
+            cells[rid] = c
+        return lambda rid: _get_value(cells[rid])
+
+    def _stream(self, stream_id: int) -> Stream:
+        s = self.streams.get(stream_id)
+        if s is None:
+            raise KeyError(f"stream {stream_id} does not exist on rank {self.rank}")
+        return s
+
+    # ------------------------------------------------------------ handlers
+
+    def CreateStream(self, msg: m.CreateStream) -> None:
+        if msg.result not in self.streams:
+            self.streams[msg.result] = Stream(self, msg.result, msg.name)
+
+    def CreateDeviceMesh(self, msg: m.CreateDeviceMesh) -> None:
+        coords = msg.ranks.coordinates(self.rank)
+        named = dict(zip(msg.names, coords)) if coords is not None else None
+        self.meshes[msg.result] = (msg.names, msg.ranks, named)
+        if msg.result == 0 and named is not None:
+            context._set(self.rank, len(msg.ranks), named)
+            self.namespace.update(rank=self.rank, size=len(msg.ranks), **named)
+
+    def CallFunction(self, msg: m.CallFunction) -> None:
+        resolve = self._resolver(msg.args)
+        result = self.env[msg.result] = Cell()
+        function, args = msg.function, msg.args
+
+        def work():
+            fn = resolve_function(function)
+            a, kw = unpack_args(args, resolve)
+            return fn(*a, **kw)
+
+        self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
+
+    def RunCode(self, msg: m.RunCode) -> None:
+        result = self.env[msg.result] = Cell()
+        ns = self.namespace
+        self._stream(msg.stream).schedule(
+            msg.ident, msg.what, lambda: run_source(msg.source, msg.filename, ns), (result,)
+        )
+
+    def SetNames(self, msg: m.SetNames) -> None:
+        resolve = self._resolver(msg.args)
+        ns = self.namespace
+
+        def work():
+            _, kw = unpack_args(msg.args, resolve)
+            ns.update(kw)
+
+        self._stream(msg.stream).schedule(msg.ident, "push", work)
+
+    def SendValue(self, msg: m.SendValue) -> None:
+        resolve = self._resolver(msg.args)
+
+        def compute():
+            a, kw = unpack_args(msg.args, resolve)
+            return a[0] if msg.function is None else resolve_function(msg.function)(*a, **kw)
+
+        self._reply_value(msg.ident, msg.stream, compute, "fetch")
+
+    def Pull(self, msg: m.Pull) -> None:
+        ns, name, rank = self.namespace, msg.name, self.rank
+
+        def compute():
+            if name not in ns:
+                raise NameError(f"name {name!r} is not defined on rank {rank}")
+            return ns[name]
+
+        self._reply_value(msg.ident, msg.stream, compute, f"pull {name}")
+
+    def _reply_value(self, ident: int, stream_id: int, compute, what: str) -> None:
+        """On the stream: send ``compute()`` (or why it failed) as a FetchResult."""
+        stream = self._stream(stream_id)
+        rank = self.rank
+
+        def work():
+            try:
+                reply = m.FetchResult(ident, rank, compute(), None)
+            except DependentOnError as e:
+                reply = m.FetchResult(ident, rank, None, m.DependentOn(e.ident))
+            except BaseException as e:  # noqa: B036 - reported to the fetcher
+                reply = m.FetchResult(ident, rank, None, describe(e))
+            try:
+                stream.outbox.send(reply)
+            except TypeError as e:
+                failure = m.RemoteFailure("TypeError", f"cannot send the value back: {e}", "")
+                stream.outbox.send(m.FetchResult(ident, rank, None, failure))
+
+        stream.schedule(ident, what, work, report=False)
+
+    def RequestStatus(self, msg: m.RequestStatus) -> None:
+        rank = self.rank
+        for s in list(self.streams.values()):
+            s.call_soon(
+                lambda s=s: s.outbox.send(
+                    m.Status(rank, s.id, msg.ident, (s.started, s.finished, s.done))
+                )
+            )
+
+    def DeleteRefs(self, msg: m.DeleteRefs) -> None:
+        env = self.env
+        for rid in msg.refs:
+            env.pop(rid, None)
+
+    def CommandGroup(self, msg: m.CommandGroup) -> None:
+        for c in msg.commands:
+            self._handle(c)
+
+    def Interrupt(self, msg: m.Interrupt) -> None:
+        for s in list(self.streams.values()):
+            if not msg.streams or s.id in msg.streams:
+                s.interrupt()
+
+    def Exit(self, msg: m.Exit) -> None:
+        self._exiting = True
+        for s in list(self.streams.values()):
+            s.stop()
+
+
+class _MissingRef(Exception):
+    def __init__(self, rid: int):
+        super().__init__(f"Ref {rid} is not defined on this worker (it was deleted)")
+
+
+def _get_value(cell: Cell):
+    v = cell.value
+    if isinstance(v, _MissingRef):
+        raise v
+    return cell.get()
+
+
+def _no_refs(rid):
+    raise KeyError(rid)
+
+
+def _cuda_available() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")
+    return getattr(torch, "__version__", None)
+
