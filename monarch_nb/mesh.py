@@ -53,7 +53,9 @@ def _stack(kind: str) -> list:
 class DeviceMesh:
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
-    def __init__(self, controller: Controller, mesh_id: int, names: tuple, ranks: NDSlice, name: str):
+    def __init__(
+        self, controller: Controller, mesh_id: int, names: tuple, ranks: NDSlice, name: str
+    ):
         self._controller = controller
         self.id = mesh_id
         self._names = tuple(names)
@@ -179,7 +181,7 @@ class DeviceMesh:
             stream.id,
             what,
         )
-        return Ref(result, self, stream)
+        return Ref(result, self, stream, ident)
 
     def push(self, **names) -> None:
         """Bind ``names`` in every worker's namespace (Refs become their per-rank values)."""
@@ -239,7 +241,10 @@ class DeviceMesh:
     def shutdown(self) -> None:
         """Stop every worker of this mesh. Nothing is left running."""
         self._controller.shutdown()
-        if _meshes.get(self.name) is not None and _meshes[self.name]._controller is self._controller:
+        if (
+            _meshes.get(self.name) is not None
+            and _meshes[self.name]._controller is self._controller
+        ):
             del _meshes[self.name]
         if _default[0] is not None and _default[0]._controller is self._controller:
             _default[0] = next(reversed(_meshes.values()), None)
@@ -287,7 +292,9 @@ def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[Devi
         if stream is None or stream.mesh._controller is not mesh._controller:
             stream = mesh.default_stream
     elif not isinstance(stream, Stream):
-        raise TypeError(f"stream= must be a Stream (mesh.stream(name)), got {type(stream).__name__}")
+        raise TypeError(
+            f"stream= must be a Stream (mesh.stream(name)), got {type(stream).__name__}"
+        )
     elif stream.mesh._controller is not mesh._controller:
         raise ValueError(f"{stream!r} does not belong to mesh {mesh.name!r}")
     return mesh, stream
@@ -344,7 +351,9 @@ def local_mesh(
     elif not isinstance(name, str) or not name:
         raise ValueError("a mesh name must be a non-empty string")
     elif name in _meshes and _meshes[name].alive:
-        raise ValueError(f"a mesh named {name!r} already exists: shut it down first or pick another name")
+        raise ValueError(
+            f"a mesh named {name!r} already exists: shut it down first or pick another name"
+        )
     ctrl = Controller(name, dims, backend or _default_backend(), interface=interface)
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     _meshes[name] = mesh

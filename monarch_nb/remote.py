@@ -20,10 +20,11 @@ class Ref:
     workers. Passing a Ref to a remote function uses the value on each rank.
     """
 
-    __slots__ = ("id", "mesh", "stream", "generation", "_deleted", "__weakref__")
+    __slots__ = ("id", "ident", "mesh", "stream", "generation", "_deleted", "__weakref__")
 
-    def __init__(self, ref_id: int, mesh: DeviceMesh, stream: Stream):
+    def __init__(self, ref_id: int, mesh: DeviceMesh, stream: Stream, ident: int):
         self.id = ref_id
+        self.ident = ident  # the command that produces it
         self.mesh = mesh
         self.stream = stream
         self.generation = mesh._controller.generation
@@ -56,7 +57,9 @@ class Ref:
         ranks = mesh.ranks if rank is None else [mesh._global_rank(rank)]
         args, _ = pack_args((self,), {})
         ident = ctrl.next_ident()
-        fut = ctrl.expect(ident, ranks, single=rank is not None, what=f"fetch of Ref {self.id}")
+        fut = ctrl.expect(
+            ident, ranks, single=rank is not None, what=f"fetch of Ref {self.id}", source=self.ident
+        )
         ctrl.send(m.SendValue(ident, None, args, self.stream.id), ranks, self.stream.id, "fetch")
         return fut
 
@@ -120,7 +123,9 @@ class RemoteFunction:
             self._cached = f  # by-value functions are pickled per call: their globals may change
         return f
 
-    def __call__(self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs) -> Ref:
+    def __call__(
+        self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs
+    ) -> Ref:
         from .mesh import resolve_target
 
         mesh, stream = resolve_target(mesh, stream)
@@ -138,7 +143,7 @@ class RemoteFunction:
             stream.id,
             function.name,
         )
-        return Ref(result, mesh, stream)
+        return Ref(result, mesh, stream, ident)
 
     def __repr__(self) -> str:
         return f"<remote {getattr(self._fn, '__qualname__', self._fn)!r}>"

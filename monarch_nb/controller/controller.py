@@ -51,9 +51,23 @@ def _shutdown_all() -> None:
 class _Pending:
     """Replies that one user call waits for."""
 
-    __slots__ = ("ident", "order", "expected", "values", "failures", "dependent", "future", "single", "what")
+    __slots__ = (
+        "ident",
+        "order",
+        "expected",
+        "values",
+        "failures",
+        "dependent",
+        "future",
+        "single",
+        "what",
+        "source",
+    )
 
-    def __init__(self, ident: int, expected, order, single: bool, what: str):
+    def __init__(
+        self, ident: int, expected, order, single: bool, what: str, source: int | None = None
+    ):
+        self.source = source
         self.ident = ident
         self.order = order
         self.expected = set(expected)
@@ -167,7 +181,9 @@ class Controller:
         if self._broken is not None:
             raise self._broken
 
-    def send(self, msg, ranks, stream: int | None = None, what: str = "", check: bool = True) -> None:
+    def send(
+        self, msg, ranks, stream: int | None = None, what: str = "", check: bool = True
+    ) -> None:
         """Send ``msg`` to ``ranks`` (None: every rank). With ``stream``, it is a
         command whose progress MeshState tracks."""
         if check:
@@ -207,9 +223,12 @@ class Controller:
         if not self._closed:
             self._outq.append(("del", ref_id))
 
-    def expect(self, ident: int, ranks, single: bool = False, what: str = "") -> Future:
-        """Register interest in the FetchResults of command ``ident`` before sending it."""
-        p = _Pending(ident, ranks, list(ranks), single, what)
+    def expect(
+        self, ident: int, ranks, single: bool = False, what: str = "", source: int | None = None
+    ) -> Future:
+        """Register interest in the FetchResults of command ``ident`` before sending it
+        (``source``: the command that produced the fetched value)."""
+        p = _Pending(ident, ranks, list(ranks), single, what, source)
         self._pending[ident] = p
         return p.future
 
@@ -244,7 +263,9 @@ class Controller:
         context = f"command {first} ({self._failure_what.get(first, '?')}) failed"
         if len(idents) > 1:
             context += f"; {len(idents) - 1} later command(s) failed too: {idents[1:6]}"
-        return RemoteError({r: tuple(f) for r, f in self._failures.get(first, {}).items()}, first, context)
+        return RemoteError(
+            {r: tuple(f) for r, f in self._failures.get(first, {}).items()}, first, context
+        )
 
     def mark_reported(self, ident: int) -> None:
         try:
@@ -357,7 +378,10 @@ class Controller:
             except BadMessage as e:
                 self.state.bad_messages += 1
                 logger.warning(
-                    "mesh %r dropped a message (%s); %d dropped so far", self.name, e, self.state.bad_messages
+                    "mesh %r dropped a message (%s); %d dropped so far",
+                    self.name,
+                    e,
+                    self.state.bad_messages,
                 )
                 continue
             handler = getattr(self, "_on_" + type(msg).__name__, None)
@@ -407,18 +431,22 @@ class Controller:
             return
         if p.dependent:
             orig = min(p.dependent.values())
-            err = self.failure_error(
-                orig,
-                f"{p.what}: the value depends on command {orig} "
-                f"({self._failure_what.get(orig, '?')}), which failed",
-            )
+            what = self._failure_what.get(orig, "?")
+            if orig == p.source:
+                context = f"command {orig} ({what}) failed"
+            else:
+                context = f"{p.what}: the value depends on command {orig} ({what}), which failed"
+            err = self.failure_error(orig, context)
             if err is None and not deadline_passed:
                 # the original failure is still on its way (it may come through another socket)
                 self._awaiting_failure.setdefault(orig, []).append((time.monotonic(), p))
                 return
             self._pending.pop(p.ident, None)
             p.future.set_exception(
-                err or RemoteError({}, orig, f"{p.what}: the value depends on command {orig}, which failed")
+                err
+                or RemoteError(
+                    {}, orig, f"{p.what}: the value depends on command {orig}, which failed"
+                )
             )
             return
         self._pending.pop(p.ident, None)
@@ -625,4 +653,3 @@ def print_output(msg: m.Output) -> None:
     if text and not text.endswith("\n"):
         out.write("\n")
     out.flush()
-

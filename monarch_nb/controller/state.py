@@ -187,7 +187,9 @@ class MeshState:
             key = (e["ident"], e["type"], e["traceback"])
             g = groups.get(key)
             if g is None:
-                g = groups[key] = {k: e[k] for k in ("ident", "type", "message", "traceback", "stream", "time")}
+                g = groups[key] = {
+                    k: e[k] for k in ("ident", "type", "message", "traceback", "stream", "time")
+                }
                 g["ranks"] = []
             g["ranks"].append(e["rank"])
         out = sorted(groups.values(), key=lambda g: -g["time"])

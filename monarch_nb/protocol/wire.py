@@ -21,9 +21,11 @@ A frame set whose signature does not verify is never unpickled.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import io
+import linecache
 import os
 import pickle
 import sys
@@ -114,6 +116,56 @@ def is_by_value(obj) -> bool:
     return "<locals>" in qualname or "<lambda>" in qualname
 
 
+class _SourceKeepingPickler(cloudpickle.Pickler):
+    """cloudpickle, except that code objects keep their real file name (cloudpickle
+    3.1 writes "<dynamic-code>"), so that worker tracebacks and pdb show real lines."""
+
+    dispatch_table = collections.ChainMap(
+        {types.CodeType: lambda code: _keep_filename(code)}, cloudpickle.Pickler.dispatch_table
+    )
+
+
+def _keep_filename(code):
+    rv = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    if isinstance(rv, tuple) and len(rv) >= 2 and isinstance(rv[1], tuple):
+        args = tuple(code.co_filename if a == "<dynamic-code>" else a for a in rv[1])
+        return (rv[0], args, *rv[2:])
+    return rv
+
+
+def _sources_of(obj) -> dict:
+    """Source text of the files that ``obj``'s code comes from when the workers
+    cannot read them (notebook cells live only in the kernel's linecache)."""
+    codes = []
+    if isinstance(obj, types.FunctionType):
+        codes.append(obj.__code__)
+    elif isinstance(obj, type):
+        codes.extend(v.__code__ for v in vars(obj).values() if isinstance(v, types.FunctionType))
+    out = {}
+    for code in codes:
+        fname = code.co_filename
+        if fname in out or os.path.exists(fname):
+            continue
+        lines = linecache.getlines(fname)
+        if lines:
+            out[fname] = "".join(lines)
+    return out
+
+
+def dumps_by_value(obj) -> tuple:
+    f = io.BytesIO()
+    _SourceKeepingPickler(f, protocol=5).dump(obj)
+    return f.getvalue(), _sources_of(obj)
+
+
+def _load_by_value(payload: bytes, sources: dict):
+    for fname, text in sources.items():
+        if fname not in linecache.cache:
+            lines = text.splitlines(keepends=True)
+            linecache.cache[fname] = (len(text), None, lines, fname)
+    return pickle.loads(payload)
+
+
 def _rebuild_tensor(buf, dtype: str, shape: tuple, requires_grad: bool):
     import torch
 
@@ -154,8 +206,9 @@ class _Pickler(pickle.Pickler):
     """Protocol 5 pickler: out-of-band tensors, Refs as placeholders, and
     ``__main__`` / local functions and classes by value."""
 
-    def __init__(self, file, buffers: list, refs: list | None):
-        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+    def __init__(self, file, buffers: list | None, refs: list | None):
+        callback = buffers.append if buffers is not None else None
+        super().__init__(file, protocol=5, buffer_callback=callback)
         self._refs = refs
 
     def reducer_override(self, obj):
@@ -172,7 +225,7 @@ class _Pickler(pickle.Pickler):
             return _reduce_tensor(obj)
         if cls is types.FunctionType or isinstance(obj, type):
             if is_by_value(obj):
-                return (cloudpickle.loads, (cloudpickle.dumps(obj, protocol=5),))
+                return (_load_by_value, dumps_by_value(obj))
         return NotImplemented
 
 
@@ -227,18 +280,12 @@ def function_ref(fn: Callable) -> Function:
         name = getattr(fn, "__name__", name)
     if not callable(fn):
         raise TypeError(f"remote() needs a callable, got {type(fn).__name__}")
-    payload = None
-    if not is_by_value(fn):
-        try:
-            payload = pickle.dumps(fn, protocol=5)
-        except Exception:
-            payload = None
-    if payload is None:
-        try:
-            payload = cloudpickle.dumps(fn, protocol=5)
-        except Exception as e:
-            raise TypeError(f"cannot send function {name!r}: {type(e).__name__}: {e}") from e
-    return Function(payload, name)
+    f = io.BytesIO()
+    try:
+        _Pickler(f, None, None).dump(fn)  # by value or by reference, per object
+    except Exception as e:
+        raise TypeError(f"cannot send function {name!r}: {type(e).__name__}: {e}") from e
+    return Function(f.getvalue(), name)
 
 
 _function_cache: dict[bytes, Callable] = {}
@@ -277,7 +324,9 @@ def decode(frames: Sequence, signer: Signer):
     try:
         return pickle.loads(payload, buffers=bufs)
     except Exception as e:
-        raise BadMessage(f"authenticated message failed to unpickle: {type(e).__name__}: {e}") from e
+        raise BadMessage(
+            f"authenticated message failed to unpickle: {type(e).__name__}: {e}"
+        ) from e
 
 
 def buffers_nbytes(frames: Sequence) -> int:

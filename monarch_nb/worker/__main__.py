@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         _set_parent_death_signal(a.parent_pid)
     rank = a.rank if a.rank is not None else _env_int("RANK", "SLURM_PROCID")
     world = a.world if a.world is not None else _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    local_rank = a.local_rank if a.local_rank is not None else _env_int("LOCAL_RANK", "SLURM_LOCALID")
+    local_rank = (
+        a.local_rank if a.local_rank is not None else _env_int("LOCAL_RANK", "SLURM_LOCALID")
+    )
     if rank is None or world is None:
         p.error("rank and world size: pass --rank/--world or set RANK/WORLD_SIZE")
     if a.key_file:

@@ -7,25 +7,37 @@ import traceback
 
 from ..protocol.messages import RemoteFailure
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
+_PROTOCOL_DIR = os.path.join(os.path.dirname(_WORKER_DIR), "protocol")
 
 
-def _is_ours(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+def _is_machinery(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    return f.startswith(_WORKER_DIR + os.sep) or f.startswith(_PROTOCOL_DIR + os.sep)
 
 
-def user_traceback(e: BaseException):
-    """The traceback of ``e`` without the leading frames of monarch_nb's own machinery."""
-    tb = e.__traceback__
-    while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
-    return tb if tb is not None else e.__traceback__
+def format_user_traceback(e: BaseException) -> str:
+    """``e`` formatted without the frames of the worker's own machinery (which
+    runs the user's code and delivers interrupts)."""
+    te = traceback.TracebackException(type(e), e, e.__traceback__)
+    for t in _chain(te):
+        t.stack = traceback.StackSummary.from_list(
+            [f for f in t.stack if not _is_machinery(f.filename)]
+        )
+    return "".join(te.format())
+
+
+def _chain(te):
+    seen = set()
+    while te is not None and id(te) not in seen:
+        seen.add(id(te))
+        yield te
+        te = te.__cause__ or (None if te.__suppress_context__ else te.__context__)
 
 
 def describe(e: BaseException) -> RemoteFailure:
-    tb = user_traceback(e)
     try:
-        text = "".join(traceback.format_exception(type(e), e, tb))
+        text = format_user_traceback(e)
     except Exception as fmt_error:  # a broken __str__ must not break error reporting
         text = f"{type(e).__name__} (traceback unavailable: {fmt_error!r})\n"
     try:

@@ -21,6 +21,20 @@ OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
 BIG_SEND = 1 << 20  # sends with more buffer bytes than this wait until ZeroMQ is done with them
 
 _STOP = object()
+_real_sleep = time.sleep
+
+
+def interruptible_sleep(seconds: float) -> None:
+    """time.sleep for stream threads: sleeps in short slices so that an
+    asynchronous KeyboardInterrupt (only delivered between bytecodes) lands."""
+    if threading.current_thread() is threading.main_thread() or seconds <= 0.05:
+        return _real_sleep(seconds)
+    end = time.monotonic() + seconds
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        _real_sleep(min(left, 0.05))
 
 
 class Outbox:

@@ -27,7 +27,7 @@ from .cell import Cell, DependentOnError
 from .code import run_source
 from .failure import describe
 from .health import HealthSampler
-from .stream import Stream
+from .stream import Stream, interruptible_sleep
 
 logger = logging.getLogger("monarch_nb.worker")
 
@@ -65,7 +65,9 @@ class Worker:
         self._handlers = {
             cls: getattr(self, cls.__name__)
             for cls in vars(m).values()
-            if isinstance(cls, type) and hasattr(self, cls.__name__) and cls.__module__ == m.__name__
+            if isinstance(cls, type)
+            and hasattr(self, cls.__name__)
+            and cls.__module__ == m.__name__
         }
         self._sent_progress: dict = {}
 
@@ -94,6 +96,7 @@ class Worker:
         default = Stream(self, DEFAULT_STREAM, "default", main_thread=True)
         self.streams[DEFAULT_STREAM] = default
         signal.signal(signal.SIGINT, self._on_sigint)
+        time.sleep = interruptible_sleep
         receiver = threading.Thread(target=self._receive_loop, name="monarch-receiver", daemon=True)
         receiver.start()
         default.run_forever()
@@ -345,4 +348,3 @@ def _cuda_available() -> bool:
 def _torch_version() -> str | None:
     torch = sys.modules.get("torch")
     return getattr(torch, "__version__", None)
-

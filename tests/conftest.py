@@ -1,0 +1,42 @@
+import os
+
+import psutil
+import pytest
+
+import monarch_nb as mnb
+
+
+def _worker_children():
+    me = psutil.Process(os.getpid())
+    out = []
+    for p in me.children(recursive=True):
+        try:
+            if "monarch_nb.worker" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_worker_outlives_the_session():
+    yield
+    from monarch_nb.mesh import all_meshes
+
+    for m in all_meshes().values():
+        m.shutdown()
+    left = _worker_children()
+    gone, alive = psutil.wait_procs(left, timeout=10)
+    assert not alive, f"worker processes left behind: {[p.pid for p in alive]}"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = mnb.local_mesh(dp=2)
+    yield m
+    m.shutdown()
+
+
+@pytest.fixture()
+def worker_children():
+    return _worker_children
