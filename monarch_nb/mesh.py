@@ -60,6 +60,7 @@ class DeviceMesh:
         self.id = mesh_id
         self._names = tuple(names)
         self._slice = ranks
+        self._ranks: tuple | None = None
         self.name = name
 
     # ------------------------------------------------------------ shape
@@ -76,7 +77,15 @@ class DeviceMesh:
     @property
     def ranks(self) -> list:
         """The global ranks of this mesh, in row-major order of its dims."""
-        return self._slice.ranks()
+        return list(self.targets)
+
+    @property
+    def targets(self) -> tuple:
+        """``ranks`` as a tuple, computed once (commands are addressed to it)."""
+        r = self._ranks
+        if r is None:
+            r = self._ranks = tuple(self._slice.ranks())
+        return r
 
     @property
     def backend(self) -> str:
@@ -90,7 +99,7 @@ class DeviceMesh:
         return dict(zip(self._names, c))
 
     def _global_rank(self, rank: int) -> int:
-        if not isinstance(rank, int) or rank not in self.ranks:
+        if not isinstance(rank, int) or rank not in self.targets:
             raise ValueError(f"rank {rank!r} is not in mesh {self.name!r} (ranks {self.ranks})")
         return rank
 

@@ -54,7 +54,7 @@ class Ref:
         mesh = self.mesh
         ctrl = mesh._controller
         ctrl.check_usable()
-        ranks = mesh.ranks if rank is None else [mesh._global_rank(rank)]
+        ranks = mesh.targets if rank is None else (mesh._global_rank(rank),)
         args, _ = pack_args((self,), {})
         ident = ctrl.next_ident()
         fut = ctrl.expect(
@@ -99,7 +99,7 @@ def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
                 f"Ref {r.id} was produced on stream {r.stream.name!r}; to use it on stream "
                 f"{stream.name!r}, borrow it: ref.borrow(stream)"
             )
-        if not set(mesh.ranks) <= set(r.mesh.ranks):
+        if r.mesh.targets != mesh.targets and not set(mesh.targets) <= set(r.mesh.targets):
             raise RefUseError(
                 f"Ref {r.id} has values on ranks {r.mesh.ranks} only; the call runs on {mesh.ranks}"
             )
@@ -139,7 +139,7 @@ class RemoteFunction:
         ident = ctrl.next_ident()
         ctrl.send(
             m.CallFunction(ident, result, function, packed, stream.id, mesh.id, function.name),
-            mesh.ranks,
+            mesh.targets,
             stream.id,
             function.name,
         )

@@ -25,6 +25,7 @@ import zmq
 from ..protocol import BadMessage, Signer, decode, encode, new_secret
 from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
+from ..protocol.wire import BATCH
 from .errors import MeshClosedError, RemoteError, WorkerCrashed
 from .launcher import LocalLauncher, LocalProcess
 from .state import MeshState
@@ -319,8 +320,11 @@ class Controller:
         self._drain_outq()
 
     def _drain_outq(self) -> None:
+        """Send what user threads handed over, in order. Small messages bound for
+        the same worker leave as one batch (one ZeroMQ message)."""
         q = self._outq
         deletes: list[int] = []
+        batches: dict[int, list] = {}
         while True:
             try:
                 item = q.popleft()
@@ -328,27 +332,44 @@ class Controller:
                 break
             kind = item[0]
             if kind == "del":
+                # sent after the batch: a deleted Ref cannot be named by a later command
                 deletes.append(item[1])
-                continue
-            if deletes:
-                self._send_deletes(deletes)
-                deletes = []
-            if kind == "msg":
-                self._route(item[1], item[2], item[3])
+            elif kind == "msg":
+                _, ranks, frames, done = item
+                if done is None and len(frames) == 2:
+                    for r in ranks:
+                        b = batches.get(r)
+                        if b is None:
+                            batches[r] = [frames]
+                        else:
+                            b.append(frames)
+                else:
+                    self._flush_batches(batches)
+                    self._route(ranks, frames, done)
             elif kind == "call":
+                self._flush_batches(batches)
                 fn, fut = item[1], item[2]
                 try:
                     fut.set_result(fn())
                 except BaseException as e:
                     fut.set_exception(e)
-        if deletes:
-            self._send_deletes(deletes)
+        if deletes and self._identities and not self._closed:
+            frames = encode(m.DeleteRefs(tuple(deletes)), self.signer)
+            for r in range(self.world):
+                batches.setdefault(r, []).append(frames)
+        self._flush_batches(batches)
 
-    def _send_deletes(self, ids: list[int]) -> None:
-        if self._closed or not self._identities:
-            return
-        frames = encode(m.DeleteRefs(tuple(ids)), self.signer)
-        self._route(range(self.world), frames, None)
+    def _flush_batches(self, batches: dict) -> None:
+        router = self._router
+        for r, msgs in batches.items():
+            ident = self._identities.get(r)
+            if ident is None:
+                continue
+            if len(msgs) == 1:
+                router.send_multipart([ident, *msgs[0]])
+            else:
+                router.send_multipart([ident, BATCH, *(f for frames in msgs for f in frames)])
+        batches.clear()
 
     def _route(self, ranks, frames, done: Future | None) -> None:
         router = self._router

@@ -37,7 +37,7 @@ from typing import Any
 
 import cloudpickle
 
-from .messages import Args, Function
+from .messages import Args, FetchResult, Function
 
 SIG_LEN = 32
 FULL_COVER = 1 << 20
@@ -71,6 +71,8 @@ class Signer:
         return "Signer(<secret>)"
 
     def digest(self, payload, buffers: Sequence) -> bytes:
+        if not buffers:
+            return hmac.digest(self._key, payload, "sha256")
         h = hmac.new(self._key, payload, hashlib.sha256)
         for b in buffers:
             mv = memoryview(b).cast("B")
@@ -305,19 +307,31 @@ def resolve_function(f: Function) -> Callable:
 
 
 def encode(msg, signer: Signer) -> list:
-    """Frames ``[signature, pickle, *buffers]`` of a message."""
-    payload, buffers = dumps(msg)
+    """Frames ``[signature, pickle, *buffers]`` of a message.
+
+    Records whose fields are plain data (everything but FetchResult, whose value
+    is the user's) go through the C pickler alone: three times faster."""
+    if type(msg) is FetchResult:
+        payload, buffers = dumps(msg)
+    else:
+        buffers = []
+        payload = pickle.dumps(msg, 5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     return [signer.digest(payload, raws), payload, *raws]
+
+
+def _small(f):
+    """A frame's bytes (these frames are small: copying beats a memoryview)."""
+    return f.bytes if hasattr(f, "bytes") else f
 
 
 def decode(frames: Sequence, signer: Signer):
     """Verify and unpickle frames received with ``copy=False`` (or as bytes)."""
     if len(frames) < 2:
         raise BadMessage(f"expected at least 2 frames, got {len(frames)}")
-    views = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
-    sig, payload, bufs = views[0], views[1], views[2:]
-    if sig.nbytes != SIG_LEN:
+    sig, payload = _small(frames[0]), _small(frames[1])
+    bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames[2:]]
+    if len(sig) != SIG_LEN:
         raise BadMessage("signature frame has the wrong length")
     if not signer.verify(sig, payload, bufs):
         raise BadMessage("signature does not verify")
@@ -327,6 +341,20 @@ def decode(frames: Sequence, signer: Signer):
         raise BadMessage(
             f"authenticated message failed to unpickle: {type(e).__name__}: {e}"
         ) from e
+
+
+BATCH = b"B"  # first frame of a batch: pairs [signature, pickle] of buffer-less messages follow
+
+
+def split_batch(frames: Sequence) -> list:
+    """The messages in a frame set: itself, or the pairs of a batch. Each is still
+    verified on its own by ``decode``."""
+    first = frames[0]
+    if (first.bytes if hasattr(first, "bytes") else bytes(first)) != BATCH:
+        return [frames]
+    if len(frames) % 2 != 1:
+        raise BadMessage("a batch must hold [signature, pickle] pairs")
+    return [frames[i : i + 2] for i in range(1, len(frames), 2)]
 
 
 def buffers_nbytes(frames: Sequence) -> int:

@@ -102,9 +102,10 @@ class Outbox:
             self._send_locked(msg)
 
     def flush(self) -> None:
-        with self.lock:
-            if self._pending:
-                self._flush_locked()
+        if self._pending:
+            with self.lock:
+                if self._pending:
+                    self._flush_locked()
 
     def flush_if_stale(self, now: float, age: float) -> None:
         if self._pending and now - self._pending_since >= age:

@@ -21,7 +21,7 @@ import zmq
 
 from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
-from ..protocol.wire import resolve_function, unpack_args
+from ..protocol.wire import resolve_function, split_batch, unpack_args
 from . import capture, context
 from .cell import Cell, DependentOnError
 from .code import run_source
@@ -150,12 +150,21 @@ class Worker:
 
     def _dispatch(self, frames) -> None:
         try:
-            msg = decode(frames, self.signer)
+            parts = split_batch(frames) if len(frames[0]) == 1 else (frames,)
         except BadMessage as e:
-            self.bad_messages += 1
-            logger.warning("dropped a message (%s); %d dropped so far", e, self.bad_messages)
-            return
-        self._handle(msg)
+            parts = ()
+            self._drop(e)
+        for p in parts:
+            try:
+                msg = decode(p, self.signer)
+            except BadMessage as e:
+                self._drop(e)
+                continue
+            self._handle(msg)
+
+    def _drop(self, why) -> None:
+        self.bad_messages += 1
+        logger.warning("dropped a message (%s); %d dropped so far", why, self.bad_messages)
 
     def _handle(self, msg) -> None:
         handler = self._handlers.get(type(msg))
