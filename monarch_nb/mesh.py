@@ -132,12 +132,41 @@ class DeviceMesh:
                 strides.append(stride * step)
             else:
                 raise TypeError(f"dim {n!r}: expected an int or a slice, got {type(sel).__name__}")
-        sub = NDSlice(offset, tuple(sizes), tuple(strides))
+        return self._derive(tuple(names), NDSlice(offset, tuple(sizes), tuple(strides)))
+
+    def rename(self, **names: str) -> DeviceMesh:
+        """The same ranks with dims renamed: ``mesh.rename(dp="data")``."""
+        for old, new in names.items():
+            if old not in self._names:
+                raise ValueError(
+                    f"mesh {self.name!r} has no dim {old!r} (dims: {list(self._names)})"
+                )
+            if not isinstance(new, str) or not new.isidentifier():
+                raise ValueError(f"new dim name {new!r} is not an identifier")
+        renamed = tuple(names.get(n, n) for n in self._names)
+        if len(set(renamed)) != len(renamed):
+            raise ValueError(f"renaming gives duplicate dims: {list(renamed)}")
+        return self._derive(renamed, self._slice)
+
+    def flatten(self, name: str) -> DeviceMesh:
+        """All dims merged into one called ``name`` (row-major rank order)."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"dim name {name!r} is not an identifier")
+        sizes, strides = self._slice.sizes, self._slice.strides
+        for i in range(len(sizes) - 1):
+            if strides[i] != strides[i + 1] * sizes[i + 1]:
+                raise ValueError(
+                    f"mesh {self.name!r} is not contiguous: its dims cannot be flattened"
+                )
+        stride = strides[-1] if strides else 1
+        return self._derive((name,), NDSlice(self._slice.offset, (self.size,), (stride,)))
+
+    def _derive(self, names: tuple, ranks: NDSlice) -> DeviceMesh:
         ctrl = self._controller
         ctrl.check_usable()
         mesh_id = ctrl.next_id()
-        ctrl.send(m.CreateDeviceMesh(mesh_id, tuple(names), sub), None)
-        return DeviceMesh(ctrl, mesh_id, tuple(names), sub, self.name)
+        ctrl.send(m.CreateDeviceMesh(mesh_id, tuple(names), ranks), None)
+        return DeviceMesh(ctrl, mesh_id, tuple(names), ranks, self.name)
 
     # ------------------------------------------------------------ streams, activation
 

@@ -20,7 +20,16 @@ class Ref:
     workers. Passing a Ref to a remote function uses the value on each rank.
     """
 
-    __slots__ = ("id", "ident", "mesh", "stream", "generation", "_deleted", "__weakref__")
+    __slots__ = (
+        "id",
+        "ident",
+        "mesh",
+        "stream",
+        "generation",
+        "_deleted",
+        "_borrow",
+        "__weakref__",
+    )
 
     def __init__(self, ref_id: int, mesh: DeviceMesh, stream: Stream, ident: int):
         self.id = ref_id
@@ -29,6 +38,7 @@ class Ref:
         self.stream = stream
         self.generation = mesh._controller.generation
         self._deleted = False
+        self._borrow: list | None = None  # [borrow id, first use sent]
 
     def __repr__(self) -> str:
         state = " deleted" if self._deleted else ""
@@ -54,6 +64,7 @@ class Ref:
         mesh = self.mesh
         ctrl = mesh._controller
         ctrl.check_usable()
+        self._first_use()
         ranks = mesh.targets if rank is None else (mesh._global_rank(rank),)
         args, _ = pack_args((self,), {})
         ident = ctrl.next_ident()
@@ -69,12 +80,148 @@ class Ref:
         return self.mesh._controller.wait_result(fut, timeout)
 
     def delete(self) -> None:
-        """Free the value on the workers now."""
+        """Free the value on the workers now (a borrow: give it back to its stream)."""
         if not self._deleted:
             self._deleted = True
             ctrl = self.mesh._controller
-            if self.generation == ctrl.generation:
+            if self.generation != ctrl.generation:
+                return
+            if self._borrow is None:
                 ctrl.delete_ref(self.id)
+            elif ctrl.usable:
+                ctrl.send(m.BorrowDrop(self._borrow[0], self.id), self.mesh.targets, check=False)
+
+    # ------------------------------------------------------------ communication
+
+    def reduce(
+        self,
+        dims,
+        reduction: str = "sum",
+        scatter: bool = False,
+        inplace: bool = False,
+        out: Ref | None = None,
+    ) -> Ref:
+        """Reduce over mesh dims (a name or several) with torch.distributed.
+
+        ``reduction``: "sum", "avg", "max", "min", "product" (all_reduce), or
+        "stack" (all_gather: a new leading dim of the group size; over several
+        dims, one leading dim per reduced dim, in mesh order). ``scatter=True``
+        splits dim 0 among the group: reduce_scatter, or all_to_all with
+        "stack". ``inplace`` writes into this value; ``out`` into another Ref's
+        tensor. On gloo, "avg" is a sum and a division; where gloo lacks
+        all_gather_into_tensor or reduce_scatter_tensor they are composed from
+        all_gather / all_reduce. Returns a new Ref on the same mesh and stream.
+        """
+        from .worker.collectives import REDUCTIONS
+
+        self._check()
+        mesh, stream = self.mesh, self.stream
+        names = list(mesh.dims)
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        if not dims:
+            raise ValueError("reduce() needs at least one dim")
+        for d in dims:
+            if d not in names:
+                raise ValueError(f"unknown dim {d!r}: mesh {mesh.name!r} has dims {names}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"unknown reduction {reduction!r}: expected one of {', '.join(REDUCTIONS)}"
+            )
+        if inplace and (reduction == "stack" and not scatter or scatter and reduction != "stack"):
+            raise ValueError(
+                f"reduction {reduction!r} with scatter={scatter} cannot be in place: the result has a new shape"
+            )
+        if out is not None:
+            check_refs([out], mesh, stream)
+        ctrl = mesh._controller
+        ctrl.check_usable()
+        self._first_use()
+        reduced = tuple(sorted(names.index(d) for d in set(dims)))
+        key = ctrl.process_group(mesh._slice, reduced, stream.id)
+        ident, result = ctrl.next_ident(), ctrl.next_id()
+        what = f"reduce {','.join(dims)} {reduction}{' scatter' if scatter else ''}"
+        sizes = tuple(mesh._slice.sizes[i] for i in reduced)
+        ctrl.send(
+            m.Reduce(
+                ident,
+                result,
+                self.id,
+                key,
+                reduction,
+                scatter,
+                inplace,
+                None if out is None else out.id,
+                stream.id,
+                sizes,
+                what,
+            ),
+            mesh.targets,
+            stream.id,
+            what,
+        )
+        return Ref(result, mesh, stream, ident)
+
+    def to_mesh(self, other: DeviceMesh) -> Ref:
+        """Copy to ``other`` rank by rank (i-th rank of this mesh to the i-th of
+        ``other``) with batched isend/irecv; a rank copying to itself makes a
+        copy-on-write clone. Returns a Ref on ``other``, same stream."""
+        from .mesh import DeviceMesh
+
+        self._check()
+        if not isinstance(other, DeviceMesh):
+            raise TypeError(f"to_mesh() needs a DeviceMesh, got {type(other).__name__}")
+        mesh, stream = self.mesh, self.stream
+        ctrl = mesh._controller
+        if other._controller is not ctrl:
+            raise RefUseError(
+                f"Ref {self.id} lives on mesh {mesh.name!r}; mesh {other.name!r} is another world: fetch and send the value instead"
+            )
+        if other.size != mesh.size:
+            raise ValueError(
+                f"to_mesh() needs meshes of one size: {mesh.size} ranks -> {other.size} ranks"
+            )
+        ctrl.check_usable()
+        self._first_use()
+        root = ctrl.root_slice
+        key = ctrl.process_group(root, tuple(range(len(root.sizes))), stream.id)
+        pairs = tuple(zip(mesh.targets, other.targets))
+        ident, result = ctrl.next_ident(), ctrl.next_id()
+        targets = tuple(sorted(set(mesh.targets) | set(other.targets)))
+        ctrl.send(
+            m.SendTensor(ident, result, self.id, key, pairs, stream.id),
+            targets,
+            stream.id,
+            "to_mesh",
+        )
+        return Ref(result, other, stream, ident)
+
+    def borrow(self, stream: Stream) -> Ref:
+        """This value for use on ``stream``. Its first use there waits for this
+        stream to have produced it; until the borrow is dropped (``del``), this
+        stream cannot free or mutate it under the borrower."""
+        from .mesh import Stream as _Stream
+
+        self._check()
+        if not isinstance(stream, _Stream) or stream.mesh._controller is not self.mesh._controller:
+            raise TypeError("borrow() needs a stream of this Ref's mesh: mesh.stream(name)")
+        if stream.id == self.stream.id:
+            raise ValueError(f"Ref {self.id} is already on stream {stream.name!r}")
+        ctrl = self.mesh._controller
+        ctrl.check_usable()
+        self._first_use()
+        borrow, result = ctrl.next_id(), ctrl.next_id()
+        ctrl.send(
+            m.BorrowCreate(borrow, self.id, self.stream.id, stream.id, result), self.mesh.targets
+        )
+        r = Ref(result, self.mesh, stream, self.ident)
+        r._borrow = [borrow, False]
+        return r
+
+    def _first_use(self) -> None:
+        b = self._borrow
+        if b is not None and not b[1]:
+            b[1] = True
+            self.mesh._controller.send(m.BorrowFirstUse(b[0]), self.mesh.targets)
 
     def __del__(self):
         try:
@@ -87,7 +234,8 @@ register_ref_type(Ref, Ref._wire_id)
 
 
 def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
-    """Refs passed to a command must live on its mesh and stream."""
+    """Refs passed to a command must live on its mesh and stream. A borrow's
+    first use is announced before the command that makes it."""
     for r in refs:
         if r.mesh._controller is not mesh._controller:
             raise RefUseError(
@@ -103,6 +251,7 @@ def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
             raise RefUseError(
                 f"Ref {r.id} has values on ranks {r.mesh.ranks} only; the call runs on {mesh.ranks}"
             )
+        r._first_use()
 
 
 class RemoteFunction:

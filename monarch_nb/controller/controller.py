@@ -9,6 +9,7 @@ resolves futures, updates MeshState and watches the worker processes.
 from __future__ import annotations
 
 import atexit
+import datetime
 import itertools
 import logging
 import os
@@ -105,6 +106,8 @@ class Controller:
         self._ids = itertools.count(1)  # ref, stream and mesh ids (0 is the root mesh)
         self._idents = itertools.count(1)  # command idents
         self._lifecycle = threading.Lock()
+        self._lifecycle_groups = threading.Lock()
+        self._interface = interface
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 0)
@@ -147,6 +150,8 @@ class Controller:
         self._closing = False
         self._closed = False
         self.streams: dict[str, int] = {"default": 0}
+        self._groups: dict = {}  # (NDSlice, reduced dim indices, stream) -> process group key
+        self._store = None
 
     def _start_workers(self) -> None:
         procs = self.call_in_io(
@@ -161,6 +166,35 @@ class Controller:
             raise err
         sizes = tuple(self.dims.values())
         self.send(m.CreateDeviceMesh(0, tuple(self.dims), NDSlice.contiguous(sizes)), None)
+        self._start_backend()
+
+    def _start_backend(self) -> None:
+        """Host the TCPStore of this generation; every worker joins the default
+        process group through it (on its default stream, before user commands)."""
+        import torch.distributed as dist
+
+        host = self._interface if self._interface not in ("0.0.0.0", "*", "") else "127.0.0.1"
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300)
+        )
+        self.send(m.InitBackend(host, self._store.port, self.state.backend), None)
+
+    @property
+    def root_slice(self) -> NDSlice:
+        return NDSlice.contiguous(tuple(self.dims.values()))
+
+    def process_group(self, ranks: NDSlice, reduced: tuple, stream: int) -> int:
+        """The key of the process groups over dims ``reduced`` of ``ranks`` for
+        ``stream``; created on every world rank on first use."""
+        k = (ranks, tuple(sorted(reduced)), stream)
+        with self._lifecycle_groups:
+            key = self._groups.get(k)
+            if key is None:
+                self.check_usable()
+                key = self.next_id()
+                self.send(m.CreateProcessGroup(key, tuple(ranks.groups(k[1]))), None)
+                self._groups[k] = key
+            return key
 
     # ------------------------------------------------------------ ids
 

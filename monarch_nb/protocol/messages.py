@@ -133,6 +133,63 @@ class DebuggerMessage(NamedTuple):
     action: Any
 
 
+class InitBackend(NamedTuple):
+    """Join the default torch.distributed process group through the controller's TCPStore."""
+
+    host: str
+    port: int
+    backend: str
+
+
+class CreateProcessGroup(NamedTuple):
+    """Create one process group per member list (every world rank takes part)."""
+
+    key: int
+    groups: tuple
+
+
+class Reduce(NamedTuple):
+    ident: int
+    result: int
+    source: int
+    key: int
+    reduction: str
+    scatter: bool
+    inplace: bool
+    out: int | None
+    stream: int
+    dim_sizes: tuple
+    what: str
+
+
+class SendTensor(NamedTuple):
+    """Copy ``source`` rank by rank: ``pairs`` of (from global rank, to global rank)."""
+
+    ident: int
+    result: int
+    source: int
+    key: int
+    pairs: tuple
+    stream: int
+
+
+class BorrowCreate(NamedTuple):
+    borrow: int
+    source: int
+    from_stream: int
+    to_stream: int
+    result: int
+
+
+class BorrowFirstUse(NamedTuple):
+    borrow: int
+
+
+class BorrowDrop(NamedTuple):
+    borrow: int
+    result: int
+
+
 # ---------------------------------------------------------------- worker -> controller
 
 

@@ -51,3 +51,20 @@ class NDSlice(NamedTuple):
 
     def rank_at(self, coords) -> int:
         return self.offset + sum(c * st for c, st in zip(coords, self.strides))
+
+    def groups(self, reduced: tuple) -> list:
+        """Partition the ranks into groups that differ only along the dims with
+        indices ``reduced``; members in row-major order of those dims."""
+        kept = [i for i in range(len(self.sizes)) if i not in reduced]
+        out = []
+        for kc in itertools.product(*(range(self.sizes[i]) for i in kept)):
+            members = []
+            for rc in itertools.product(*(range(self.sizes[i]) for i in reduced)):
+                coords = [0] * len(self.sizes)
+                for i, c in zip(kept, kc):
+                    coords[i] = c
+                for i, c in zip(reduced, rc):
+                    coords[i] = c
+                members.append(self.rank_at(coords))
+            out.append(tuple(members))
+        return out

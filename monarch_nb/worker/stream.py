@@ -142,6 +142,11 @@ class Stream:
         self._lock = threading.Lock()
         self._interrupt_sent = False
         self.main_thread = main_thread
+        self.cuda_stream = None
+        if worker.cuda and not main_thread:
+            import torch
+
+            self.cuda_stream = torch.cuda.Stream()
         self.thread_id: int | None = threading.main_thread().ident if main_thread else None
         self.thread: threading.Thread | None = None
         if not main_thread:
@@ -173,6 +178,17 @@ class Stream:
         if not self.main_thread:
             self.thread_id = threading.get_ident()
         capture.set_outbox(self.outbox)
+        if self.cuda_stream is not None:
+            import torch
+
+            with torch.cuda.stream(self.cuda_stream):
+                self._loop()
+        else:
+            self._loop()
+        self.outbox.flush()
+        self.outbox.close()
+
+    def _loop(self) -> None:
         while True:
             try:
                 item = self.q.get()
@@ -181,8 +197,6 @@ class Stream:
                 self._execute(*item)
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just after its command ended
-        self.outbox.flush()
-        self.outbox.close()
 
     def _execute(self, ident, what, work, results, report) -> None:
         if ident is None:

@@ -23,6 +23,7 @@ from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
 from ..protocol.wire import resolve_function, split_batch, unpack_args
 from . import capture, context
+from .borrow import Borrow
 from .cell import Cell, DependentOnError
 from .code import run_source
 from .failure import describe
@@ -58,6 +59,8 @@ class Worker:
         self.streams: dict[int, Stream] = {}
         self.meshes: dict[int, tuple] = {}  # id -> (names, NDSlice, coords or None)
         self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
+        if "torch" in sys.modules:  # already imported by every worker: save users a line
+            self.namespace["torch"] = sys.modules["torch"]
         self.bad_messages = 0
         self.cuda = _cuda_available()
         self._exiting = False
@@ -70,6 +73,8 @@ class Worker:
             and cls.__module__ == m.__name__
         }
         self._sent_progress: dict = {}
+        self.borrows: dict[int, tuple] = {}  # borrow id -> (Borrow, result cell)
+        self._comms = None
 
     # ------------------------------------------------------------ sockets
 
@@ -213,6 +218,20 @@ class Worker:
             cells[rid] = c
         return lambda rid: _get_value(cells[rid])
 
+    @property
+    def comms(self):
+        if self._comms is None:
+            from .collectives import Comms
+
+            self._comms = Comms(self.rank, self.world)
+        return self._comms
+
+    def _cell(self, ref_id: int | None) -> Cell | None:
+        if ref_id is None:
+            return None
+        c = self.env.get(ref_id)
+        return c if c is not None else Cell(_MissingRef(ref_id))
+
     def _stream(self, stream_id: int) -> Stream:
         s = self.streams.get(stream_id)
         if s is None:
@@ -328,6 +347,94 @@ class Worker:
         self._exiting = True
         for s in list(self.streams.values()):
             s.stop()
+
+    # ------------------------------------------------------------ collectives
+
+    def InitBackend(self, msg: m.InitBackend) -> None:
+        comms = self.comms
+        self.streams[DEFAULT_STREAM].call_soon(
+            lambda: _log_failure(comms.init_backend, msg.host, msg.port, msg.backend)
+        )
+
+    def CreateProcessGroup(self, msg: m.CreateProcessGroup) -> None:
+        self.comms.create_groups(msg.key, msg.groups)
+
+    def Reduce(self, msg: m.Reduce) -> None:
+        from . import collectives
+
+        src, out = self._cell(msg.source), self._cell(msg.out)
+        result = self.env[msg.result] = Cell()
+        comms = self.comms
+
+        def work():
+            pg, members = comms.group(msg.key)
+            value = _raw(src)
+            return collectives.reduce(
+                value,
+                None if out is None else _get_value(out),
+                pg,
+                members,
+                msg.reduction,
+                msg.scatter,
+                msg.inplace,
+                msg.dim_sizes,
+                comms.backend,
+            )
+
+        self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
+
+    def SendTensor(self, msg: m.SendTensor) -> None:
+        from . import collectives
+
+        rank = self.rank
+        send_to = next((t for f, t in msg.pairs if f == rank), None)
+        recv_from = next((f for f, t in msg.pairs if t == rank), None)
+        src = self._cell(msg.source) if send_to is not None else None
+        results = ()
+        if recv_from is not None:
+            results = (Cell(),)
+            self.env[msg.result] = results[0]
+        comms = self.comms
+
+        def work():
+            pg, _ = comms.group(msg.key)
+            value = None if src is None else _raw(src)
+            return collectives.send_recv(value, pg, rank, send_to, recv_from, comms.backend)
+
+        self._stream(msg.stream).schedule(msg.ident, "to_mesh", work, results)
+
+    def BorrowCreate(self, msg: m.BorrowCreate) -> None:
+        lender, borrower = self._stream(msg.from_stream), self._stream(msg.to_stream)
+        borrow = Borrow(lender, borrower)
+        result = self.env[msg.result] = Cell()
+        self.borrows[msg.borrow] = (borrow, result)
+        source = self._cell(msg.source)
+        lender.call_soon(lambda: borrow.create(source))
+
+    def BorrowFirstUse(self, msg: m.BorrowFirstUse) -> None:
+        borrow, result = self.borrows[msg.borrow]
+        borrow.borrower.call_soon(lambda: borrow.first_use(result))
+
+    def BorrowDrop(self, msg: m.BorrowDrop) -> None:
+        borrow, _ = self.borrows.pop(msg.borrow)
+        self.env.pop(msg.result, None)
+        borrow.borrower.call_soon(borrow.last_use)
+        borrow.lender.call_soon(borrow.drop)
+
+
+def _raw(cell: Cell):
+    """A cell's value, or the DependentOnError it holds (collectives take part either way)."""
+    v = cell.value
+    if isinstance(v, _MissingRef):
+        raise v
+    return v
+
+
+def _log_failure(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        logger.exception("%s failed", getattr(fn, "__name__", fn))
 
 
 class _MissingRef(Exception):

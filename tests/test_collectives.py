@@ -1,0 +1,280 @@
+"""Meshes, collectives, point-to-point, streams and borrows on real torch.distributed (gloo)."""
+
+import itertools
+import time
+
+import pytest
+import torch
+
+import monarch_nb as mnb
+from monarch_nb.protocol.ndslice import NDSlice
+
+REDUCTIONS = ["sum", "avg", "max", "min", "product", "stack"]
+
+
+def rank_tensor(rows=4, cols=3):
+    """A different tensor on every rank (small integers: exact in float32)."""
+    r = mnb.current_rank()
+    return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) % 5 + r + 1
+
+
+def local_value(rank, rows=4, cols=3):
+    return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) % 5 + rank + 1
+
+
+def expected(values, reduction, scatter, index):
+    """What one member (position ``index`` in its group) should get."""
+    stacked = torch.stack(values)
+    n = len(values)
+    if reduction == "stack":
+        if scatter:  # all_to_all: chunk j of every member's input, from member j
+            return torch.cat([v.chunk(n)[index] for v in values])
+        return stacked
+    red = {
+        "sum": stacked.sum(0),
+        "avg": stacked.mean(0),
+        "max": stacked.max(0).values,
+        "min": stacked.min(0).values,
+        "product": stacked.prod(0),
+    }[reduction]
+    return red.chunk(n)[index] if scatter else red
+
+
+@pytest.fixture(scope="module")
+def grid():
+    m = mnb.local_mesh(a=2, b=2, name="grid")
+    yield m
+    m.shutdown()
+
+
+@pytest.mark.parametrize("reduction,scatter", list(itertools.product(REDUCTIONS, [False, True])))
+def test_reduce_dp2(mesh, reduction, scatter):
+    x = mnb.remote(rank_tensor)(mesh=mesh)
+    got = x.reduce("dp", reduction, scatter=scatter).fetch()
+    values = [local_value(r) for r in range(2)]
+    for r in range(2):
+        assert torch.allclose(got[r], expected(values, reduction, scatter, r)), (r, got[r])
+
+
+@pytest.mark.parametrize(
+    "dims,reduction,scatter",
+    [
+        (d, red, sc)
+        for d in [("a",), ("b",), ("a", "b")]
+        for red in REDUCTIONS
+        for sc in [False, True]
+    ],
+)
+def test_reduce_grid(grid, dims, reduction, scatter):
+    x = mnb.remote(rank_tensor)(mesh=grid)
+    got = x.reduce(dims, reduction, scatter=scatter).fetch()
+    names = list(grid.dims)
+    reduced = tuple(sorted(names.index(d) for d in dims))
+    for members in NDSlice.contiguous((2, 2)).groups(reduced):
+        values = [local_value(r) for r in members]
+        for i, r in enumerate(members):
+            want = expected(values, reduction, scatter, i)
+            if reduction == "stack" and not scatter and len(dims) == 2:
+                want = want.view(2, 2, *want.shape[1:])
+            assert torch.allclose(got[r], want), (dims, reduction, scatter, r)
+
+
+def test_reduce_inplace_and_out(mesh):
+    x = mnb.remote(rank_tensor)(mesh=mesh)
+    out = mnb.remote(torch.zeros)(4, 3, mesh=mesh)
+    y = x.reduce("dp", "sum", out=out)
+    want = local_value(0) + local_value(1)
+    assert torch.equal(y.fetch(rank=0), want) and torch.equal(out.fetch(rank=1), want)
+    x.reduce("dp", "max", inplace=True)
+    assert torch.equal(x.fetch(rank=0), torch.maximum(local_value(0), local_value(1)))
+
+
+def test_failed_input_reports_original_failure_and_nobody_hangs(mesh):
+    def maybe_fail():
+        if mnb.current_rank() == 1:
+            raise RuntimeError("data loader broke")
+        return torch.ones(3)
+
+    x = mnb.remote(maybe_fail)(mesh=mesh)
+    y = x.reduce("dp", "sum")
+    z = mnb.remote(torch.mul)(y, 2, mesh=mesh)
+    for rank in (0, 1):
+        with pytest.raises(mnb.RemoteError, match="data loader broke") as ei:
+            z.fetch(rank=rank, timeout=60)
+        assert set(ei.value.failures) == {1}
+    errors = [e for e in mesh.status()["errors"] if "data loader broke" in e["message"]]
+    assert len(errors) == 1 and errors[0]["ranks"] == [1]  # reported once, no cascade
+    ok = mnb.remote(rank_tensor)(mesh=mesh).reduce("dp")
+    assert torch.equal(ok.fetch(rank=0), local_value(0) + local_value(1))
+
+
+def test_bad_collective_input_is_clear_and_mesh_keeps_serving(mesh):
+    x = mnb.remote(rank_tensor)(mesh=mesh)
+    with pytest.raises(ValueError, match="unknown dim 'tp'"):
+        x.reduce("tp")
+    with pytest.raises(ValueError, match="unknown reduction 'mean'"):
+        x.reduce("dp", "mean")
+    with mnb.local_mesh(dp=2, name="other") as other:
+        y = mnb.remote(torch.ones)(2, mesh=other)
+        with pytest.raises(mnb.RefUseError, match="another world"):
+            y.to_mesh(mesh)
+        with pytest.raises(mnb.RefUseError, match="lives on mesh 'other'"):
+            mnb.remote(torch.add)(y, 1, mesh=mesh)
+    uneven = mnb.remote(lambda: torch.ones(mnb.current_rank() + 1))(mesh=mesh)
+    with pytest.raises(mnb.RemoteError, match="one dtype and shape") as ei:
+        uneven.reduce("dp").fetch(timeout=60)
+    assert set(ei.value.failures) == {0, 1}
+    odd = mnb.remote(torch.ones)(3, mesh=mesh)
+    with pytest.raises(mnb.RemoteError, match="does not divide"):
+        odd.reduce("dp", scatter=True).fetch(rank=1, timeout=60)
+    not_tensor = mnb.remote(lambda: "text")(mesh=mesh)
+    with pytest.raises(mnb.RemoteError, match="not a tensor"):
+        not_tensor.reduce("dp").fetch(rank=0, timeout=60)
+    mesh.wait()
+    assert torch.equal(x.reduce("dp").fetch(rank=1), local_value(0) + local_value(1))
+
+
+def test_to_mesh(mesh):
+    a, b = mesh.slice(dp=0), mesh.slice(dp=1)
+    xa = mnb.remote(lambda: torch.arange(5.0) * 7)(mesh=a)
+    xb = xa.to_mesh(b)
+    assert xb.mesh.ranks == [1] and torch.equal(xb.fetch(rank=1), torch.arange(5.0) * 7)
+    # a swap: each rank sends to the other in one batched isend/irecv
+    x = mnb.remote(rank_tensor)(mesh=mesh)
+    swapped = x.to_mesh(mesh.slice(dp=slice(None, None, -1)))
+    got = swapped.fetch()
+    assert torch.equal(got[0], local_value(0)) and torch.equal(got[1], local_value(1))
+    assert swapped.mesh.ranks == [1, 0]
+    assert torch.equal(
+        mnb.remote(lambda t: t)(swapped, mesh=swapped.mesh).fetch(rank=0), local_value(1)
+    )
+    # same rank: a copy-on-write clone, still a copy
+    same = x.to_mesh(mesh)
+    mnb.remote(lambda t: t.add_(100))(x, mesh=mesh)
+    assert torch.equal(same.fetch(rank=0), local_value(0))
+
+
+def test_mesh_dims_slicing_rename_flatten(grid):
+    assert grid.dims == {"a": 2, "b": 2} and grid.size == 4 and grid.ranks == [0, 1, 2, 3]
+    assert grid.slice(a=1).ranks == [2, 3] and grid.slice(a=1).dims == {"b": 2}
+    assert grid.slice(b=slice(0, 1)).dims == {"a": 2, "b": 1}
+    assert grid.slice(b=slice(0, 1)).ranks == [0, 2]
+    assert grid.coords(3) == {"a": 1, "b": 1}
+    one = grid.slice(a=0, b=1)
+    assert one.ranks == [1] and one.dims == {}
+    r = grid.rename(a="data")
+    assert r.dims == {"data": 2, "b": 2}
+    x = mnb.remote(rank_tensor)(mesh=r)
+    assert torch.equal(x.reduce("data").fetch(rank=3), local_value(1) + local_value(3))
+    f = grid.flatten("all")
+    assert f.dims == {"all": 4} and f.ranks == [0, 1, 2, 3]
+    assert mnb.remote(mnb.current_coords)(mesh=grid).fetch() == [
+        {"a": 0, "b": 0},
+        {"a": 0, "b": 1},
+        {"a": 1, "b": 0},
+        {"a": 1, "b": 1},
+    ]
+    assert "<table>" in grid._repr_html_()
+    with pytest.raises(IndexError):
+        grid.slice(a=2)
+
+
+def test_streams_overlap_without_timing(mesh):
+    """The side stream waits for a flag that only the default stream sets: if the
+    streams did not run at the same time, the side stream would time out."""
+    side = mesh.stream("overlap")
+    mesh.exec("import threading\nflag = threading.Event()")
+    mesh.wait()  # streams are independent queues: define the flag before the side stream reads it
+    waiter = mesh.exec("flag.wait(20)", stream=side)
+    mesh.exec("flag.set()")
+    assert waiter.fetch() == [True, True]
+
+
+def test_two_streams_overlap_in_time(mesh):
+    side = mesh.stream("sleepy")
+    mesh.wait()
+    t0 = time.monotonic()
+    slow = mnb.remote(time.sleep)(1.0, mesh=mesh, stream=side)
+    fast = mnb.remote(torch.ones)(1, mesh=mesh)
+    fast.fetch()
+    t_fast = time.monotonic() - t0
+    slow.fetch()
+    t_slow = time.monotonic() - t0
+    assert (
+        t_fast < t_slow
+    )  # an ordering, not a speed: the default stream did not wait for the sleep
+
+
+def test_borrow_prevents_a_race(mesh):
+    side = mesh.stream("borrower")
+    x = mnb.remote(torch.ones)(3, mesh=mesh)
+    xs = x.borrow(side)
+
+    def slow_sum(t):
+        time.sleep(0.5)  # a race would mutate t meanwhile
+        return float(t.sum())
+
+    total = mnb.remote(slow_sum)(xs, mesh=mesh, stream=side)
+    del xs  # drop the borrow: the default stream waits for the borrower's last use
+    mnb.remote(lambda t: t.add_(100))(x, mesh=mesh)
+    assert total.fetch() == [3.0, 3.0]
+    assert x.fetch(rank=0).tolist() == [101.0, 101.0, 101.0]
+
+
+def test_borrow_first_use_waits_for_the_producer(mesh):
+    side = mesh.stream("late")
+
+    def slow_make():
+        time.sleep(0.5)
+        return torch.full((2,), 7.0)
+
+    x = mnb.remote(slow_make)(mesh=mesh)
+    xs = x.borrow(side)
+    y = mnb.remote(lambda t: t * 2)(xs, mesh=mesh, stream=side)
+    assert y.fetch(rank=0).tolist() == [14.0, 14.0]
+    with pytest.raises(mnb.RefUseError, match="borrow"):
+        mnb.remote(torch.neg)(x, mesh=mesh, stream=side)
+    # a collective on a borrowed value, on the borrowing stream
+    assert xs.reduce("dp").fetch(rank=1).tolist() == [14.0, 14.0]
+    del xs
+    mesh.wait()
+
+
+def test_collectives_on_several_streams(mesh):
+    side = mesh.stream("comm")
+    a = mnb.remote(rank_tensor)(mesh=mesh)
+    b = mnb.remote(rank_tensor)(mesh=mesh, stream=side)
+    ra, rb = a.reduce("dp"), b.reduce("dp", "max")
+    assert torch.equal(ra.fetch(rank=0), local_value(0) + local_value(1))
+    assert torch.equal(rb.fetch(rank=0), torch.maximum(local_value(0), local_value(1)))
+
+
+def test_distributed_is_initialised_on_workers(mesh):
+    got = mesh.exec(
+        "import torch.distributed as dist\n"
+        "t = torch.ones(1) * (rank + 1)\n"
+        "dist.all_reduce(t)\n"
+        "(dist.get_backend(), dist.get_world_size(), float(t))"
+    ).fetch()
+    assert got == [("gloo", 2, 3.0), ("gloo", 2, 3.0)]
+
+
+@pytest.mark.gpu
+def test_nccl_reduce_and_cuda_streams():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    with mnb.local_mesh(dp=2, name="gpus") as m:
+        assert m.backend == "nccl"
+        x = mnb.remote(lambda: torch.ones(1024, device="cuda") * (mnb.current_rank() + 1))(mesh=m)
+        assert x.reduce("dp").fetch(rank=0).tolist() == [3.0] * 1024
+        side = m.stream("comm")
+        xs = x.borrow(side)
+        y = mnb.remote(lambda t: (torch.cuda.current_stream().cuda_stream != 0, t * 2))(
+            xs, mesh=m, stream=side
+        )
+        on_side_stream, val = y.fetch(rank=1)
+        assert on_side_stream and val.device.type == "cpu" and float(val[0]) == 4.0
+        st = x.reduce("dp", "stack").fetch(rank=0)
+        assert st.shape == (2, 1024)
+        del xs
+        m.wait()
