@@ -332,3 +332,37 @@ def test_fetching_2gb_does_not_grow_memory(mesh):
     after = [p.memory_info().rss for p in procs]
     for b, a in zip(base, after):
         assert a <= b * 1.10, (base, after)
+
+
+def _env_sizes(mesh, want=None, timeout=10.0):
+    """Worker env sizes from status (health samples come once a second)."""
+    deadline = time.time() + timeout
+    while True:
+        sizes = [mesh.status()["ranks"][r]["env_size"] for r in mesh.ranks]
+        if want is None and None not in sizes or sizes == want or time.time() > deadline:
+            return sizes
+        time.sleep(0.1)
+
+
+def test_del_ref_frees_worker_memory(mesh):
+    mesh.wait()
+    base = _env_sizes(mesh)
+    refs = [mnb.remote(torch.ones)(1000, mesh=mesh) for _ in range(50)]
+    mesh.wait()
+    grown = _env_sizes(mesh, [b + 50 for b in base])
+    assert grown == [b + 50 for b in base]
+    del refs
+    mesh.wait()
+    assert _env_sizes(mesh, base) == base
+
+
+def test_stall_monitor_logs_a_long_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "1")
+    with mnb.local_mesh(dp=1, name="stally") as m1:
+        m1.exec("import time\ntime.sleep(3)").fetch(timeout=30)
+        deadline = time.time() + 5
+        tail = ""
+        while time.time() < deadline and "possible stall" not in tail:
+            tail = m1._controller._procs[0].tail_text()
+            time.sleep(0.1)
+        assert "possible stall" in tail and "time.sleep(3)" in tail

@@ -546,7 +546,7 @@ class Controller:
         self.state.progress(msg.rank, msg.streams)
 
     def _on_Health(self, msg: m.Health) -> None:
-        self.state.health(msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages)
+        self.state.health(msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size)
 
     def _on_Output(self, msg: m.Output) -> None:
         try:

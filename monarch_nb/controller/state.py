@@ -27,6 +27,7 @@ class WorkerState:
     gpu: dict | None = None
     last_seen: float = 0.0
     bad_messages: int = 0
+    env_size: int | None = None
     # stream id -> [last started ident, last finished ident, commands done]
     progress: dict = field(default_factory=dict)
     paused: dict = field(default_factory=dict)  # stream id -> {"file", "line", "function"}
@@ -90,9 +91,9 @@ class MeshState:
                 w.progress[sid] = list(v) if old is None else [max(a, b) for a, b in zip(old, v)]
             self._prune()
 
-    def health(self, rank: int, rss: int, cpu: float, gpu, bad: int) -> None:
+    def health(self, rank: int, rss: int, cpu: float, gpu, bad: int, env_size: int) -> None:
         w = self.workers[rank]
-        w.rss, w.cpu, w.gpu, w.bad_messages = rss, cpu, gpu, bad
+        w.rss, w.cpu, w.gpu, w.bad_messages, w.env_size = rss, cpu, gpu, bad, env_size
 
     def add_error(self, ident: int, rank: int, sid: int, failure) -> None:
         with self.lock:
@@ -161,6 +162,7 @@ class MeshState:
                     "gpu": w.gpu,
                     "heartbeat_age": (now - w.last_seen) if w.last_seen else None,
                     "bad_messages": w.bad_messages,
+                    "env_size": w.env_size,
                     "streams": streams,
                 }
             errors = self._grouped_errors()

@@ -263,6 +263,7 @@ class Health(NamedTuple):
     cpu: float
     gpu: dict | None
     bad_messages: int
+    env_size: int  # values held for Refs
 
 
 class InternalException(NamedTuple):

@@ -25,19 +25,31 @@ def _get(q: queue.SimpleQueue):
             continue
 
 
+def _cuda_stream(stream):
+    """The CUDA stream a worker stream runs its kernels on (None without CUDA).
+    Called on that stream's own thread, so the current stream is the right one
+    for the default stream."""
+    if not stream.worker.cuda:
+        return None
+    import torch
+
+    return stream.cuda_stream or torch.cuda.current_stream()
+
+
 def _event(stream):
-    if stream.cuda_stream is None:
+    cs = _cuda_stream(stream)
+    if cs is None:
         return None
     import torch
 
     e = torch.cuda.Event()
-    stream.cuda_stream.record_event(e)
+    cs.record_event(e)
     return e
 
 
 def _wait(stream, event) -> None:
-    if event is not None and stream.cuda_stream is not None:
-        stream.cuda_stream.wait_event(event)
+    if event is not None:
+        _cuda_stream(stream).wait_event(event)
 
 
 class Borrow:

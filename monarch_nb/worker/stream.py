@@ -139,6 +139,7 @@ class Stream:
         self.done = 0  # commands finished
         self.running: tuple | None = None  # (ident, what, since)
         self.in_user_code = False
+        self.stall_logged: int | None = None  # ident whose stall was logged
         self._lock = threading.Lock()
         self._interrupt_sent = False
         self.main_thread = main_thread

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 
 import zmq
 
@@ -35,6 +36,7 @@ logger = logging.getLogger("monarch_nb.worker")
 OUTPUT_AGE = 0.05  # flush output buffered longer than this
 PROGRESS_PERIOD = 0.1
 HEALTH_PERIOD = 1.0
+STALL_AFTER = float(os.environ.get("MONARCH_NB_STALL_SECONDS", "30"))
 DEFAULT_STREAM = 0
 
 
@@ -196,10 +198,34 @@ class Worker:
         if now >= self._next_health:
             self._next_health = now + HEALTH_PERIOD
             rss, cpu, gpu = self._health.sample()
-            self._send(m.Health(self.rank, os.getpid(), rss, cpu, gpu, self.bad_messages))
+            self._send(
+                m.Health(self.rank, os.getpid(), rss, cpu, gpu, self.bad_messages, len(self.env))
+            )
+            self._check_stalls()
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.error("controller (pid %d) is gone; exiting", self.parent_pid)
             os._exit(1)
+
+    def _check_stalls(self) -> None:
+        """Log what a stream has been doing once a command runs longer than STALL_AFTER."""
+        now = time.time()
+        for s in list(self.streams.values()):
+            running = s.running
+            if running is None or now - running[2] < STALL_AFTER or s.stall_logged == running[0]:
+                continue
+            s.stall_logged = running[0]
+            frame = sys._current_frames().get(s.thread_id or -1)
+            where = (
+                "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(no stack)"
+            )
+            logger.warning(
+                "possible stall: stream %r has run command %d (%s) for %.0f s; it is at:\n%s",
+                s.name,
+                running[0],
+                running[1],
+                now - running[2],
+                where,
+            )
 
     # ------------------------------------------------------------ helpers
 
