@@ -256,6 +256,11 @@ class DeviceMesh:
         if err is not None:
             raise err
 
+    @property
+    def debugger(self):
+        """The paused debugger sessions of this mesh's workers (remote pdb)."""
+        return self._controller.debugger
+
     def interrupt(self) -> None:
         """Raise KeyboardInterrupt in whatever runs on this mesh's workers."""
         self._controller.interrupt()

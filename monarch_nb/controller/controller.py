@@ -27,6 +27,7 @@ from ..protocol import BadMessage, Signer, decode, encode, new_secret
 from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
 from ..protocol.wire import BATCH
+from .debugger import DebugSessions
 from .errors import MeshClosedError, RemoteError, WorkerCrashed
 from .launcher import LocalLauncher, LocalProcess
 from .state import MeshState
@@ -121,6 +122,7 @@ class Controller:
         self._wake_pending = False
         self._stop = False
         self.on_output = print_output
+        self.debugger = DebugSessions(self)
         self._begin_generation()
         self._io = threading.Thread(target=self._io_loop, name=f"monarch-io-{name}", daemon=True)
         self._io.start()
@@ -554,6 +556,9 @@ class Controller:
         except Exception:
             logger.exception("output handler failed")
 
+    def _on_DebuggerMessage(self, msg: m.DebuggerMessage) -> None:
+        self.debugger.on_message(msg)
+
     def _on_InternalException(self, msg: m.InternalException) -> None:
         info = {"rank": msg.rank, **msg.failure._asdict()}
         self.state.internal_errors.append(info)
@@ -611,6 +616,7 @@ class Controller:
             logger.error("%s", str(err).splitlines()[0])
         pending, self._pending = self._pending, {}
         self._awaiting_failure = {}
+        self.debugger.clear()
         for p in pending.values():
             if not p.future.done():
                 p.future.set_exception(err)

@@ -125,6 +125,19 @@ class Exit(NamedTuple):
     pass
 
 
+class PostMortem(NamedTuple):
+    """Open pdb at the frame of the stream's last failure."""
+
+    ident: int
+    stream: int
+
+
+class ReleaseFailures(NamedTuple):
+    """Forget the failures kept for post-mortem (all streams when empty)."""
+
+    streams: tuple
+
+
 class DebuggerMessage(NamedTuple):
     """Debugger traffic for one paused stream, in either direction."""
 

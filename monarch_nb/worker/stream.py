@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bdb
 import ctypes
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +15,7 @@ import zmq
 
 from ..protocol import encode
 from ..protocol.messages import Output, RemoteFunctionFailed
-from . import capture
+from . import capture, debugger
 from .cell import DependentOnError
 from .failure import describe
 
@@ -140,6 +142,11 @@ class Stream:
         self.running: tuple | None = None  # (ident, what, since)
         self.in_user_code = False
         self.stall_logged: int | None = None  # ident whose stall was logged
+        self.debugger_queue: queue.SimpleQueue = queue.SimpleQueue()  # lines for a paused pdb
+        self.paused: dict | None = None  # where pdb waits, while it does
+        self.debug_session = None  # the RemotePdb tracing the running command, if any
+        self.interrupted_in_debugger = False
+        self.last_failure: BaseException | None = None  # kept for post-mortem
         self._lock = threading.Lock()
         self._interrupt_sent = False
         self.main_thread = main_thread
@@ -174,11 +181,14 @@ class Stream:
 
     def stop(self) -> None:
         self.q.put(_STOP)
+        if self.paused is not None:
+            self.debugger_queue.put(debugger.INTERRUPT)
 
     def run_forever(self) -> None:
         if not self.main_thread:
             self.thread_id = threading.get_ident()
         capture.set_outbox(self.outbox)
+        debugger.set_current_stream(self)
         if self.cuda_stream is not None:
             import torch
 
@@ -220,6 +230,11 @@ class Stream:
             for c in results:
                 c.set(e)
         except BaseException as e:  # noqa: B036 - SystemExit, KeyboardInterrupt: user code failed
+            if isinstance(e, bdb.BdbQuit) and self.interrupted_in_debugger:
+                e = KeyboardInterrupt("interrupted while paused in the debugger")
+            elif not isinstance(e, bdb.BdbQuit):
+                self.last_failure = e
+            self.interrupted_in_debugger = False
             failed = DependentOnError(ident)
             for c in results:
                 c.set(failed)
@@ -227,6 +242,9 @@ class Stream:
                 outbox.send(RemoteFunctionFailed(ident, self.worker.rank, self.id, describe(e)))
             del e
         finally:
+            if self.debug_session is not None:
+                sys.settrace(None)  # a session tracing this command ends with it
+                self.debug_session.end()
             outbox.flush()
             outbox.ident = None
             self.running = None
@@ -240,6 +258,9 @@ class Stream:
         with self._lock:
             if not self.in_user_code or self.thread_id is None:
                 return False
+            if self.paused is not None:  # pdb waits for a line: end the session instead
+                self.debugger_queue.put(debugger.INTERRUPT)
+                return True
             self._interrupt_sent = True
             if self.main_thread:
                 signal.pthread_kill(self.thread_id, signal.SIGINT)

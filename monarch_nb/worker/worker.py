@@ -23,7 +23,7 @@ import zmq
 from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
 from ..protocol.wire import resolve_function, split_batch, unpack_args
-from . import capture, context
+from . import capture, context, debugger
 from .borrow import Borrow
 from .cell import Cell, DependentOnError
 from .code import run_source
@@ -103,6 +103,7 @@ class Worker:
         default = Stream(self, DEFAULT_STREAM, "default", main_thread=True)
         self.streams[DEFAULT_STREAM] = default
         signal.signal(signal.SIGINT, self._on_sigint)
+        debugger.install()
         time.sleep = interruptible_sleep
         receiver = threading.Thread(target=self._receive_loop, name="monarch-receiver", daemon=True)
         receiver.start()
@@ -373,6 +374,28 @@ class Worker:
         self._exiting = True
         for s in list(self.streams.values()):
             s.stop()
+
+    # ------------------------------------------------------------ debugger
+
+    def DebuggerMessage(self, msg: m.DebuggerMessage) -> None:
+        self._stream(msg.stream).debugger_queue.put(msg.action)
+
+    def PostMortem(self, msg: m.PostMortem) -> None:
+        stream = self._stream(msg.stream)
+        rank = self.rank
+
+        def compute():
+            failure = stream.last_failure
+            if failure is None:
+                raise RuntimeError(f"no failure to debug on stream {stream.name!r} of rank {rank}")
+            debugger.post_mortem(stream, failure.__traceback__)
+
+        self._reply_value(msg.ident, msg.stream, compute, "post-mortem")
+
+    def ReleaseFailures(self, msg: m.ReleaseFailures) -> None:
+        for s in list(self.streams.values()):
+            if not msg.streams or s.id in msg.streams:
+                s.last_failure = None
 
     # ------------------------------------------------------------ collectives
 

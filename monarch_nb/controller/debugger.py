@@ -1,0 +1,180 @@
+"""Debugger sessions of paused worker streams, as the controller sees them.
+
+The IO thread feeds ``on_message`` with DebuggerMessages from workers; user
+threads (the notebook's inline prompt, ``%monarch_debug``, the dashboard's
+debugger panel, tests) list sessions, send lines and wait for the output up to
+the next prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..protocol import messages as m
+
+
+@dataclass
+class Session:
+    """One paused stream of one rank."""
+
+    rank: int
+    stream: int
+    stream_name: str
+    location: dict = field(default_factory=dict)
+    prompt: str | None = None  # set while pdb waits for a line
+    output: list = field(default_factory=list)  # text since the last line sent
+    ended: bool = False
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "stream": self.stream_name, **self.location}
+
+
+class DebugSessions:
+    def __init__(self, controller):
+        self._ctrl = controller
+        self._cond = threading.Condition()
+        self._sessions: dict[tuple, Session] = {}
+        self.listeners: list = []  # callables(event, session) on pause / resume (IO thread)
+
+    # -------------------------------------------------------------- IO thread
+
+    def on_message(self, msg: m.DebuggerMessage) -> None:
+        kind, payload = msg.action
+        key = (msg.rank, msg.stream)
+        state = self._ctrl.state
+        event = None
+        with self._cond:
+            s = self._sessions.get(key)
+            if s is None and kind != "resumed":
+                name = state.stream_names.get(msg.stream, str(msg.stream))
+                s = self._sessions[key] = Session(msg.rank, msg.stream, name)
+                event = "paused"
+            if kind == "paused":
+                s.location = {k: v for k, v in payload.items() if k != "ident"}
+                w = state.workers.get(msg.rank)
+                if w is not None:
+                    w.paused[msg.stream] = dict(s.location)
+            elif kind == "output":
+                s.output.append(payload)
+            elif kind == "prompt":
+                s.prompt = payload
+            elif kind == "running" and s is not None:
+                s.prompt = None
+                w = state.workers.get(msg.rank)
+                if w is not None:
+                    w.paused.pop(msg.stream, None)
+            elif kind == "resumed" and s is not None:
+                s.ended = True
+                s.prompt = None
+                del self._sessions[key]
+                w = state.workers.get(msg.rank)
+                if w is not None:
+                    w.paused.pop(msg.stream, None)
+                event = "resumed"
+            self._cond.notify_all()
+        if event is not None:
+            for fn in list(self.listeners):
+                try:
+                    fn(event, s)
+                except Exception:
+                    pass
+
+    def clear(self) -> None:
+        """Forget every session (the workers are gone)."""
+        with self._cond:
+            for s in self._sessions.values():
+                s.ended = True
+            self._sessions.clear()
+            self._cond.notify_all()
+
+    # -------------------------------------------------------------- user threads
+
+    def sessions(self) -> list[Session]:
+        with self._cond:
+            return sorted(self._sessions.values(), key=lambda s: (s.rank, s.stream))
+
+    def find(self, rank: int, stream: int | None = None) -> Session:
+        with self._cond:
+            for s in sorted(self._sessions.values(), key=lambda s: s.stream):
+                if s.rank == rank and (stream is None or s.stream == stream):
+                    return s
+        raise KeyError(f"no paused session on rank {rank}")
+
+    def wait_any(self, timeout: float) -> bool:
+        """Wait until some session is paused at a prompt."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(s.prompt is not None for s in self._sessions.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def take_output(self, s: Session) -> str:
+        with self._cond:
+            text = "".join(s.output)
+            s.output.clear()
+            return text
+
+    def send(self, s: Session, line: str) -> None:
+        """Send one line to the session's pdb."""
+        with self._cond:
+            if s.ended:
+                raise KeyError(f"the session on rank {s.rank} has ended")
+            s.prompt = None
+            s.output.clear()
+        self._ctrl.send(m.DebuggerMessage(s.rank, s.stream, line), [s.rank], check=False)
+
+    def wait_reply(self, s: Session, timeout: float = 60.0) -> tuple[str, str | None]:
+        """Output up to the next prompt, and that prompt (None: the session ended
+        or nothing came within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while s.prompt is None and not s.ended:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._ctrl.usable:
+                    break
+                self._cond.wait(min(left, 0.5))
+            text = "".join(s.output)
+            s.output.clear()
+            return text, s.prompt
+
+    def command(self, s: Session, line: str, timeout: float = 60.0) -> str:
+        self.send(s, line)
+        return self.wait_reply(s, timeout)[0]
+
+    # -------------------------------------------------------------- conveniences
+
+    def run(self, rank: int, line: str, stream: int | None = None, timeout: float = 60.0) -> str:
+        """Send ``line`` to the session paused on ``rank``; its output up to the next prompt."""
+        return self.command(self.find(rank, stream), line, timeout)
+
+    def cast(self, ranks, line: str, timeout: float = 60.0) -> dict:
+        """Send ``line`` to the sessions on ``ranks`` (None: every paused one);
+        rank -> output. Lines go out first, then the replies are collected."""
+        targets = [s for s in self.sessions() if ranks is None or s.rank in ranks]
+        for s in targets:
+            self.send(s, line)
+        return {s.rank: self.wait_reply(s, timeout)[0] for s in targets}
+
+    def continue_all(self) -> None:
+        for s in self.sessions():
+            if not s.ended:
+                self.send(s, "continue")
+
+    def post_mortem(self, rank: int, stream: int = 0):
+        """Open pdb at the frame of the last failure on ``stream`` of ``rank``;
+        returns the Future of that command (it ends when the session does)."""
+        ctrl = self._ctrl
+        ctrl.check_usable()
+        ident = ctrl.next_ident()
+        fut = ctrl.expect(ident, [rank], single=True, what=f"post-mortem on rank {rank}")
+        ctrl.send(m.PostMortem(ident, stream), [rank], stream, "post-mortem")
+        return fut
+
+    def release(self, streams=()) -> None:
+        """Forget the failures that workers keep for post-mortem."""
+        self._ctrl.send(m.ReleaseFailures(tuple(streams)), None)

@@ -1,0 +1,211 @@
+"""Remote pdb: a real Pdb on the stream that hit ``breakpoint()``.
+
+Its input comes from that stream's debugger queue (fed by DebuggerMessage from
+the controller); its output, prompts and pause state go to the controller as
+DebuggerMessage. Only that stream of that rank pauses: the receiver thread and
+the other streams keep running.
+
+Actions sent to the controller: ("paused", location) when pdb stops,
+("output", text), ("prompt", prompt) when it waits for a line, ("running",
+None) when it leaves the prompt but keeps tracing (``n``, ``s``, ``c`` with
+breakpoints), ("resumed", None) when the session is over (tracing stopped, or
+the command ended).
+"""
+
+from __future__ import annotations
+
+import code
+import io
+import os
+import pdb
+import queue
+import sys
+import threading
+
+from ..protocol.messages import DebuggerMessage
+
+_POLL = 0.05
+_current = threading.local()  # .stream: the stream whose thread this is
+INTERRUPT = object()  # put in a debugger queue: end the session as an interrupt
+
+
+def set_current_stream(stream) -> None:
+    _current.stream = stream
+
+
+class _Input(io.TextIOBase):
+    """Pdb's stdin: lines from the stream's debugger queue."""
+
+    def __init__(self, session: RemotePdb):
+        self._session = session
+
+    def readable(self) -> bool:
+        return True
+
+    def readline(self, size: int = -1) -> str:
+        return self._session.next_line()
+
+
+class _Output(io.TextIOBase):
+    """Pdb's stdout: text sent to the controller."""
+
+    def __init__(self, session: RemotePdb):
+        self._session = session
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self._session.send("output", s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+class RemotePdb(pdb.Pdb):
+    """A Pdb whose terminal is the notebook."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.rank = stream.worker.rank
+        super().__init__(stdin=_Input(self), stdout=_Output(self), nosigint=True, readrc=False)
+        self.use_rawinput = False
+        self.prompt = f"(Pdb r{self.rank}) "
+        self._paused_sent = False
+
+    # -------------------------------------------------------------- wire
+
+    def send(self, kind: str, payload) -> None:
+        s = self.stream
+        s.outbox.send(DebuggerMessage(self.rank, s.id, (kind, payload)))
+
+    def location(self) -> dict:
+        f = self.curframe
+        if f is None:
+            return {"file": None, "line": None, "function": None}
+        return {
+            "file": f.f_code.co_filename,
+            "line": f.f_lineno,
+            "function": f.f_code.co_name,
+            "ident": self.stream.running[0] if self.stream.running else None,
+        }
+
+    def next_line(self) -> str:
+        loc = self.location()
+        self.stream.paused = loc
+        self.send("paused", loc)
+        self.send("prompt", self.prompt)
+        q = self.stream.debugger_queue
+        while True:
+            try:
+                line = q.get(timeout=_POLL)
+                break
+            except queue.Empty:
+                continue
+        if line is INTERRUPT:
+            self.stream.interrupted_in_debugger = True
+            return "q\n"
+        return line if line.endswith("\n") else line + "\n"
+
+    # -------------------------------------------------------------- session
+
+    def interaction(self, frame, tb_or_exc):
+        self.stream.debug_session = self
+        try:
+            super().interaction(frame, tb_or_exc)
+        finally:
+            self.stream.paused = None
+            if sys.gettrace() is None or self.quitting:
+                self.end()
+            else:
+                self.send("running", None)
+
+    def end(self) -> None:
+        """The session is over: say so once."""
+        if self.stream.debug_session is self:
+            self.stream.debug_session = None
+            self.stream.paused = None
+            self.send("resumed", None)
+
+    def do_interact(self, arg):
+        """interact: an interactive interpreter in the current scope (input from the notebook)."""
+        ns = {**self.curframe.f_globals, **self.curframe_locals}
+        console = _Console(self, ns)
+        console.interact("*interactive* (exit with Ctrl-D or exit())", exitmsg="")
+
+    do_interact.__doc__ = pdb.Pdb.do_interact.__doc__
+
+
+class _Console(code.InteractiveConsole):
+    def __init__(self, session: RemotePdb, ns: dict):
+        super().__init__(ns)
+        self._session = session
+
+    def write(self, data: str) -> None:
+        self._session.send("output", data)
+
+    def raw_input(self, prompt: str = "") -> str:
+        s = self._session
+        s.send("prompt", prompt)
+        q = s.stream.debugger_queue
+        while True:
+            try:
+                line = q.get(timeout=_POLL)
+                break
+            except queue.Empty:
+                continue
+        if line is INTERRUPT:
+            s.stream.interrupted_in_debugger = True
+            raise EOFError
+        line = line.rstrip("\n")
+        if line in ("exit()", "quit()", "\x04", "EOF"):
+            raise EOFError
+        return line
+
+    def runcode(self, code_obj):
+        out = _Output(self._session)
+        old_out, old_err = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = out
+        try:
+            super().runcode(code_obj)
+        finally:
+            sys.stdout, sys.stderr = old_out, old_err
+
+
+def set_trace(frame=None) -> None:
+    """``pdb.set_trace`` / ``breakpoint()`` on a worker: pause this stream only."""
+    stream = getattr(_current, "stream", None)
+    if stream is None:
+        print(
+            "monarch_nb: breakpoint() outside a stream thread is ignored (no notebook to talk to)",
+            file=sys.__stderr__,
+        )
+        return
+    if frame is None:
+        frame = sys._getframe().f_back
+    RemotePdb(stream).set_trace(frame)
+
+
+def breakpointhook(*args, **kwargs) -> None:
+    set_trace(sys._getframe().f_back)
+
+
+def post_mortem(stream, tb) -> None:
+    """Open the session at the frame that raised ``tb`` (on the stream's own thread)."""
+    p = RemotePdb(stream)
+    p.reset()
+    try:
+        p.interaction(None, tb)
+    finally:
+        p.end()
+
+
+def install() -> None:
+    """Make ``breakpoint()`` and ``pdb.set_trace()`` remote; a PYTHONBREAKPOINT set by the user wins."""
+    if not os.environ.get("PYTHONBREAKPOINT"):
+        sys.breakpointhook = breakpointhook
+    pdb.set_trace = set_trace
+
+
+__all__ = ["INTERRUPT", "RemotePdb", "install", "post_mortem", "set_trace"]
