@@ -14,7 +14,7 @@ def dbg(mesh):
 
 def test_breakpoint_pauses_only_that_stream(mesh, dbg):
     r = mesh.exec("x = rank * 10\nbreakpoint()\ny = x + 1\ny")
-    assert dbg.wait_any(20)
+    assert dbg.wait_any(20, count=2)
     sessions = {s.rank: s for s in dbg.sessions()}
     assert set(sessions) == {0, 1}
     assert sessions[1].location["file"].startswith("<monarch-exec-")
@@ -82,7 +82,7 @@ def test_post_mortem_and_interact(mesh, dbg):
 
 def test_interrupt_while_paused(mesh, dbg):
     r = mesh.exec("breakpoint()\n1")
-    assert dbg.wait_any(20)
+    assert dbg.wait_any(20, count=2)
     mesh.interrupt()
     with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt"):
         r.fetch(timeout=20)
@@ -92,7 +92,7 @@ def test_interrupt_while_paused(mesh, dbg):
 
 def test_quit_ends_the_command(mesh, dbg):
     r = mesh.exec("breakpoint()\n1")
-    assert dbg.wait_any(20)
+    assert dbg.wait_any(20, count=2)
     dbg.cast(None, "q")
     with pytest.raises(mnb.RemoteError, match="BdbQuit"):
         r.fetch(timeout=20)

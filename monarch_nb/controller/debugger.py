@@ -102,11 +102,11 @@ class DebugSessions:
                     return s
         raise KeyError(f"no paused session on rank {rank}")
 
-    def wait_any(self, timeout: float) -> bool:
-        """Wait until some session is paused at a prompt."""
+    def wait_any(self, timeout: float, count: int = 1) -> bool:
+        """Wait until ``count`` sessions (at least) are paused at a prompt."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not any(s.prompt is not None for s in self._sessions.values()):
+            while sum(s.prompt is not None for s in self._sessions.values()) < count:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
