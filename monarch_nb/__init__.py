@@ -13,13 +13,17 @@ In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 from .controller.errors import MeshClosedError, RemoteError, WorkerCrashed
 from .mesh import DeviceMesh, Stream, get_mesh, local_mesh
 from .protocol.wire import RefUseError
+from .recording import Compiled, RecordingError, compile
 from .remote import Ref, RemoteFunction, remote
 from .worker.context import current_coords, current_rank, current_size
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Compiled",
     "DeviceMesh",
+    "RecordingError",
+    "compile",
     "MeshClosedError",
     "Ref",
     "RefUseError",

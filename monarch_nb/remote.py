@@ -6,6 +6,7 @@ import functools
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from .controller.controller import recording_trace
 from .protocol import messages as m
 from .protocol.wire import RefUseError, function_ref, is_by_value, pack_args, register_ref_type
 
@@ -131,8 +132,7 @@ class Ref:
             raise ValueError(
                 f"reduction {reduction!r} with scatter={scatter} cannot be in place: the result has a new shape"
             )
-        if out is not None:
-            check_refs([out], mesh, stream)
+        check_refs([self] if out is None else [self, out], mesh, stream)
         ctrl = mesh._controller
         ctrl.check_usable()
         self._first_use()
@@ -236,6 +236,8 @@ register_ref_type(Ref, Ref._wire_id)
 def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
     """Refs passed to a command must live on its mesh and stream. A borrow's
     first use is announced before the command that makes it."""
+    if recording_trace.active is not None:
+        recording_trace.active.note(refs)
     for r in refs:
         if r.mesh._controller is not mesh._controller:
             raise RefUseError(

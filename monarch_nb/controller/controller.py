@@ -42,6 +42,13 @@ MAX_FAILURES_KEPT = 10_000
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
+class _RecordingTrace(threading.local):
+    active = None  # the _Trace of the mnb.compile recording running on this thread
+
+
+recording_trace = _RecordingTrace()
+
+
 @atexit.register
 def _shutdown_all() -> None:
     for c in list(_live):
@@ -225,8 +232,10 @@ class Controller:
         command whose progress MeshState tracks."""
         if check:
             self.check_usable()
-        frames = encode(msg, self.signer)
         targets = range(self.world) if ranks is None else ranks
+        if stream is not None and recording_trace.active is not None:
+            recording_trace.active.observe(msg, targets)
+        frames = encode(msg, self.signer)
         if stream is not None:
             self.state.record_sent(msg.ident, stream, tuple(targets), what)
         big = len(frames) > 2 and sum(memoryview(f).nbytes for f in frames[2:]) > BIG_SEND
@@ -595,6 +604,8 @@ class Controller:
                 code = None
         if code is None:
             return
+        if self._procs.get(p.rank) is not p:
+            return  # a worker of an earlier generation (restart) whose pipe closed late
         w = self.state.workers.get(p.rank)
         if w is None or (not w.alive and w.exit is not None):
             return

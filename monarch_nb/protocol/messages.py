@@ -125,6 +125,24 @@ class Exit(NamedTuple):
     pass
 
 
+class DefineRecording(NamedTuple):
+    """Commands captured by ``mnb.compile`` (those that concern the receiving rank)."""
+
+    recording: int
+    name: str
+    commands: tuple
+
+
+class CallRecording(NamedTuple):
+    """Replay a recording: ``inputs`` pairs (recorded ref id, actual ref id);
+    ``results`` pairs (recorded ref id, new ref id)."""
+
+    ident: int
+    recording: int
+    inputs: tuple
+    results: tuple
+
+
 class PostMortem(NamedTuple):
     """Open pdb at the frame of the stream's last failure."""
 

@@ -76,6 +76,7 @@ class Worker:
         }
         self._sent_progress: dict = {}
         self.borrows: dict[int, tuple] = {}  # borrow id -> (Borrow, result cell)
+        self.recordings: dict[int, object] = {}
         self._comms = None
 
     # ------------------------------------------------------------ sockets
@@ -374,6 +375,32 @@ class Worker:
         self._exiting = True
         for s in list(self.streams.values()):
             s.stop()
+
+    # ------------------------------------------------------------ recordings
+
+    def DefineRecording(self, msg: m.DefineRecording) -> None:
+        from .recording import Recording
+
+        self.recordings[msg.recording] = Recording(msg)
+
+    def CallRecording(self, msg: m.CallRecording) -> None:
+        rec = self.recordings[msg.recording]
+        inputs = {rid: self._cell(actual) for rid, actual in msg.inputs}
+        outputs = {}
+        for rid, new in msg.results:
+            outputs[rid] = self.env[new] = Cell()
+        for sid in rec.streams:
+            produced = [rid for rid in outputs if rid in rec.produces[sid]]
+
+            def work(sid=sid, produced=produced):
+                values = {rid: _raw(c) for rid, c in inputs.items()}
+                try:
+                    rec.replay(self, sid, msg.ident, values)
+                finally:
+                    for rid in produced:
+                        outputs[rid].set(values.get(rid, DependentOnError(msg.ident)))
+
+            self._stream(sid).schedule(msg.ident, f"compiled {rec.name}", work)
 
     # ------------------------------------------------------------ debugger
 
