@@ -30,7 +30,7 @@ import traceback
 
 from ._report import Entry, failed_entry
 
-MODULES = ("benchmarks.core", "benchmarks.collectives")
+MODULES = ("benchmarks.core", "benchmarks.collectives", "benchmarks.recording")
 
 PEERS_FOOTER = (
     "measured here earlier: Ray actor call 1.0 ms; ipyparallel 6.6–9.4 ms; "

@@ -48,22 +48,36 @@ def _bind(obj, values: dict):
     return obj
 
 
+def _flat_slots(args: tuple) -> list | None:
+    """Positions of the Refs in a flat argument tuple, or None if some are nested."""
+    slots = []
+    for i, a in enumerate(args):
+        if type(a) is _Slot:
+            slots.append((i, a.rid))
+        elif _has_slot(a):
+            return None
+    return slots
+
+
 class _Step:
     """One recorded command, ready to run."""
 
-    __slots__ = ("kind", "result", "fn", "args", "kwargs", "bound", "msg")
+    __slots__ = ("kind", "result", "fn", "args", "kwargs", "slots", "nested", "msg")
 
     def __init__(self, msg):
         self.msg = msg
         self.kind = type(msg).__name__
         self.result = getattr(msg, "result", None)
         self.fn = None
-        self.args, self.kwargs, self.bound = (), {}, True
+        self.args, self.kwargs, self.slots, self.nested = (), {}, [], False
         if self.kind == "CallFunction":
             self.fn = resolve_function(msg.function)
             self.args, self.kwargs = unpack_args(msg.args, _Slot)
-            # arguments without Refs are reused as they are; others are bound per replay
-            self.bound = not (_has_slot(self.args) or _has_slot(self.kwargs))
+            # arguments without Refs are reused as they are; flat Refs are filled in
+            # by position; anything nested is rebuilt per replay
+            slots = _flat_slots(self.args)
+            self.nested = slots is None or _has_slot(self.kwargs)
+            self.slots = slots or []
 
 
 class Recording:
@@ -83,6 +97,17 @@ class Recording:
         first_failure = None
         for step in self.streams.get(stream_id, ()):
             try:
+                if step.fn is not None and not step.nested:
+                    args = step.args
+                    if step.slots:
+                        args = list(args)
+                        for i, rid in step.slots:
+                            v = values[rid]
+                            if type(v) is DependentOnError:
+                                raise v
+                            args[i] = v
+                    values[step.result] = step.fn(*args, **step.kwargs)
+                    continue
                 values[step.result] = self._run(worker, step, values)
             except DependentOnError as e:
                 if step.result is not None:
@@ -99,8 +124,6 @@ class Recording:
     def _run(worker, step: _Step, values: dict):
         kind = step.kind
         if kind == "CallFunction":
-            if step.bound:
-                return step.fn(*step.args, **step.kwargs)
             return step.fn(*_bind(step.args, values), **_bind(step.kwargs, values))
         msg = step.msg
         if kind == "Reduce":

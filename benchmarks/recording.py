@@ -1,0 +1,63 @@
+"""``recording``: a step of 100 small remote ops replayed with ``mnb.compile`` vs
+the same step sent op by op, on ``local_mesh(dp=2)``."""
+
+from __future__ import annotations
+
+import time
+
+from ._report import Entry, interleaved
+
+OPS = 100
+
+
+def add_one(t):
+    """The small remote op: module-level, so it goes by reference."""
+    return t + 1
+
+
+def bench_recording(quick: bool) -> list[Entry]:
+    import torch
+
+    import monarch_nb as mnb
+
+    steps, reps = (10, 5) if quick else (30, 7)
+    mesh = mnb.local_mesh(dp=2)
+    try:
+        f = mnb.remote(add_one)
+        x = mnb.remote(torch.zeros)(4, mesh=mesh)
+
+        def step(t):
+            for _ in range(OPS):
+                t = f(t)
+            return t
+
+        compiled = mnb.compile(step)
+        compiled(x)
+        mesh.wait()
+
+        def run(fn) -> float:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = fn(x)
+            mesh.wait()
+            assert out.fetch(rank=0)[0].item() == OPS
+            return steps / (time.perf_counter() - t0)
+
+        ours, base, _, _ = interleaved(lambda: run(compiled), lambda: run(step), reps)
+    finally:
+        mesh.shutdown()
+    return [
+        Entry(
+            "recording",
+            ours,
+            base,
+            "steps/s",
+            ">= 10",
+            f"the same step of {OPS} remote ops (t = add_one(t)) sent op by op",
+            note=f"mnb.compile replays the recorded step with one CallRecording per call; "
+            f"{steps} steps then mesh.wait(), dp=2; median of {reps}",
+        )
+    ]
+
+
+BENCHMARKS = [("recording", bench_recording)]
