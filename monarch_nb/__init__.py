@@ -14,7 +14,7 @@ from .controller.errors import MeshClosedError, RemoteError, WorkerCrashed
 from .mesh import DeviceMesh, Stream, get_mesh, local_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
-from .remote import Ref, RemoteFunction, remote
+from .remote import ProcessGroup, Ref, RemoteFunction, remote
 from .worker.context import current_coords, current_rank, current_size
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "RecordingError",
     "compile",
     "MeshClosedError",
+    "ProcessGroup",
     "Ref",
     "RefUseError",
     "RemoteError",

@@ -12,7 +12,7 @@ from .controller.errors import MeshClosedError
 from .protocol import messages as m
 from .protocol.ndslice import NDSlice
 from .protocol.wire import pack_args
-from .remote import Ref, check_refs
+from .remote import ProcessGroup, Ref, check_refs
 
 _meshes: dict[str, DeviceMesh] = {}  # root meshes by name
 _default: list = [None]  # the most recently created or activated mesh
@@ -255,6 +255,19 @@ class DeviceMesh:
         err = ctrl.take_unreported()
         if err is not None:
             raise err
+
+    def process_group(self, dims) -> ProcessGroup:
+        """A handle that a remote function receives as the torch.distributed group
+        over ``dims`` (a name or several) for the stream the call runs on."""
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        for d in dims:
+            if d not in self._names:
+                raise ValueError(
+                    f"unknown dim {d!r}: mesh {self.name!r} has dims {list(self._names)}"
+                )
+        if not dims:
+            raise ValueError("process_group() needs at least one dim")
+        return ProcessGroup(self, dims)
 
     @property
     def debugger(self):

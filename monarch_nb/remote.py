@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import functools
+import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .controller.controller import recording_trace
 from .protocol import messages as m
-from .protocol.wire import RefUseError, function_ref, is_by_value, pack_args, register_ref_type
+from .protocol.wire import (
+    RefUseError,
+    function_ref,
+    is_by_value,
+    load_group,
+    pack_args,
+    register_ref_type,
+    register_special_type,
+)
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh, Stream
@@ -231,6 +240,35 @@ class Ref:
 
 
 register_ref_type(Ref, Ref._wire_id)
+_packing = threading.local()  # .stream: the stream of the call whose arguments are pickled
+
+
+class ProcessGroup:
+    """``mesh.process_group(dims)``: passed to a remote function, it arrives as the
+    real torch.distributed group over those dims for the stream the call runs on."""
+
+    def __init__(self, mesh: DeviceMesh, dims: tuple):
+        self.mesh = mesh
+        self.dims = dims
+        names = list(mesh.dims)
+        self._reduced = tuple(sorted(names.index(d) for d in dims))
+
+    def _reduce(self):
+        stream = getattr(_packing, "stream", None)
+        if stream is None:
+            raise RefUseError(
+                "a process group can only be passed as an argument of a remote function"
+            )
+        if stream.mesh._controller is not self.mesh._controller:
+            raise RefUseError(f"this process group belongs to mesh {self.mesh.name!r}")
+        key = self.mesh._controller.process_group(self.mesh._slice, self._reduced, stream.id)
+        return (load_group, (key,))
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup over {list(self.dims)} of mesh {self.mesh.name!r}>"
+
+
+register_special_type(ProcessGroup, ProcessGroup._reduce)
 
 
 def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
@@ -282,9 +320,16 @@ class RemoteFunction:
         mesh, stream = resolve_target(mesh, stream)
         ctrl = mesh._controller
         ctrl.check_usable()
-        packed, refs = pack_args(args, kwargs) if (args or kwargs) else (None, ())
+        if args or kwargs:
+            _packing.stream = stream
+            try:
+                packed, refs = pack_args(args, kwargs)
+            finally:
+                _packing.stream = None
+        else:
+            packed, refs = None, ()
         if refs:
-            check_refs(refs, mesh, stream)
+            check_refs([r for r in refs if type(r) is Ref], mesh, stream)
         function = self._function()
         result = ctrl.next_id()
         ident = ctrl.next_ident()

@@ -278,3 +278,28 @@ def test_nccl_reduce_and_cuda_streams():
         assert st.shape == (2, 1024)
         del xs
         m.wait()
+
+
+def allreduce_with(group, t):
+    import torch.distributed as dist
+
+    dist.all_reduce(t, group=group)
+    return t, dist.get_world_size(group)
+
+
+def test_remote_process_group(grid):
+    pg = grid.process_group("b")
+    x = mnb.remote(rank_tensor)(mesh=grid)
+    out = mnb.remote(allreduce_with)(pg, x, mesh=grid).fetch()
+    for r, (t, size) in enumerate(out):
+        partner = r ^ 1  # b is the inner dim: ranks 0-1 and 2-3
+        assert size == 2 and torch.equal(t, local_value(r) + local_value(partner))
+    side = grid.stream("pg-side")
+    y = mnb.remote(rank_tensor)(mesh=grid, stream=side)
+    both = mnb.remote(allreduce_with)(grid.process_group(("a", "b")), y, mesh=grid, stream=side)
+    t, size = both.fetch(rank=2)
+    assert size == 4 and torch.equal(t, sum(local_value(r) for r in range(4)))
+    with pytest.raises(ValueError, match="unknown dim"):
+        grid.process_group("zz")
+    with pytest.raises(mnb.RefUseError, match="remote function"):
+        grid.push(g=pg)

@@ -99,6 +99,28 @@ def register_ref_type(cls: type, get_id: Callable[[Any], int]) -> None:
     _ref_types[cls] = get_id
 
 
+_special_types: dict[type, Callable[[Any], tuple]] = {}
+_group_resolver: list = [None]
+
+
+def register_special_type(cls: type, reduce: Callable[[Any], tuple]) -> None:
+    """Instances of ``cls`` in call arguments pickle as ``reduce(obj)`` and are
+    reported among the call's Refs (e.g. process group handles)."""
+    _special_types[cls] = reduce
+
+
+def set_group_resolver(fn: Callable[[int], Any]) -> None:
+    """Worker side: how a process group key becomes the torch.distributed group."""
+    _group_resolver[0] = fn
+
+
+def load_group(key: int):
+    """Unpickling a process group handle on a worker yields the real group."""
+    if _group_resolver[0] is None:
+        raise RuntimeError("a process group can only be used inside worker code")
+    return _group_resolver[0](key)
+
+
 _tls = threading.local()
 
 
@@ -215,6 +237,12 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj):
         cls = type(obj)
+        special = _special_types.get(cls)
+        if special is not None:
+            if self._refs is None:
+                raise pickle.PicklingError(f"{cls.__name__} cannot be sent here")
+            self._refs.append(obj)
+            return special(obj)
         get_id = _ref_types.get(cls)
         if get_id is not None:
             if self._refs is None:
@@ -260,7 +288,7 @@ def pack_args(args: tuple, kwargs: dict) -> tuple[Args, list]:
         payload, buffers = dumps((args, kwargs), refs)
     except TypeError as e:
         raise TypeError(f"cannot send the arguments: {e}") from None
-    ids = tuple(dict.fromkeys(_ref_types[type(r)](r) for r in refs))
+    ids = tuple(dict.fromkeys(_ref_types[type(r)](r) for r in refs if type(r) in _ref_types))
     return Args(payload, tuple(buffers), ids), refs
 
 

@@ -249,9 +249,11 @@ class Worker:
     @property
     def comms(self):
         if self._comms is None:
+            from ..protocol.wire import set_group_resolver
             from .collectives import Comms
 
             self._comms = Comms(self.rank, self.world)
+            set_group_resolver(lambda key: self._comms.group(key)[0])
         return self._comms
 
     def _cell(self, ref_id: int | None) -> Cell | None:
