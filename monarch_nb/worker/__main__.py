@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         format=f"[monarch worker {rank}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # headless: matplotlib renders with Agg; %%monarch cells send figures home
+    os.environ["MPLBACKEND"] = "module://monarch_nb.worker.mpl_backend"
     import torch  # noqa: F401 - import before any thread starts (and before CUDA init)
 
     if torch.cuda.is_available():

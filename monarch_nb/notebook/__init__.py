@@ -1,0 +1,34 @@
+"""The notebook layer: ``%load_ext monarch_nb`` registers ``%monarch_mesh`` and ``%%monarch``.
+
+Modules: ``magics`` (the magics and their arguments' meaning), ``args``
+(parsing), ``cell`` (running one ``%%monarch`` cell), ``output`` (worker
+output to the right cell: folding, coalescing), ``publish`` (IOPub messages
+under a chosen cell, the ticker thread), ``results`` (values, figures and
+failures as displays), ``push`` (notebook names a cell takes along),
+``display`` (the mesh status view).
+"""
+
+from __future__ import annotations
+
+from .results import RemoteCellError
+
+_loaded: dict = {}
+
+
+def load_ipython_extension(ipython) -> None:
+    from .magics import MonarchMagics
+
+    if id(ipython) in _loaded:
+        return
+    magics = MonarchMagics(ipython)
+    ipython.register_magics(magics)
+    _loaded[id(ipython)] = magics
+
+
+def unload_ipython_extension(ipython) -> None:
+    magics = _loaded.pop(id(ipython), None)
+    if magics is not None:
+        magics.close()
+
+
+__all__ = ["RemoteCellError", "load_ipython_extension", "unload_ipython_extension"]

@@ -1,0 +1,217 @@
+"""One ``%%monarch`` cell on its ranks: send it, wait for it (or not), interrupt it,
+and show its output, values, figures and failures under the cell that ran it.
+
+On the wire a cell is two commands on the chosen stream of each target rank:
+``CallFunction(run_cell)`` (which runs the source in the worker's namespace
+and reports a failure like any command) and ``SendValue(take_result)`` right
+behind it, whose reply carries the mimebundle of the last expression and the
+figures. Everything a stream sends travels in order on one socket, so when
+the replies of ``take_result`` are in, so are the cell's output and failures.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from ..controller import MeshClosedError, RemoteError, format_ranks
+from ..protocol import messages as m
+from ..protocol.wire import function_ref, pack_args
+from ..remote import check_refs
+from ..worker import display as worker_display
+from .output import CellSink, OutputHub
+from .results import RemoteCellError, render_failures, result_displays
+
+INTERRUPT_WAIT = 5.0  # seconds to wait for interrupted ranks to report KeyboardInterrupt
+POLL = 0.25
+
+_functions: dict = {}
+
+
+def _fn(name: str) -> m.Function:
+    f = _functions.get(name)
+    if f is None:
+        f = _functions[name] = function_ref(getattr(worker_display, name))
+    return f
+
+
+class CellRun:
+    def __init__(
+        self,
+        hub: OutputHub,
+        mesh,
+        ranks: list,
+        stream,
+        source: str,
+        filename: str,
+        names: tuple,
+        parent,
+        label: str,
+        what: str | None = None,
+    ):
+        self.hub = hub
+        self.mesh = mesh
+        self.ranks = list(ranks)
+        self.stream = stream
+        self.source = source
+        self.filename = filename
+        self.names = names
+        self.parent = parent
+        self.label = label
+        self.what = what or label
+        self.ctrl = mesh._controller
+        self.ident: int | None = None
+        self.future: Future | None = None
+        self.sink: CellSink | None = None
+        self.router = None
+        self._finished = False
+
+    # ------------------------------------------------------------ sending
+
+    def send(self) -> None:
+        ctrl = self.ctrl
+        try:
+            ctrl.check_usable()
+        except MeshClosedError as e:
+            raise RemoteCellError({}, None, f"{e}: create it again with %monarch_mesh") from None
+        except RemoteError as e:
+            raise RemoteCellError(
+                e.failures,
+                e.ident,
+                f"mesh {self.mesh.name!r} is broken ({e.context}); "
+                f"restart it with %monarch_mesh --restart",
+            ) from None
+        self.ident = ident = ctrl.next_ident()
+        # run_cell keeps the result under the command's own ident, for take_result
+        args, refs = pack_args((self.source, self.filename, ident, *self.names), {})
+        if refs:
+            check_refs(refs, self.mesh, self.stream)
+        self.router = self.hub.router(ctrl)
+        self.sink = CellSink(self.hub.publisher, self.parent, self.ranks)
+        self.router.register(ident, self.sink)
+        what = self.what
+        sid = self.stream.id
+        result = ctrl.next_id()
+        ctrl.send(
+            m.CallFunction(ident, result, _fn("run_cell"), args, sid, self.mesh.id, what),
+            self.ranks,
+            sid,
+            what,
+        )
+        ctrl.delete_ref(result)
+        take = ctrl.next_ident()
+        self.future = ctrl.expect(take, self.ranks, what=f"{what} (result)")
+        targs, _ = pack_args((ident,), {})
+        ctrl.send(m.SendValue(take, _fn("take_result"), targs, sid), self.ranks, sid, "result")
+
+    def interrupt(self) -> None:
+        """KeyboardInterrupt in whatever runs now on this cell's stream and ranks."""
+        ctrl = self.ctrl
+        if ctrl.usable:
+            alive = [
+                r for r in self.ranks if ctrl.state.workers.get(r) and ctrl.state.workers[r].alive
+            ]
+            ctrl.send(m.Interrupt((self.stream.id,)), alive, check=False)
+
+    # ------------------------------------------------------------ blocking
+
+    def wait(self) -> None:
+        """Block until the cell ends on every rank; show its output, values and
+        figures; raise RemoteCellError when ranks failed. The notebook's interrupt
+        (KeyboardInterrupt here) interrupts the ranks and shows where they stopped."""
+        interrupted = False
+        try:
+            self._wait(None)
+        except KeyboardInterrupt:
+            interrupted = True
+            if not self._wait_interrupted():
+                self.detach()
+                raise KeyboardInterrupt(
+                    f"{format_ranks(self.ranks)} did not stop within {INTERRUPT_WAIT:.0f} s "
+                    f"(stuck outside Python code?); their output still lands under this cell. "
+                    f"%monarch_mesh --restart gives fresh workers."
+                ) from None
+        err = self._finish(interrupted)
+        if err is not None:
+            raise err
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Wait for the cell's end (in short slices, so that signals land); True if it ended."""
+        fut = self.future
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            try:
+                fut.exception(left)
+            except FutureTimeout:
+                pass
+        return True
+
+    def _wait_interrupted(self) -> bool:
+        self.interrupt()
+        deadline = time.monotonic() + INTERRUPT_WAIT
+        while True:
+            try:
+                return self._wait(max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt:
+                self.interrupt()  # pressed again: interrupt again
+
+    # ------------------------------------------------------------ not blocking
+
+    def detach(self) -> None:
+        """Let the cell finish in the background; its output, values and failures
+        still go under its own cell."""
+        self.future.add_done_callback(lambda _f: self.hub.ticker.call_soon(self._finish_detached))
+
+    def _finish_detached(self) -> None:
+        err = self._finish(False)
+        if err is not None:
+            self.hub.publisher.error(
+                self.parent, type(err).__name__, str(err), err._render_traceback_()
+            )
+
+    # ------------------------------------------------------------ the end
+
+    def _finish(self, interrupted: bool) -> RemoteCellError | None:
+        """Publish the rest of the output, the values and figures; the failure, if any."""
+        if self._finished:
+            return None
+        self._finished = True
+        fut = self.future
+        try:
+            self.sink.finish()
+        finally:
+            self.router.unregister(self.ident)
+        results: list = []
+        broken: BaseException | None = None
+        try:
+            results = fut.result(0)
+        except BaseException as e:  # noqa: B036 - a crash or shutdown ends the cell
+            broken = e
+        failures = {}
+        err = self.ctrl.failure_error(self.ident, "")
+        if err is not None:
+            failures.update(err.failures)
+        per_rank = dict(zip(self.ranks, results)) if results else {}
+        for bundle in result_displays(per_rank):
+            self.hub.publisher.display(self.parent, bundle)
+        where = f"{self.label} on mesh {self.mesh.name!r}"
+        if broken is not None:
+            if isinstance(broken, RemoteError):
+                failures.update({r: f for r, f in broken.failures.items() if r not in failures})
+                context = f"{where}: {str(broken).splitlines()[0]}"
+            else:
+                context = f"{where}: {type(broken).__name__}: {broken}"
+            return RemoteCellError(failures, self.ident, context)
+        if failures:
+            what = "interrupted" if interrupted else "failed"
+            return RemoteCellError(
+                failures, self.ident, f"{where} {what} on {format_ranks(failures)}"
+            )
+        return None
+
+
+__all__ = ["CellRun", "RemoteCellError", "render_failures"]

@@ -1,0 +1,179 @@
+"""The magics: ``%monarch_mesh`` and ``%%monarch``."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from .. import mesh as mesh_mod
+from .args import HelpShown, cell_parser, mesh_parser, parse_dims, parse_names, parse_ranks
+from .args import parse_slice as parse_slice_spec
+from .cell import CellRun
+from .display import StatusViews
+from .output import OutputHub
+from .publish import Publisher
+from .push import names_to_push
+from .results import CellSyntaxError
+
+DEFAULT_NAME = "default"
+
+
+@magics_class
+class MonarchMagics(Magics):
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.publisher = Publisher(shell)
+        self.hub = OutputHub(self.publisher)
+        self.views = StatusViews(self.hub.ticker, self.publisher.in_kernel)
+        self._filenames: dict[str, int] = {}
+
+    def close(self) -> None:
+        self.views.close()
+        self.hub.close()
+
+    # ------------------------------------------------------------ meshes
+
+    def _mesh(self, name: str | None, what: str):
+        if name is not None:
+            try:
+                return mesh_mod.get_mesh(name)
+            except KeyError:
+                known = sorted(mesh_mod.all_meshes())
+                raise UsageError(
+                    f"{what}: no mesh named {name!r} (meshes: {', '.join(known) or 'none'})"
+                ) from None
+        try:
+            return mesh_mod.get_mesh()
+        except RuntimeError:
+            raise UsageError(
+                f"{what}: no active mesh: create one with %monarch_mesh dp=2"
+            ) from None
+
+    @line_magic
+    def monarch_mesh(self, line: str = ""):
+        try:
+            a = mesh_parser().parse_line(line)
+        except HelpShown:
+            return None
+        if a.restart or a.shutdown:
+            flag = "--restart" if a.restart else "--shutdown"
+            if a.dims or a.backend:
+                bad = a.dims[0] if a.dims else "--backend"
+                raise UsageError(
+                    f"%monarch_mesh: {flag} takes no dims or --backend (got {bad!r}); "
+                    f"name the mesh with --name"
+                )
+            mesh = self._mesh(a.name, f"%monarch_mesh {flag}")
+            if a.shutdown:
+                self._shutdown(mesh)
+                print(f"mesh {mesh.name!r} shut down")
+                return None
+            mesh.restart()
+            self.hub.router(mesh._controller)
+            self.views.show(mesh)
+            return None
+        if not a.dims:
+            if a.backend:
+                raise UsageError(
+                    "%monarch_mesh: --backend needs the dims of a new mesh, "
+                    "e.g. %monarch_mesh dp=2 --backend gloo"
+                )
+            self.views.show(self._mesh(a.name, "%monarch_mesh"))
+            return None
+        dims = parse_dims(a.dims)
+        name = a.name if a.name is not None else DEFAULT_NAME
+        if not name.strip():
+            raise UsageError("%monarch_mesh: --name must not be empty")
+        old = mesh_mod.all_meshes().get(name)
+        if old is not None:
+            self._shutdown(old)
+        try:
+            mesh = mesh_mod.local_mesh(name=name, backend=a.backend, **dims)
+        except ValueError as e:
+            raise UsageError(f"%monarch_mesh: {e}") from None
+        self.hub.router(mesh._controller)
+        self.views.show(mesh)
+        return None
+
+    def _shutdown(self, mesh) -> None:
+        mesh.shutdown()
+        self.views.refresh(mesh, final=True)
+        self.hub.forget(mesh._controller)
+
+    # ------------------------------------------------------------ cells
+
+    def _filename(self) -> str:
+        """``<monarch In[7]>``: the name tracebacks show for this cell's code."""
+        count = getattr(self.shell.displayhook, "prompt_count", self.shell.execution_count)
+        base = f"<monarch In[{count}]>"
+        n = self._filenames.get(base, 0) + 1
+        self._filenames[base] = n
+        return base if n == 1 else f"{base[:-1]}#{n}>"
+
+    @cell_magic
+    def monarch(self, line: str, cell: str):
+        try:
+            a = cell_parser().parse_line(line)
+        except HelpShown:
+            return None
+        mesh = self._mesh(a.mesh, "%%monarch" + (" --mesh" if a.mesh else ""))
+        ranks = mesh.ranks
+        if a.ranks is not None:
+            ranks = parse_ranks(a.ranks)
+            outside = [r for r in ranks if r not in mesh.ranks]
+            if outside:
+                raise UsageError(
+                    f"%%monarch: --ranks {a.ranks!r}: rank {outside[0]} is not in mesh "
+                    f"{mesh.name!r} (ranks {mesh.ranks})"
+                )
+        elif a.slice:
+            spec = parse_slice_spec(a.slice)
+            try:
+                ranks = mesh.slice(**spec).ranks
+            except (ValueError, IndexError, TypeError) as e:
+                raise UsageError(f"%%monarch: --slice {','.join(a.slice)!r}: {e}") from None
+        if a.stream is not None:
+            if not a.stream.strip():
+                raise UsageError("%%monarch: --stream needs a name")
+            stream = mesh.stream(a.stream)
+        else:
+            stream = mesh.default_stream
+        explicit = parse_names(a.push) if a.push is not None else None
+        names = names_to_push(cell, self.shell.user_ns, explicit)
+        filename = self._filename()
+        # line 1 stands for the magic's own line: tracebacks show the cell's real line numbers
+        source = f"# %%monarch {line}".rstrip() + "\n" + cell
+        try:
+            compile(source, filename, "exec")  # a SyntaxError here, not once per rank
+        except SyntaxError as e:
+            lines = self.shell.SyntaxTB.structured_traceback(type(e), e, [])
+            raise CellSyntaxError(e, lines) from None
+        first = next((ln.strip() for ln in cell.splitlines() if ln.strip()), "")
+        label = f"%%monarch {filename[9:-1]}"
+        what = f"{label}: {first[:40]}"
+        run = CellRun(
+            self.hub,
+            mesh,
+            ranks,
+            stream,
+            source,
+            filename,
+            names,
+            self.publisher.current_parent(),
+            label,
+            what,
+        )
+        run.send()
+        if a.noblock:
+            run.detach()
+            return None
+        run.wait()
+        return None
+
+
+def _with_help(fn, parser):
+    fn.__doc__ = parser().format_help()
+
+
+_with_help(MonarchMagics.monarch_mesh, mesh_parser)
+_with_help(MonarchMagics.monarch, cell_parser)

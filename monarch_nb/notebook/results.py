@@ -1,0 +1,90 @@
+"""What a ``%%monarch`` cell shows at its end: values and figures per group of
+ranks, and failures once per distinct traceback."""
+
+from __future__ import annotations
+
+import html
+import json
+
+from ..controller import RemoteError, format_ranks
+from ..controller.errors import group_failures
+
+RED, BOLD, RESET = "\x1b[31m", "\x1b[1m", "\x1b[0m"
+
+
+class RemoteCellError(RemoteError):
+    """A ``%%monarch`` cell failed on some ranks. IPython shows it through
+    ``_render_traceback_``: one block per distinct traceback, naming its ranks,
+    with the cell's own line numbers and source lines."""
+
+    def _render_traceback_(self) -> list[str]:
+        return render_failures(self.failures, self.context)
+
+
+class CellSyntaxError(Exception):
+    """The cell does not compile (found in the kernel, before anything is sent).
+    Shown like IPython shows a SyntaxError, without the magic's own frames."""
+
+    def __init__(self, error: SyntaxError, lines: list[str]):
+        super().__init__(f"{error.msg} ({error.filename}, line {error.lineno})")
+        self.error = error
+        self.lines = lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.lines
+
+
+def render_failures(failures: dict, context: str = "") -> list[str]:
+    """Structured traceback lines (ANSI-coloured, as IPython's)."""
+    lines: list[str] = []
+    if context:
+        lines.append(f"{RED}{BOLD}{context}{RESET}")
+    for ranks, (etype, msg, tb) in group_failures(failures):
+        head = f"{etype}: {msg}" if msg else etype
+        lines.append(f"{RED}{BOLD}[{format_ranks(ranks)}]{RESET} {RED}{head}{RESET}")
+        body = (tb or head).rstrip("\n")
+        lines.extend(body.split("\n"))
+    return lines
+
+
+def _key(obj) -> str:
+    return json.dumps(obj, sort_keys=True, default=str)
+
+
+def _grouped(per_rank: dict) -> list[tuple[list, object]]:
+    """rank -> value  ==>  [(ranks, value)] for equal values, in rank order."""
+    groups: dict = {}
+    for r in sorted(per_rank):
+        v = per_rank[r]
+        groups.setdefault(_key(v), (v, []))[1].append(r)
+    return [(rs, v) for v, rs in groups.values()]
+
+
+def _labelled(label: str, data: dict) -> list[dict]:
+    """One display (two when the value is an image or other rich-only data)."""
+    out = dict(data)
+    text = str(out.get("text/plain", ""))
+    out["text/plain"] = f"{label}{chr(10) if chr(10) in text else ' '}{text}"
+    if "text/html" in out:
+        out["text/html"] = (
+            f'<div class="mnb-result"><div style="font-family:monospace;font-size:smaller;'
+            f'opacity:0.6">{html.escape(label)}</div>{out["text/html"]}</div>'
+        )
+        return [out]
+    if set(out) == {"text/plain"}:
+        return [out]
+    return [{"text/plain": label}, out]
+
+
+def result_displays(results: dict) -> list[dict]:
+    """rank -> {"data": bundle or None, "figures": [bundles]} ==> display bundles:
+    values folded over ranks with equal ones, then figures likewise."""
+    values = {r: res["data"] for r, res in results.items() if res and res.get("data")}
+    figures = {r: res["figures"] for r, res in results.items() if res and res.get("figures")}
+    out: list[dict] = []
+    for ranks, data in _grouped(values):
+        out.extend(_labelled(f"[{format_ranks(ranks)}]", data))
+    for ranks, figs in _grouped(figures):
+        for fig in figs:
+            out.extend(_labelled(f"[{format_ranks(ranks)}]", fig))
+    return out

@@ -1,0 +1,149 @@
+"""A real IPython kernel driven through jupyter_client, for the kernel and notebook tiers."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import psutil
+from jupyter_client.manager import start_new_kernel
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def kernel_env(tmp) -> dict:
+    env = dict(os.environ)
+    env.update(
+        IPYTHONDIR=os.path.join(str(tmp), "ipython"),
+        JUPYTER_PLATFORM_DIRS="1",
+        PYDEVD_DISABLE_FILE_VALIDATION="1",
+    )
+    return env
+
+
+class Kernel:
+    """One kernel; ``run`` executes code and returns (reply, iopub messages of that request)."""
+
+    def __init__(self, tmp):
+        self.km, self.kc = start_new_kernel(
+            kernel_name="python3", env=kernel_env(tmp), cwd=str(tmp), startup_timeout=60
+        )
+
+    def run(self, code: str, timeout: float = 60, output_hook=None, **kw):
+        msgs: list = []
+
+        def hook(msg):
+            msgs.append(msg)
+            if output_hook is not None:
+                output_hook(msg)
+
+        reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout, **kw)
+        return reply, msgs
+
+    def ok(self, code: str, timeout: float = 60):
+        """Run ``code``; fail with the kernel's traceback unless it succeeded."""
+        reply, msgs = self.run(code, timeout)
+        status = reply["content"]["status"]
+        assert status == "ok", f"{code!r} -> {status}:\n{text(msgs)}\n{errors_text(msgs)}"
+        return msgs
+
+    def value(self, expr: str, timeout: float = 60):
+        """``eval(expr)`` in the kernel, brought back through its repr."""
+        msgs = self.ok(f"print(repr({expr}))", timeout)
+        import ast
+
+        return ast.literal_eval(stream(msgs, "stdout").strip())
+
+    def drain(self, msg_id: str, until, timeout: float = 30) -> list:
+        """IOPub messages of request ``msg_id`` arriving until ``until(msgs)`` holds."""
+        out: list = []
+        deadline = time.monotonic() + timeout
+        while not until(out):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"waited {timeout} s; got {[m['msg_type'] for m in out]}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(left, 1.0))
+            except Exception:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                out.append(msg)
+        return out
+
+    def collect(self, until, timeout: float = 30) -> dict:
+        """Every IOPub message, grouped by the msg_id of its request, until ``until(groups)``."""
+        groups: dict = {}
+        deadline = time.monotonic() + timeout
+        while not until(groups):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                got = {k: [m["msg_type"] for m in v] for k, v in groups.items()}
+                raise TimeoutError(f"waited {timeout} s; got {got}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(left, 1.0))
+            except Exception:
+                continue
+            groups.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)
+        return groups
+
+    def shutdown(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=False)
+
+
+def idle(msgs) -> bool:
+    """The kernel finished the request these messages belong to."""
+    return any(
+        m["msg_type"] == "status" and m["content"]["execution_state"] == "idle" for m in msgs
+    )
+
+
+def stream(msgs, name: str = "stdout") -> str:
+    return "".join(
+        m["content"]["text"]
+        for m in msgs
+        if m["msg_type"] == "stream" and m["content"]["name"] == name
+    )
+
+
+def text(msgs) -> str:
+    return stream(msgs, "stdout") + stream(msgs, "stderr")
+
+
+def displays(msgs) -> list[dict]:
+    return [
+        m["content"]["data"] for m in msgs if m["msg_type"] in ("display_data", "execute_result")
+    ]
+
+
+def plain(msgs) -> list[str]:
+    return [d.get("text/plain", "") for d in displays(msgs)]
+
+
+def errors(msgs) -> list[dict]:
+    return [m["content"] for m in msgs if m["msg_type"] == "error"]
+
+
+def errors_text(msgs) -> str:
+    return "\n".join(ANSI.sub("", "\n".join(e["traceback"])) for e in errors(msgs))
+
+
+def wait_gone(pids, timeout: float = 15) -> list[int]:
+    """The pids still alive after ``timeout`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if _alive(p)]
+        if left:
+            time.sleep(0.1)
+    return left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
