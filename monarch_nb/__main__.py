@@ -74,9 +74,17 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run a demo on a local mesh")
     d.add_argument("--ranks", type=int, default=2)
+    q = sub.add_parser(
+        "quickstart", help="execute notebooks/01_quickstart.ipynb headlessly and print its results"
+    )
+    q.add_argument("--output", metavar="PATH", help="also save the executed notebook here")
     a = p.parse_args(argv)
     if a.cmd == "demo":
         demo(a.ranks)
+    elif a.cmd == "quickstart":
+        from .notebook.run import quickstart
+
+        return quickstart(a.output)
 
 
 if __name__ == "__main__":
