@@ -30,7 +30,12 @@ import traceback
 
 from ._report import Entry, failed_entry
 
-MODULES = ("benchmarks.core", "benchmarks.collectives", "benchmarks.recording")
+MODULES = (
+    "benchmarks.core",
+    "benchmarks.collectives",
+    "benchmarks.recording",
+    "benchmarks.cell",
+)
 
 PEERS_FOOTER = (
     "measured here earlier: Ray actor call 1.0 ms; ipyparallel 6.6–9.4 ms; "

@@ -4,6 +4,7 @@ the small grammars of their values (``dp=2``, ``--ranks 0,2-3``, ``--slice dp=0`
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 
 from IPython.core.error import UsageError
@@ -42,6 +43,7 @@ class Parser(argparse.ArgumentParser):
         return self.parse_intermixed_args(argv)
 
 
+@functools.cache
 def mesh_parser() -> Parser:
     p = Parser(
         "%monarch_mesh",
@@ -69,6 +71,7 @@ def mesh_parser() -> Parser:
     return p
 
 
+@functools.cache
 def cell_parser() -> Parser:
     p = Parser("%%monarch", "Run the cell on every rank (or some ranks) of a mesh.")
     p.add_argument("--mesh", metavar="NAME", help="the mesh to run on (default: the active one)")
