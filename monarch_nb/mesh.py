@@ -11,7 +11,7 @@ from .controller import Controller
 from .controller.errors import MeshClosedError
 from .protocol import messages as m
 from .protocol.ndslice import NDSlice
-from .protocol.wire import pack_args
+from .protocol.wire import RefUseError, function_ref, pack_args
 from .remote import ProcessGroup, Ref, check_refs
 
 _meshes: dict[str, DeviceMesh] = {}  # root meshes by name
@@ -48,6 +48,42 @@ def _stack(kind: str) -> list:
         s = []
         setattr(_tls, kind, s)
     return s
+
+
+class Pipe:
+    """A pipe's controller end: ``recv()`` -> Ref; ``close()``."""
+
+    def __init__(self, mesh: DeviceMesh, pipe_id: int):
+        self.mesh = mesh
+        self.id = pipe_id
+        self.closed = False
+
+    def recv(self, stream: Stream | None = None) -> Ref:
+        """A Ref holding the next value the pipe sends, on every rank."""
+        if self.closed:
+            raise ValueError(f"pipe {self.id} is closed")
+        _, stream = resolve_target(self.mesh, stream)
+        ctrl = self.mesh._controller
+        ctrl.check_usable()
+        ident, result = ctrl.next_ident(), ctrl.next_id()
+        ctrl.send(
+            m.PipeRecv(ident, result, self.id, stream.id), self.mesh.targets, stream.id, "pipe recv"
+        )
+        return Ref(result, self.mesh, stream, ident)
+
+    def close(self) -> None:
+        """Stop the side processes."""
+        if not self.closed:
+            self.closed = True
+            ctrl = self.mesh._controller
+            if ctrl.usable:
+                ctrl.send(m.ClosePipe(self.id), self.mesh.targets)
+
+    def __enter__(self) -> Pipe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class DeviceMesh:
@@ -255,6 +291,27 @@ class DeviceMesh:
         err = ctrl.take_unreported()
         if err is not None:
             raise err
+
+    def pipe(self, fn, *args, max_messages: int = 50, **kwargs) -> Pipe:
+        """Start a side process per rank running ``fn(pipe, *args, **kwargs)``; it
+        sends values with ``pipe.send(v)`` (a data loader) and ``pipe.recv()``
+        here gives a Ref with the next value on each rank. At most
+        ``max_messages`` values wait unreceived (the sender blocks). A crash or
+        an exception in ``fn`` reaches the caller as RemoteError; pipes end with
+        their mesh."""
+        if not isinstance(max_messages, int) or max_messages < 1:
+            raise ValueError(f"max_messages must be a positive int, got {max_messages!r}")
+        ctrl = self._controller
+        ctrl.check_usable()
+        function = function_ref(fn)
+        packed, refs = pack_args(args, kwargs)
+        if refs:
+            raise RefUseError(
+                "a pipe's arguments are sent to another process: pass values, not Refs"
+            )
+        pipe_id = ctrl.next_id()
+        ctrl.send(m.CreatePipe(pipe_id, function, packed, max_messages), self.targets)
+        return Pipe(self, pipe_id)
 
     def process_group(self, dims) -> ProcessGroup:
         """A handle that a remote function receives as the torch.distributed group

@@ -143,6 +143,26 @@ class CallRecording(NamedTuple):
     results: tuple
 
 
+class CreatePipe(NamedTuple):
+    """Start a side process running ``function(pipe, *args)`` on each rank."""
+
+    pipe: int
+    function: Function
+    args: Args
+    max_messages: int
+
+
+class PipeRecv(NamedTuple):
+    ident: int
+    result: int
+    pipe: int
+    stream: int
+
+
+class ClosePipe(NamedTuple):
+    pipe: int
+
+
 class PostMortem(NamedTuple):
     """Open pdb at the frame of the stream's last failure."""
 

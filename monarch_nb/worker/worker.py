@@ -77,6 +77,7 @@ class Worker:
         self._sent_progress: dict = {}
         self.borrows: dict[int, tuple] = {}  # borrow id -> (Borrow, result cell)
         self.recordings: dict[int, object] = {}
+        self.pipes: dict[int, object] = {}
         self._comms = None
 
     # ------------------------------------------------------------ sockets
@@ -375,6 +376,9 @@ class Worker:
 
     def Exit(self, msg: m.Exit) -> None:
         self._exiting = True
+        for pipe in self.pipes.values():
+            pipe.close()
+        self.pipes.clear()
         for s in list(self.streams.values()):
             s.stop()
 
@@ -403,6 +407,33 @@ class Worker:
                         outputs[rid].set(values.get(rid, DependentOnError(msg.ident)))
 
             self._stream(sid).schedule(msg.ident, f"compiled {rec.name}", work)
+
+    # ------------------------------------------------------------ pipes
+
+    def CreatePipe(self, msg: m.CreatePipe) -> None:
+        from .pipe import WorkerPipe
+
+        names, ranks, coords = self.meshes.get(0, ((), None, {}))
+        sizes = dict(zip(names, ranks.sizes)) if ranks is not None else {}
+        self.pipes[msg.pipe] = WorkerPipe(
+            self.ctx, msg.function, msg.args, msg.max_messages, coords or {}, sizes
+        )
+
+    def PipeRecv(self, msg: m.PipeRecv) -> None:
+        pipe = self.pipes.get(msg.pipe)
+        result = self.env[msg.result] = Cell()
+
+        def work():
+            if pipe is None:
+                raise RuntimeError(f"pipe {msg.pipe} is closed")
+            return pipe.recv()
+
+        self._stream(msg.stream).schedule(msg.ident, "pipe recv", work, (result,))
+
+    def ClosePipe(self, msg: m.ClosePipe) -> None:
+        pipe = self.pipes.pop(msg.pipe, None)
+        if pipe is not None:
+            pipe.close()
 
     # ------------------------------------------------------------ debugger
 
