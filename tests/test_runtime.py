@@ -366,3 +366,21 @@ def test_stall_monitor_logs_a_long_command(tmp_path, monkeypatch):
             tail = m1._controller._procs[0].tail_text()
             time.sleep(0.1)
         assert "possible stall" in tail and "time.sleep(3)" in tail
+
+
+def test_progress_bars_for_startup_and_large_transfers(capfd, monkeypatch):
+    import monarch_nb.controller.progress as progress
+
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    with mnb.local_mesh(dp=1, name="bars") as m1:
+        big = mnb.remote(torch.ones)(20 * 2**20, mesh=m1)  # 80 MB: over the 64 MB threshold
+        assert big.fetch(rank=0).shape == (20 * 2**20,)
+        n = mnb.remote(lambda t: t.numel())(torch.ones(20 * 2**20), mesh=m1).fetch(rank=0)
+        assert n == 20 * 2**20
+        small = mnb.remote(torch.ones)(10, mesh=m1).fetch(rank=0)
+        assert small.shape == (10,)
+    err = capfd.readouterr().err
+    assert "starting mesh 'bars'" in err
+    assert f"fetch of Ref {big.id} (rank 0)" in err and "80.0M" in err
+    assert "sending" in err
+    assert err.count("fetch of Ref") == err.count(f"fetch of Ref {big.id}")  # no bar for small ones

@@ -30,6 +30,7 @@ from ..protocol.wire import BATCH
 from .debugger import DebugSessions
 from .errors import MeshClosedError, RemoteError, WorkerCrashed
 from .launcher import LocalLauncher, LocalProcess
+from .progress import PROGRESS_BYTES, Transfers, bar
 from .state import MeshState
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -130,6 +131,7 @@ class Controller:
         self._stop = False
         self.on_output = print_output
         self.debugger = DebugSessions(self)
+        self.transfers = Transfers()
         self._begin_generation()
         self._io = threading.Thread(target=self._io_loop, name=f"monarch-io-{name}", daemon=True)
         self._io.start()
@@ -167,7 +169,15 @@ class Controller:
             lambda: self._launcher.launch(self.address, self._secret, self.world)
         ).result(timeout=60)
         self._procs = procs
-        if not self._ready.wait(self._startup_timeout) or self._startup_error is not None:
+        progress = bar(total=self.world, desc=f"starting mesh {self.name!r}", unit="worker")
+        deadline = time.monotonic() + self._startup_timeout
+        while not self._ready.wait(0.1) and time.monotonic() < deadline:
+            if progress is not None and len(self._identities) != progress.n:
+                progress.update(len(self._identities) - progress.n)
+        if progress is not None:
+            progress.update(len(self._identities) - progress.n)
+            progress.close()
+        if not self._ready.is_set() or self._startup_error is not None:
             err = self._startup_error or TimeoutError(
                 f"mesh {self.name!r}: workers not ready after {self._startup_timeout:.0f} s "
                 f"(missing ranks {sorted(set(range(self.world)) - set(self._identities))})"
@@ -243,9 +253,24 @@ class Controller:
         self._enqueue(("msg", targets, frames, done))
         if done is not None:
             # the caller may mutate its tensor once this returns: wait until ZeroMQ is done
+            nbytes = sum(memoryview(f).nbytes for f in frames[2:])
+            progress = (
+                bar(
+                    total=nbytes,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    desc=f"sending {what or type(msg).__name__}",
+                )
+                if nbytes > PROGRESS_BYTES
+                else None
+            )
             tracker = done.result()
             if tracker is not None:
                 tracker.wait()
+            if progress is not None:
+                progress.update(nbytes)
+                progress.close()
 
     def _enqueue(self, item) -> None:
         self._outq.append(item)
@@ -476,7 +501,12 @@ class Controller:
         if len(self._identities) == self.world:
             self._ready.set()
 
+    def _on_TransferBegin(self, msg: m.TransferBegin) -> None:
+        p = self._pending.get(msg.ident)
+        self.transfers.begin(msg.ident, msg.rank, msg.nbytes, p.what if p is not None else "fetch")
+
     def _on_FetchResult(self, msg: m.FetchResult) -> None:
+        self.transfers.end(msg.ident, msg.rank)
         p = self._pending.get(msg.ident)
         if p is None or msg.rank not in p.expected:
             return

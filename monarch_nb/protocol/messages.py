@@ -317,6 +317,14 @@ class Health(NamedTuple):
     env_size: int  # values held for Refs
 
 
+class TransferBegin(NamedTuple):
+    """A large FetchResult follows: ``nbytes`` of buffers (for a progress bar)."""
+
+    rank: int
+    ident: int
+    nbytes: int
+
+
 class InternalException(NamedTuple):
     """The worker's own machinery failed: the mesh is broken until restarted."""
 

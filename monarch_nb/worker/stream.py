@@ -14,13 +14,14 @@ from collections.abc import Callable
 import zmq
 
 from ..protocol import encode
-from ..protocol.messages import Output, RemoteFunctionFailed
+from ..protocol.messages import FetchResult, Output, RemoteFunctionFailed, TransferBegin
 from . import capture, debugger
 from .cell import DependentOnError
 from .failure import describe
 
 OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
 BIG_SEND = 1 << 20  # sends with more buffer bytes than this wait until ZeroMQ is done with them
+PROGRESS_BYTES = 64 << 20  # transfers larger than this get a progress bar
 
 _STOP = object()
 _real_sleep = time.sleep
@@ -89,7 +90,12 @@ class Outbox:
     def _send_locked(self, msg) -> None:
         frames = encode(msg, self._worker.signer)
         sock = self._socket()
-        if len(frames) > 2 and sum(memoryview(f).nbytes for f in frames[2:]) > BIG_SEND:
+        nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
+        if nbytes > PROGRESS_BYTES and type(msg) is FetchResult:
+            # the controller shows a progress bar for this transfer
+            begin = TransferBegin(self._worker.rank, msg.ident, nbytes)
+            sock.send_multipart(encode(begin, self._worker.signer))
+        if nbytes > BIG_SEND:
             # zero-copy: wait until ZeroMQ no longer reads the value's memory
             tracker = sock.send_multipart(frames, copy=False, track=True)
             tracker.wait()

@@ -1,0 +1,58 @@
+"""Progress bars (tqdm.auto: a widget in notebooks, text elsewhere) for mesh
+start-up and for fetches and pushes over 64 MB.
+
+ZeroMQ delivers a message whole, so a transfer's bar shows its size, fills
+when the transfer completes and reports the rate; splitting values into
+chunks for finer steps would cost a copy of every byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+PROGRESS_BYTES = 64 << 20
+DELAY = float(os.environ.get("MONARCH_NB_PROGRESS_DELAY", "0.5"))  # bars appear only after this
+
+logger = logging.getLogger("monarch_nb.progress")
+
+
+def bar(**kwargs):
+    """A tqdm.auto bar, or None when tqdm is not installed or cannot draw here."""
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(delay=DELAY, leave=False, **kwargs)
+    except Exception:
+        logger.debug("no progress bar", exc_info=True)
+        return None
+
+
+class Transfers:
+    """Bars of the large transfers in flight, keyed by (ident, rank)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bars: dict = {}
+
+    def begin(self, ident: int, rank: int, nbytes: int, what: str) -> None:
+        b = bar(
+            total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"{what} (rank {rank})"
+        )
+        if b is not None:
+            with self._lock:
+                self._bars[(ident, rank)] = b
+
+    def end(self, ident: int, rank: int) -> None:
+        with self._lock:
+            b = self._bars.pop((ident, rank), None)
+        if b is not None:
+            b.update(b.total - b.n)
+            b.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            bars, self._bars = list(self._bars.values()), {}
+        for b in bars:
+            b.close()
