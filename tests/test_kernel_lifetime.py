@@ -14,13 +14,14 @@ ALL_PIDS = (
 )
 
 
-def _start_meshes(k) -> list[int]:
+def _start_meshes(k, two: bool = True) -> list[int]:
     k.ok("%load_ext monarch_nb\nimport monarch_nb as mnb")
-    k.ok("%monarch_mesh dp=2", timeout=120)
-    k.ok("%monarch_mesh dp=1 --name other", timeout=120)
+    k.ok("%monarch_mesh dp=2" if two else "%monarch_mesh dp=1", timeout=120)
+    if two:
+        k.ok("%monarch_mesh dp=1 --name other", timeout=120)
     k.ok("%%monarch --noblock\nimport time\ntime.sleep(600)")  # busy workers too
     pids = k.value(ALL_PIDS)
-    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    assert len(pids) == (3 if two else 1) and all(psutil.pid_exists(p) for p in pids)
     return pids
 
 
@@ -31,12 +32,12 @@ def test_kernel_restart_and_shutdown_leave_no_worker(tmp_path):
         k.km.restart_kernel(now=True)  # the kernel is killed, as "Restart" does when stuck
         assert wait_gone(first) == [], "workers outlived a killed kernel"
         k.kc.wait_for_ready(timeout=60)
-        second = _start_meshes(k)
+        second = _start_meshes(k, two=False)
         assert not set(first) & set(second)
         k.km.restart_kernel(now=False)  # a polite restart: the kernel exits by itself
         assert wait_gone(second) == [], "workers outlived a restarted kernel"
         k.kc.wait_for_ready(timeout=60)
-        third = _start_meshes(k)
+        third = _start_meshes(k, two=False)
     finally:
         k.shutdown()  # shutdown_request: the kernel exits, its atexit stops the meshes
     assert wait_gone(third) == [], "workers outlived a shut down kernel"

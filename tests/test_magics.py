@@ -110,6 +110,13 @@ def test_output_prefixed_and_folded(k):
     assert sorted(err) == ["[rank 0] oops 0", "[rank 1] oops 1"]
 
 
+def test_output_is_live_while_the_cell_runs(k):
+    reply, msgs = monarch(k, "import time\nprint('first')\ntime.sleep(1.5)\nprint('second')")
+    chunks = [m["content"]["text"] for m in msgs if m["msg_type"] == "stream"]
+    # published while the cell ran, not all at its end
+    assert chunks == ["[ranks 0-1] first\n", "[ranks 0-1] second\n"], chunks
+
+
 def test_values_per_rank_and_rich_repr(k):
     reply, msgs = monarch(k, "rank * 10")
     assert plain(msgs) == ["[rank 0] 0", "[rank 1] 10"]
@@ -401,3 +408,13 @@ def test_workers_are_children_of_the_kernel(k):
     kernel_pid = k.value("__import__('os').getpid()")
     for pid in pids(k):
         assert psutil.Process(pid).ppid() == kernel_pid
+
+
+def test_unload_and_reload_the_extension(k):
+    k.ok("%unload_ext monarch_nb")
+    # worker output goes back to the controller's plain printer, as in a script
+    assert k.value("mnb.get_mesh()._controller.on_output.__name__") == "print_output"
+    k.ok("%load_ext monarch_nb")
+    reply, msgs = monarch(k, "print('back')\nrank")
+    assert stream(msgs) == "[ranks 0-1] back\n"
+    assert plain(msgs) == ["[rank 0] 0", "[rank 1] 1"]

@@ -134,6 +134,11 @@ def test_ambient_sink_does_not_wait_and_uses_current_cell():
     s.add(3, "stdout", "from a remote function\n")
     s.tick(time.monotonic(), 1 << 20)
     assert pub.sent == [(None, "stdout", "[rank 3] from a remote function\n")]
+    # it lives as long as its mesh: no per-cell cap, only the rate limit
+    for i in range(3 * CELL_CAP // 1000):
+        s.add(0, "stdout", f"{i:09d}" * 100 + "\n")
+        s.tick(time.monotonic() + 1, 1 << 20)
+    assert s.dropped == 0 and lines(pub)[-1].endswith("000" + str(3 * CELL_CAP // 1000 - 1))
 
 
 # ------------------------------------------------------------------ results and failures
@@ -248,6 +253,11 @@ def test_mimebundle_of_values():
         def __repr__(self):
             raise RuntimeError("nope")
 
+    class Json:
+        def _repr_json_(self):
+            return {"a": object()}  # not JSON: dropped, text/plain stays
+
+    assert set(wd.mimebundle(Json())) == {"text/plain"}
     b = wd.mimebundle(Broken())
     assert b["text/plain"].startswith("<Broken object (repr failed")
     big = wd.mimebundle("x" * (wd.MAX_TEXT + 10))

@@ -13,7 +13,8 @@ seconds for the other ranks to print theirs, so that lockstep output folds.
 
 Volume is bounded: a tick publishes at most BYTES_PER_TICK in all (well under
 the 1 MB/s IOPub limit of Jupyter), at most PENDING_CAP bytes wait in a sink,
-and a cell publishes at most CELL_CAP bytes; what does not fit is dropped and
+and a cell publishes at most CELL_CAP bytes (the ambient sink, which lives as
+long as its mesh, only the rate limit); what does not fit is dropped and
 replaced by a ``[... N bytes of output dropped ...]`` line where it was.
 """
 
@@ -95,7 +96,7 @@ class CellSink:
                 return
             backlog = self._pending + self._partial_bytes
             cost = n + _prefix_len(rank) * (text.count("\n") + 1)
-            if self.published + backlog + cost > CELL_CAP:
+            if self.ranks is not None and self.published + backlog + cost > CELL_CAP:
                 # enough for one cell: say so where it happened; the counts come at the end
                 self._capped = True
                 self._line_from_partial(q, counts, partials, rank)
@@ -312,4 +313,14 @@ class OutputHub:
             sent += s.tick(now, budget)
 
     def close(self) -> None:
+        """Stop publishing; the controllers print their output again (as in scripts)."""
+        from ..controller.controller import print_output
+
         self.ticker.remove(self._token)
+        with self._lock:
+            routers, self._routers = list(self._routers.values()), {}
+        for r in routers:
+            if r.controller.on_output == r.on_output:
+                r.controller.on_output = print_output
+            r.ambient.finish()
+            self.live.discard(r.ambient)

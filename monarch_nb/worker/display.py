@@ -15,6 +15,7 @@ imported it already.
 from __future__ import annotations
 
 import base64
+import json
 import pprint
 import sys
 import threading
@@ -109,6 +110,11 @@ def mimebundle(obj) -> dict:
             if isinstance(v, tuple):  # (data, metadata)
                 v = v[0]
             data[mime] = _jsonable(mime, v)
+    if "application/json" in data:
+        try:
+            json.dumps(data["application/json"])
+        except (TypeError, ValueError):
+            del data["application/json"]
     if "text/plain" not in data:
         data["text/plain"] = _plain(obj)
     for k, v in list(data.items()):
