@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from kernel_helpers import Kernel, wait_gone
+from kernel_helpers import Kernel, stream, wait_gone
 
 pytestmark = pytest.mark.kernel
 
@@ -28,6 +28,11 @@ def _start_meshes(k, two: bool = True) -> list[int]:
 def test_kernel_restart_and_shutdown_leave_no_worker(tmp_path):
     k = Kernel(tmp_path)
     try:
+        k.ok("%load_ext monarch_nb")
+        for line in ("%monarch_mesh", "%%monarch\n1"):  # no mesh yet: a clear usage error
+            reply, msgs = k.run(line)
+            assert reply["content"]["status"] == "error"
+            assert "no active mesh: create one with %monarch_mesh dp=2" in stream(msgs, "stderr")
         first = _start_meshes(k)
         k.km.restart_kernel(now=True)  # the kernel is killed, as "Restart" does when stuck
         assert wait_gone(first) == [], "workers outlived a killed kernel"

@@ -283,6 +283,8 @@ def test_notebook_functions_and_classes_reach_the_workers(k):
     # a Ref pushed by name becomes its value on each rank
     k.ok("t = mnb.remote(lambda: mnb.current_rank() + 40)()")
     assert plain(monarch(k, "t", "--push t")[1]) == ["[rank 0] 40", "[rank 1] 41"]
+    err = usage_error(k, "%%monarch --push t --stream side\nt")  # t lives on the default stream
+    assert "--push" in err and "borrow" in err
 
 
 # ------------------------------------------------------------------ --noblock

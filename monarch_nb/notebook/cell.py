@@ -15,9 +15,11 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from IPython.core.error import UsageError
+
 from ..controller import MeshClosedError, RemoteError, format_ranks
 from ..protocol import messages as m
-from ..protocol.wire import function_ref, pack_args
+from ..protocol.wire import RefUseError, function_ref, pack_args
 from ..remote import check_refs
 from ..worker import display as worker_display
 from .output import CellSink, OutputHub
@@ -86,7 +88,10 @@ class CellRun:
         # run_cell keeps the result under the command's own ident, for take_result
         args, refs = pack_args((self.source, self.filename, ident, *self.names), {})
         if refs:
-            check_refs(refs, self.mesh, self.stream)
+            try:
+                check_refs(refs, self.mesh, self.stream)
+            except RefUseError as e:
+                raise UsageError(f"%%monarch --push: {e}") from None
         self.router = self.hub.router(ctrl)
         self.sink = CellSink(self.hub.publisher, self.parent, self.ranks)
         self.router.register(ident, self.sink)
