@@ -71,19 +71,24 @@ class CellRun:
 
     # ------------------------------------------------------------ sending
 
-    def send(self) -> None:
-        ctrl = self.ctrl
+    @staticmethod
+    def check_usable(mesh) -> None:
+        """A shut down or broken mesh, said plainly, with what to do about it."""
         try:
-            ctrl.check_usable()
+            mesh._controller.check_usable()
         except MeshClosedError as e:
             raise RemoteCellError({}, None, f"{e}: create it again with %monarch_mesh") from None
         except RemoteError as e:
             raise RemoteCellError(
                 e.failures,
                 e.ident,
-                f"mesh {self.mesh.name!r} is broken ({e.context}); "
+                f"mesh {mesh.name!r} is broken ({e.context}); "
                 f"restart it with %monarch_mesh --restart",
             ) from None
+
+    def send(self) -> None:
+        ctrl = self.ctrl
+        self.check_usable(self.mesh)
         self.ident = ident = ctrl.next_ident()
         # run_cell keeps the result under the command's own ident, for take_result
         args, refs = pack_args((self.source, self.filename, ident, *self.names), {})

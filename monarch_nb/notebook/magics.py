@@ -117,6 +117,7 @@ class MonarchMagics(Magics):
         except HelpShown:
             return None
         mesh = self._mesh(a.mesh, "%%monarch" + (" --mesh" if a.mesh else ""))
+        CellRun.check_usable(mesh)
         ranks = mesh.ranks
         if a.ranks is not None:
             ranks = parse_ranks(a.ranks)
