@@ -345,7 +345,11 @@ def _env_sizes(mesh, want=None, timeout=10.0):
 
 
 def test_del_ref_frees_worker_memory(mesh):
+    import gc
+
+    gc.collect()  # Refs of earlier tests go now, not in the middle of this one
     mesh.wait()
+    time.sleep(1.2)  # a fresh health sample
     base = _env_sizes(mesh)
     refs = [mnb.remote(torch.ones)(1000, mesh=mesh) for _ in range(50)]
     mesh.wait()

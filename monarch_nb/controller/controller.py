@@ -26,7 +26,7 @@ import zmq
 from ..protocol import BadMessage, Signer, decode, encode, new_secret
 from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
-from ..protocol.wire import BATCH
+from ..protocol.wire import BATCH, recv_ready
 from .debugger import DebugSessions
 from .errors import MeshClosedError, RemoteError, WorkerCrashed
 from .launcher import LocalLauncher, LocalProcess
@@ -460,35 +460,37 @@ class Controller:
     def _receive(self) -> None:
         router = self._router
         for _ in range(1000):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = recv_ready(router)
+            if frames is None:
                 return
-            try:
-                msg = decode(frames[1:], self.signer)
-            except BadMessage as e:
-                self.state.bad_messages += 1
-                logger.warning(
-                    "mesh %r dropped a message (%s); %d dropped so far",
-                    self.name,
-                    e,
-                    self.state.bad_messages,
-                )
-                continue
-            handler = getattr(self, "_on_" + type(msg).__name__, None)
-            rank = getattr(msg, "rank", None)
-            if handler is None or not isinstance(rank, int) or not 0 <= rank < self.world:
-                self.state.bad_messages += 1
-                logger.warning("mesh %r dropped an unexpected %s", self.name, type(msg).__name__)
-                continue
-            self.state.seen(rank)
-            try:
-                if type(msg) is m.WorkerReady:
-                    handler(msg, frames[0].bytes)
-                else:
-                    handler(msg)
-            except Exception:
-                logger.exception("handling %s failed", type(msg).__name__)
+            self._handle(frames)
+
+    def _handle(self, frames) -> None:
+        try:
+            msg = decode(frames[1:], self.signer)
+        except BadMessage as e:
+            self.state.bad_messages += 1
+            logger.warning(
+                "mesh %r dropped a message (%s); %d dropped so far",
+                self.name,
+                e,
+                self.state.bad_messages,
+            )
+            return
+        handler = getattr(self, "_on_" + type(msg).__name__, None)
+        rank = getattr(msg, "rank", None)
+        if handler is None or not isinstance(rank, int) or not 0 <= rank < self.world:
+            self.state.bad_messages += 1
+            logger.warning("mesh %r dropped an unexpected %s", self.name, type(msg).__name__)
+            return
+        self.state.seen(rank)
+        try:
+            if type(msg) is m.WorkerReady:
+                handler(msg, frames[0].bytes)
+            else:
+                handler(msg)
+        except Exception:
+            logger.exception("handling %s failed", type(msg).__name__)
 
     # ------------------------------------------------------------ replies
 

@@ -371,6 +371,19 @@ def decode(frames: Sequence, signer: Signer):
         ) from e
 
 
+def recv_ready(sock):
+    """The next message's frames if one is waiting, else None (zero-copy).
+
+    Checks ZMQ_EVENTS instead of catching zmq.Again: pyzmq may reuse one Again
+    instance, whose traceback would then keep the caller's frame, and the last
+    (possibly 100 MB) message in its locals, alive until the next Again."""
+    import zmq
+
+    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        return None
+    return sock.recv_multipart(copy=False)
+
+
 BATCH = b"B"  # first frame of a batch: pairs [signature, pickle] of buffer-less messages follow
 
 

@@ -22,7 +22,7 @@ import zmq
 
 from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
-from ..protocol.wire import resolve_function, split_batch, unpack_args
+from ..protocol.wire import recv_ready, resolve_function, split_batch, unpack_args
 from . import capture, context, debugger
 from .borrow import Borrow
 from .cell import Cell, DependentOnError
@@ -138,11 +138,11 @@ class Worker:
             while not self._exiting:
                 if sock.poll(20):
                     for _ in range(256):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
+                        frames = recv_ready(sock)
+                        if frames is None:
                             break
                         self._dispatch(frames)
+                        del frames  # a pushed tensor must not outlive its command here
                         if self._exiting:
                             break
                 self._tick()
