@@ -38,6 +38,7 @@ class Kernel:
             if output_hook is not None:
                 output_hook(msg)
 
+        kw.setdefault("allow_stdin", False)  # a front end without stdin, unless a test types
         reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout, **kw)
         return reply, msgs
 

@@ -23,6 +23,7 @@ class Session:
     stream: int
     stream_name: str
     location: dict = field(default_factory=dict)
+    ident: int | None = None  # the command that paused
     prompt: str | None = None  # set while pdb waits for a line
     output: list = field(default_factory=list)  # text since the last line sent
     ended: bool = False
@@ -53,6 +54,7 @@ class DebugSessions:
                 event = "paused"
             if kind == "paused":
                 s.location = {k: v for k, v in payload.items() if k != "ident"}
+                s.ident = payload.get("ident")
                 w = state.workers.get(msg.rank)
                 if w is not None:
                     w.paused[msg.stream] = dict(s.location)
@@ -94,6 +96,12 @@ class DebugSessions:
     def sessions(self) -> list[Session]:
         with self._cond:
             return sorted(self._sessions.values(), key=lambda s: (s.rank, s.stream))
+
+    def waiting(self) -> list[Session]:
+        """The sessions whose pdb waits for a line now."""
+        with self._cond:
+            found = [s for s in self._sessions.values() if s.prompt is not None]
+        return sorted(found, key=lambda s: (s.rank, s.stream))
 
     def find(self, rank: int, stream: int | None = None) -> Session:
         with self._cond:

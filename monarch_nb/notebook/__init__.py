@@ -16,12 +16,13 @@ _loaded: dict = {}
 
 
 def load_ipython_extension(ipython) -> None:
-    from .magics import MonarchMagics
+    from .magics import DebugMagics, MonarchMagics
 
     if id(ipython) in _loaded:
         return
     magics = MonarchMagics(ipython)
     ipython.register_magics(magics)
+    ipython.register_magics(DebugMagics(ipython, magics._mesh))
     _loaded[id(ipython)] = magics
 
 

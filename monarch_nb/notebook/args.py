@@ -184,3 +184,39 @@ def parse_names(spec: str) -> list[str]:
     if not names:
         raise UsageError("%%monarch: --push needs variable names, e.g. --push lr,data")
     return names
+
+
+DEBUG_USAGE = (
+    "usage: %monarch_debug [--mesh NAME] [list | attach R | cast RANKS CMD | continue | help]\n"
+    "       %monarch_debug [--mesh NAME] [--stream NAME] --post-mortem [RANK]"
+)
+DEBUG_COMMANDS = ("list", "attach", "cast", "continue", "help")
+
+
+def parse_debug(line: str) -> tuple[str | None, str | None, object, str]:
+    """``%monarch_debug`` options, then the command words (kept whole: a pdb
+    command may look like an option). Returns (mesh, stream, post_mortem, words);
+    post_mortem is None, "last" or a rank."""
+    words = line.split()
+    mesh = stream = post = None
+    while words and words[0].startswith("--"):
+        opt = words.pop(0)
+        if opt in ("--mesh", "--stream"):
+            if not words:
+                raise UsageError(f"%monarch_debug: {opt} needs a name\n{DEBUG_USAGE}")
+            if opt == "--mesh":
+                mesh = words.pop(0)
+            else:
+                stream = words.pop(0)
+        elif opt == "--post-mortem":
+            post = "last"
+            if words and words[0].lstrip("-").isdigit():
+                post = int(words.pop(0))
+        else:
+            raise UsageError(f"%monarch_debug: unknown option {opt!r}\n{DEBUG_USAGE}")
+    rest = " ".join(words)
+    if post is not None and rest:
+        raise UsageError(f"%monarch_debug: --post-mortem takes only a rank, got {rest!r}")
+    if rest and rest.split()[0] not in DEBUG_COMMANDS:
+        raise UsageError(f"%monarch_debug: unknown command {rest.split()[0]!r}\n{DEBUG_USAGE}")
+    return mesh, stream, post, rest

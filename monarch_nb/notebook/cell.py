@@ -22,6 +22,7 @@ from ..protocol import messages as m
 from ..protocol.wire import RefUseError, function_ref, pack_args
 from ..remote import check_refs
 from ..worker import display as worker_display
+from .debugger import NoStdin, Prompt, notice
 from .output import CellSink, OutputHub
 from .results import RemoteCellError, render_failures, result_displays
 
@@ -29,6 +30,10 @@ INTERRUPT_WAIT = 5.0  # seconds to wait for interrupted ranks to report Keyboard
 POLL = 0.25
 
 _functions: dict = {}
+
+
+class _Detached(Exception):
+    """The cell goes on in the background (paused sessions, no stdin to serve them)."""
 
 
 def _fn(name: str) -> m.Function:
@@ -68,6 +73,7 @@ class CellRun:
         self.sink: CellSink | None = None
         self.router = None
         self._finished = False
+        self._debug_detached = False
 
     # ------------------------------------------------------------ sending
 
@@ -131,8 +137,12 @@ class CellRun:
         figures; raise RemoteCellError when ranks failed. The notebook's interrupt
         (KeyboardInterrupt here) interrupts the ranks and shows where they stopped."""
         interrupted = False
+        self.router.blocking.add(self.ident)
         try:
             self._wait(None)
+        except _Detached:
+            self.detach()
+            return
         except KeyboardInterrupt:
             interrupted = True
             if not self._wait_interrupted():
@@ -142,12 +152,16 @@ class CellRun:
                     f"(stuck outside Python code?); their output still lands under this cell. "
                     f"%monarch_mesh --restart gives fresh workers."
                 ) from None
+        finally:
+            self.router.blocking.discard(self.ident)
         err = self._finish(interrupted)
         if err is not None:
             raise err
 
     def _wait(self, timeout: float | None) -> bool:
-        """Wait for the cell's end (in short slices, so that signals land); True if it ended."""
+        """Wait for the cell's end (in short slices, so that signals land); True if it
+        ended. While it waits without a deadline, paused debugger sessions turn the
+        cell into the debugger prompt."""
         fut = self.future
         deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
@@ -158,7 +172,32 @@ class CellRun:
                 fut.exception(left)
             except FutureTimeout:
                 pass
+            if deadline is None and not self._debug_detached and self._paused_here():
+                self._debug()
         return True
+
+    def _mine(self, session) -> bool:
+        return session.ident == self.ident
+
+    def _paused_here(self) -> bool:
+        return any(self._mine(s) for s in self.ctrl.debugger.waiting())
+
+    def _debug(self) -> None:
+        """Serve this cell's paused sessions at the kernel's stdin until they go on or
+        the user detaches."""
+        prompt = Prompt(self.ctrl.debugger, only=self._mine)
+        try:
+            prompt.serve()
+        except NoStdin:
+            waiting = [s for s in self.ctrl.debugger.waiting() if self._mine(s)]
+            print(
+                notice(waiting) + ". This front end has no stdin: the cell goes on in the "
+                "background; serve the sessions with %monarch_debug (or the dashboard).",
+                flush=True,
+            )
+            raise _Detached() from None
+        if prompt.detached:
+            self._debug_detached = True
 
     def _wait_interrupted(self) -> bool:
         self.interrupt()

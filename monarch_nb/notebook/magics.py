@@ -6,9 +6,18 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from .. import mesh as mesh_mod
-from .args import HelpShown, cell_parser, mesh_parser, parse_dims, parse_names, parse_ranks
+from .args import (
+    HelpShown,
+    cell_parser,
+    mesh_parser,
+    parse_debug,
+    parse_dims,
+    parse_names,
+    parse_ranks,
+)
 from .args import parse_slice as parse_slice_spec
 from .cell import CellRun
+from .debugger import HELP, NoStdin, Prompt, describe
 from .display import StatusViews
 from .output import OutputHub
 from .publish import Publisher
@@ -169,6 +178,90 @@ class MonarchMagics(Magics):
             run.detach()
             return None
         run.wait()
+        return None
+
+
+@magics_class
+class DebugMagics(Magics):
+    """``%monarch_debug``: the paused remote pdb sessions of a mesh."""
+
+    def __init__(self, shell, mesh_of):
+        super().__init__(shell)
+        self._mesh_of = mesh_of
+
+    @line_magic
+    def monarch_debug(self, line: str = ""):
+        """%monarch_debug [list | attach R | cast RANKS CMD | continue | help]
+        %monarch_debug --post-mortem [RANK]
+
+        Without a command: list the paused sessions and serve them at the debugger
+        prompt. --post-mortem opens pdb at the frame of the last remote failure
+        (on RANK, default: the lowest rank of the newest error)."""
+        mesh_name, stream_name, post, rest = parse_debug(line)
+        mesh = self._mesh_of(mesh_name, "%monarch_debug")
+        dbg = mesh.debugger
+        prompt = Prompt(dbg)
+        if post is not None:
+            return self._post_mortem(mesh, post, stream_name, prompt)
+        cmd, _, arg = rest.partition(" ")
+        if cmd == "help":
+            print(HELP)
+        elif cmd == "list":
+            print(describe(dbg.sessions()))
+        elif cmd == "continue":
+            n = len(dbg.sessions())
+            dbg.continue_all()
+            print(f"continued {n} session(s)")
+        elif cmd == "cast":
+            prompt._cast(arg.strip())
+        elif not dbg.sessions():
+            print("no paused debugger sessions")
+        else:
+            print(describe(dbg.sessions()))
+            self._serve(
+                prompt, int(arg) if cmd == "attach" and arg.strip().isdigit() else None, cmd, arg
+            )
+        return None
+
+    def _serve(self, prompt: Prompt, rank, cmd: str, arg: str) -> None:
+        if cmd == "attach" and rank is None:
+            raise UsageError(f"%monarch_debug attach: expected a rank, got {arg!r}")
+        try:
+            prompt.serve(attach=rank)
+        except NoStdin:
+            print(
+                "this front end has no stdin: drive the sessions with "
+                "%monarch_debug cast RANKS CMD and %monarch_debug continue"
+            )
+
+    def _post_mortem(self, mesh, post, stream_name, prompt: Prompt):
+        errors = mesh.status()["errors"]
+        if post == "last":
+            if not errors:
+                raise UsageError("%monarch_debug --post-mortem: no remote failure to debug")
+            rank = errors[0]["ranks"][0]
+            stream_name = stream_name or errors[0]["stream"]
+        else:
+            rank = post
+            if rank not in mesh.ranks:
+                raise UsageError(
+                    f"%monarch_debug --post-mortem: rank {rank} is not in mesh {mesh.name!r}"
+                )
+        sid = mesh._controller.streams.get(stream_name or "default")
+        if sid is None:
+            raise UsageError(f"%monarch_debug --post-mortem: no stream {stream_name!r}")
+        fut = mesh.debugger.post_mortem(rank, sid)
+        while not fut.done() and not mesh.debugger.wait_any(0.2):
+            pass
+        try:
+            prompt.serve(attach=rank)
+        except NoStdin:
+            mesh.debugger.continue_all()
+            print("this front end has no stdin: the post-mortem session was closed")
+        try:
+            fut.result(timeout=30)
+        except Exception as e:
+            raise UsageError(f"%monarch_debug --post-mortem: {str(e).splitlines()[-1]}") from None
         return None
 
 

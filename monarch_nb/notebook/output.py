@@ -257,12 +257,30 @@ class OutputRouter:
         self.ambient = CellSink(hub.publisher, None, None)
         hub.live.add(self.ambient)
         controller.on_output = self.on_output
+        self.blocking: set[int] = set()  # idents of cells that wait, and so serve pauses inline
+        controller.debugger.listeners.append(self.on_debugger)
 
     def on_output(self, msg) -> None:
         sink = self.sinks.get(msg.ident) if msg.ident is not None else None
         if sink is None or sink.closed:
             sink = self.ambient
         sink.add(msg.rank, msg.name, msg.text)
+
+    def on_debugger(self, event: str, session) -> None:
+        """A pause no blocking cell is there to serve: a one-line notice under the
+        cell that paused (``--noblock``), pointing to ``%monarch_debug``."""
+        if event != "paused" or session.ident in self.blocking:
+            return
+        sink = self.sinks.get(session.ident) if session.ident is not None else None
+        if sink is None or sink.closed:
+            sink = self.ambient
+        loc = session.location
+        sink.add(
+            session.rank,
+            "stderr",
+            f"paused in the debugger ({session.stream_name}) at {loc.get('file')}:"
+            f"{loc.get('line')} in {loc.get('function')}: serve it with %monarch_debug\n",
+        )
 
     def register(self, ident: int, sink: CellSink) -> None:
         self.sinks[ident] = sink

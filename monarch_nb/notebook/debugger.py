@@ -1,0 +1,234 @@
+"""The remote pdb prompt in the notebook, through the kernel's stdin (as local pdb
+in Jupyter): ``(Pdb r1)`` when one session is paused, ``(monarch-dbg)`` when
+several are.
+
+At ``(monarch-dbg)``: ``list``, ``attach R``, ``cast RANKS CMD`` (``*`` = every
+paused rank; identical outputs folded), ``continue`` (all), ``detach``,
+``help``. In an attached session every pdb command works; ``detach`` returns
+to ``(monarch-dbg)``.
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import StdinNotImplementedError
+
+from ..controller import format_ranks
+from ..controller.debugger import DebugSessions, Session
+from .args import parse_ranks
+
+MENU_PROMPT = "(monarch-dbg) "
+HELP = """monarch-dbg commands:
+  list              paused sessions: rank, stream, file:line, function
+  attach R          talk to the pdb paused on rank R (detach: back here)
+  cast RANKS CMD    send CMD to the sessions on RANKS (0,2 or 0-3; * = all)
+  continue          continue every paused session
+  detach            stop prompting; sessions keep waiting (%monarch_debug, the dashboard)
+  help              this text"""
+
+
+class NoStdin(Exception):
+    """The front end cannot answer input requests."""
+
+
+def _strip_prompt(text: str, prompt: str | None) -> str:
+    if prompt and text.endswith(prompt):
+        text = text[: -len(prompt)]
+    return text
+
+
+def describe(sessions: list[Session]) -> str:
+    rows = [
+        f"  rank {s.rank:<3} {s.stream_name:<10} {s.location.get('file')}:{s.location.get('line')}"
+        f"  {s.location.get('function')}"
+        for s in sessions
+    ]
+    return (
+        "\n".join(["paused debugger sessions:", *rows]) if rows else "no paused debugger sessions"
+    )
+
+
+def notice(sessions: list[Session]) -> str:
+    where = "; ".join(
+        f"rank {s.rank} ({s.stream_name}) at {s.location.get('file')}:{s.location.get('line')}"
+        for s in sessions
+    )
+    return f"monarch_nb: paused in the debugger: {where}"
+
+
+def fold(outputs: dict) -> str:
+    """rank -> text, identical texts shown once with their ranks."""
+    groups: dict[str, list] = {}
+    for rank, text in sorted(outputs.items()):
+        groups.setdefault(text, []).append(rank)
+    parts = []
+    for text, ranks in groups.items():
+        body = text.rstrip("\n")
+        label = f"[{format_ranks(ranks)}]"
+        parts.append(f"{label} {body}" if "\n" not in body else f"{label}\n{body}")
+    return "\n".join(parts)
+
+
+class _Filtered:
+    """The sessions that ``keep(session)`` selects (those of one cell), same interface."""
+
+    def __init__(self, dbg: DebugSessions, keep):
+        self._dbg = dbg
+        self._keep = keep
+
+    def __getattr__(self, name):
+        return getattr(self._dbg, name)
+
+    def sessions(self) -> list[Session]:
+        return [s for s in self._dbg.sessions() if self._keep(s)]
+
+    def waiting(self) -> list[Session]:
+        return [s for s in self._dbg.waiting() if self._keep(s)]
+
+    def find(self, rank: int, stream: int | None = None) -> Session:
+        for s in self.sessions():
+            if s.rank == rank and (stream is None or s.stream == stream):
+                return s
+        raise KeyError(f"no paused session on rank {rank}")
+
+    def wait_any(self, timeout: float, count: int = 1) -> bool:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(self.waiting()) < count:
+            if time.monotonic() >= deadline:
+                return False
+            self._dbg.wait_any(min(0.1, max(0.0, deadline - time.monotonic())))
+        return True
+
+    def cast(self, ranks, line: str, timeout: float = 60.0) -> dict:
+        targets = [s for s in self.sessions() if ranks is None or s.rank in ranks]
+        for s in targets:
+            self._dbg.send(s, line)
+        return {s.rank: self._dbg.wait_reply(s, timeout)[0] for s in targets}
+
+    def continue_all(self) -> None:
+        for s in self.sessions():
+            if not s.ended:
+                self._dbg.send(s, "continue")
+
+
+class Prompt:
+    """Serves paused sessions with ``read`` (input) and ``write`` (print)."""
+
+    def __init__(
+        self,
+        sessions: DebugSessions,
+        read=input,
+        write=print,
+        timeout: float = 600.0,
+        only=None,
+    ):
+        self.dbg = _Filtered(sessions, only) if only is not None else sessions
+        self._read = read
+        self._write = write
+        self.timeout = timeout
+        self.detached = False
+
+    def read(self, prompt: str) -> str:
+        try:
+            return self._read(prompt)
+        except StdinNotImplementedError:
+            raise NoStdin() from None
+        except EOFError:
+            return "detach"
+
+    def serve(self, attach: int | None = None) -> None:
+        """Prompt until no session waits (all continued) or the user detaches."""
+        menu = False
+        if attach is not None:
+            menu = self._attach(str(attach))
+        while not self.detached:
+            sessions = self.dbg.waiting()
+            if not sessions:
+                # a session between two stops (n, s, c to a breakpoint) comes back soon
+                if not self.dbg.sessions() or not self.dbg.wait_any(1.0):
+                    return
+                continue
+            if len(sessions) == 1 and len(self.dbg.sessions()) == 1 and not menu:
+                menu = self._attached_loop(sessions[0])
+            else:
+                menu = True
+                self._menu()
+
+    def _send(self, s: Session, line: str) -> tuple[str, str | None]:
+        self.dbg.send(s, line)
+        return self.dbg.wait_reply(s, self.timeout)
+
+    def _show(self, text: str) -> None:
+        if text:
+            self._write(text.rstrip("\n"))
+
+    def _menu(self) -> None:
+        line = self.read(MENU_PROMPT).strip()
+        if not line:
+            return
+        cmd, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if cmd in ("list", "l", "ls"):
+            self._write(describe(self.dbg.sessions()))
+        elif cmd in ("help", "h", "?"):
+            self._write(HELP)
+        elif cmd in ("continue", "c", "cont"):
+            self.dbg.continue_all()
+        elif cmd == "detach":
+            self.detached = True
+            self._write(
+                "detached: the sessions keep waiting (%monarch_debug or the dashboard serves "
+                "them; interrupting the cell ends them)"
+            )
+        elif cmd == "attach":
+            self._attach(rest)
+        elif cmd == "cast":
+            self._cast(rest)
+        else:
+            self._write(f"unknown command {cmd!r}; type help")
+
+    def _attach(self, arg: str) -> bool:
+        try:
+            s = self.dbg.find(int(arg))
+        except (ValueError, KeyError):
+            self._write(f"attach: no paused session on rank {arg!r}; type list")
+            return True
+        return self._attached_loop(s)
+
+    def _attached_loop(self, s: Session) -> bool:
+        """Talk to one session until it ends (False) or the user detaches (True)."""
+        while not s.ended and not self.detached:
+            if s.prompt is None:
+                text, _ = self.dbg.wait_reply(s, self.timeout)
+                self._show(_strip_prompt(text, s.prompt))
+                continue
+            self._show(_strip_prompt(self.dbg.take_output(s), s.prompt))
+            line = self.read(s.prompt)
+            if line.strip() == "detach":
+                return True
+            text, prompt = self._send(s, line)
+            self._show(_strip_prompt(text, prompt))
+        return False
+
+    def _cast(self, arg: str) -> None:
+        spec, _, cmd = arg.partition(" ")
+        if not spec or not cmd.strip():
+            self._write("usage: cast RANKS CMD   (e.g. cast * p x, cast 0,2 where)")
+            return
+        ranks = None
+        if spec != "*":
+            try:
+                ranks = parse_ranks(spec)
+            except Exception as e:
+                self._write(f"cast: {e}")
+                return
+        replies = self.dbg.cast(ranks, cmd.strip(), self.timeout)
+        if not replies:
+            self._write(f"cast: no paused session on {spec}")
+            return
+        outputs = {}
+        for rank, text in replies.items():
+            s = next((x for x in self.dbg.sessions() if x.rank == rank), None)
+            outputs[rank] = _strip_prompt(text, s.prompt if s else None)
+        self._write(fold(outputs))
