@@ -11,7 +11,7 @@ In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 """
 
 from .controller.errors import MeshClosedError, RemoteError, WorkerCrashed
-from .mesh import DeviceMesh, Stream, get_mesh, local_mesh
+from .mesh import DeviceMesh, Stream, connect_mesh, get_mesh, local_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
 from .remote import ProcessGroup, Ref, RemoteFunction, remote
@@ -32,6 +32,7 @@ __all__ = [
     "RemoteFunction",
     "Stream",
     "WorkerCrashed",
+    "connect_mesh",
     "current_coords",
     "current_rank",
     "current_size",

@@ -2,11 +2,12 @@
 
 from .controller import Controller
 from .errors import MeshClosedError, RemoteError, WorkerCrashed, format_ranks
-from .launcher import LocalLauncher
+from .launcher import ExternalLauncher, LocalLauncher
 from .state import MeshState
 
 __all__ = [
     "Controller",
+    "ExternalLauncher",
     "LocalLauncher",
     "MeshClosedError",
     "MeshState",

@@ -13,8 +13,11 @@ import datetime
 import itertools
 import logging
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -37,7 +40,10 @@ logger = logging.getLogger("monarch_nb.controller")
 
 BIG_SEND = 1 << 20
 TICK = 0.1  # seconds between process checks and housekeeping
-DEPENDENT_GRACE = 2.0  # how long a dependent fetch waits for its original failure to arrive
+DEPENDENT_GRACE = 2.0
+HEARTBEAT_TIMEOUT = float(
+    os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10")
+)  # how long a dependent fetch waits for its original failure to arrive
 MAX_FAILURES_KEPT = 10_000
 
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -101,6 +107,7 @@ class Controller:
         interface: str = "127.0.0.1",
         launcher=None,
         startup_timeout: float = 180.0,
+        advertise: str | None = None,
     ):
         self.name = name
         self.dims = dict(dims)
@@ -117,13 +124,17 @@ class Controller:
         self._lifecycle = threading.Lock()
         self._lifecycle_groups = threading.Lock()
         self._interface = interface
+        self._advertise = advertise or _advertised_host(interface)
+        self._store_dir: str | None = None
+        self._next_ping = 0.0
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.LINGER, 0)
         port = self._router.bind_to_random_port(f"tcp://{interface}")
-        self.address = f"tcp://{interface}:{port}"
+        self.bind_address = f"tcp://{interface}:{port}"
+        self.address = f"tcp://{self._advertise}:{port}"  # what workers connect to
         self._outq: deque = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -149,6 +160,7 @@ class Controller:
         self.state.generation = self.generation
         self.state.reset(range(self.world))
         self._identities: dict[int, bytes] = {}
+        self._worker_cuda: dict[int, bool] = {}
         self._procs: dict[int, LocalProcess] = {}
         self._pending: dict[int, _Pending] = {}
         self._failures: dict[int, dict] = {}
@@ -178,25 +190,41 @@ class Controller:
             progress.update(len(self._identities) - progress.n)
             progress.close()
         if not self._ready.is_set() or self._startup_error is not None:
+            missing = sorted(set(range(self.world)) - set(self._identities))
             err = self._startup_error or TimeoutError(
-                f"mesh {self.name!r}: workers not ready after {self._startup_timeout:.0f} s "
-                f"(missing ranks {sorted(set(range(self.world)) - set(self._identities))})"
+                f"mesh {self.name!r}: {len(missing)} of {self.world} workers did not join within "
+                f"{self._startup_timeout:.0f} s: missing ranks {missing}"
             )
             raise err
+        if self.state.backend is None:  # joined workers: nccl if every one has a GPU
+            self.state.backend = "nccl" if all(self._worker_cuda.values()) else "gloo"
         sizes = tuple(self.dims.values())
         self.send(m.CreateDeviceMesh(0, tuple(self.dims), NDSlice.contiguous(sizes)), None)
         self._start_backend()
 
     def _start_backend(self) -> None:
-        """Host the TCPStore of this generation; every worker joins the default
-        process group through it (on its default stream, before user commands)."""
+        """The rendezvous store of this generation; every worker joins the default
+        process group through it (on its default stream, before user commands).
+
+        On one host it is a FileStore in a private (0700) directory: no socket at
+        all. Workers on other hosts need the controller's TCPStore, which listens
+        on every interface and is not authenticated: use it on trusted networks."""
         import torch.distributed as dist
 
-        host = self._interface if self._interface not in ("0.0.0.0", "*", "") else "127.0.0.1"
-        self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300)
-        )
-        self.send(m.InitBackend(host, self._store.port, self.state.backend), None)
+        if self._advertise in ("127.0.0.1", "localhost", "::1"):
+            self._store_dir = tempfile.mkdtemp(prefix="mnb-store-")
+            os.chmod(self._store_dir, 0o700)
+            address = "file://" + os.path.join(self._store_dir, f"gen{self.generation}")
+        else:
+            self._store = dist.TCPStore(
+                self._advertise,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=300),
+            )
+            address = f"tcp://{self._advertise}:{self._store.port}"
+        self.send(m.InitBackend(address, self.state.backend), None)
 
     @property
     def root_slice(self) -> NDSlice:
@@ -479,11 +507,13 @@ class Controller:
             return
         handler = getattr(self, "_on_" + type(msg).__name__, None)
         rank = getattr(msg, "rank", None)
-        if handler is None or not isinstance(rank, int) or not 0 <= rank < self.world:
+        ready = type(msg) is m.WorkerReady  # its handler says why it refuses a bad rank
+        if handler is None or not isinstance(rank, int) or not (ready or 0 <= rank < self.world):
             self.state.bad_messages += 1
             logger.warning("mesh %r dropped an unexpected %s", self.name, type(msg).__name__)
             return
-        self.state.seen(rank)
+        if not ready:
+            self.state.seen(rank)
         try:
             if type(msg) is m.WorkerReady:
                 handler(msg, frames[0].bytes)
@@ -495,10 +525,23 @@ class Controller:
     # ------------------------------------------------------------ replies
 
     def _on_WorkerReady(self, msg: m.WorkerReady, identity: bytes) -> None:
-        if msg.rank in self._identities or msg.world != self.world:
-            logger.warning("mesh %r refused a worker claiming rank %d", self.name, msg.rank)
+        reason = None
+        if msg.world != self.world:
+            reason = f"world size {msg.world} differs from the mesh's {self.world}"
+        elif not 0 <= msg.rank < self.world:
+            reason = f"rank {msg.rank} is outside the mesh (world {self.world})"
+        elif msg.rank in self._identities:
+            reason = f"rank {msg.rank} has joined already (pid {self.state.workers[msg.rank].pid})"
+        elif self._ready.is_set():
+            reason = "the mesh is complete: late workers are not taken"
+        if reason is not None:
+            logger.warning(
+                "mesh %r refused a worker (pid %s on %s): %s", self.name, msg.pid, msg.host, reason
+            )
+            self._router.send_multipart([identity, *encode(m.Refused(reason), self.signer)])
             return
         self._identities[msg.rank] = identity
+        self._worker_cuda[msg.rank] = msg.cuda
         self.state.worker_ready(msg.rank, msg.pid, msg.host)
         if len(self._identities) == self.world:
             self._ready.set()
@@ -615,6 +658,8 @@ class Controller:
     def _tick(self) -> None:
         for p in list(self._procs.values()):
             self._check_process(p)
+        if self._launcher.external and self._identities and not (self._closing or self._closed):
+            self._watch_external()
         if self._awaiting_failure:
             now = time.monotonic()
             for orig, waiting in list(self._awaiting_failure.items()):
@@ -626,6 +671,28 @@ class Controller:
                     self._awaiting_failure[orig] = keep
                 else:
                     self._awaiting_failure.pop(orig, None)
+
+    def _watch_external(self) -> None:
+        """Workers that are not our children: ping them (they exit when pings stop)
+        and presume dead one that has not been heard of for HEARTBEAT_TIMEOUT."""
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._next_ping = now + 1.0
+            frames = encode(m.Ping(), self.signer)
+            for ident in self._identities.values():
+                self._router.send_multipart([ident, *frames])
+        wall = time.time()
+        for rank, w in list(self.state.workers.items()):
+            if w.alive and w.last_seen and wall - w.last_seen > HEARTBEAT_TIMEOUT:
+                self.state.worker_exited(rank, None)
+                err = WorkerCrashed(
+                    rank,
+                    None,
+                    f"(rank {rank}, pid {w.pid} on {w.host}, stopped answering "
+                    f"{wall - w.last_seen:.0f} s ago)",
+                    self.name,
+                )
+                self._break(err)
 
     def _check_process(self, p: LocalProcess, wait: float = 0.0) -> None:
         code = p.popen.poll()
@@ -734,6 +801,9 @@ class Controller:
                     self._io.join(timeout=5)
                 self._router.close(linger=0)
                 self._ctx.term()
+                self._store = None
+                if self._store_dir is not None:
+                    shutil.rmtree(self._store_dir, ignore_errors=True)
                 for fd in (self._wake_r, self._wake_w):
                     try:
                         os.close(fd)
@@ -746,6 +816,16 @@ class Controller:
 
     def __repr__(self) -> str:  # never shows the secret
         return f"<Controller {self.name!r} {self.address} world={self.world}>"
+
+
+def _advertised_host(interface: str) -> str:
+    """The address workers reach this controller at, for a bind address."""
+    if interface in ("0.0.0.0", "*", ""):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return socket.gethostname()
+    return interface
 
 
 def print_output(msg: m.Output) -> None:

@@ -81,6 +81,8 @@ class LocalProcess:
 class LocalLauncher:
     """Starts ``world`` workers on this host, one GPU each when GPUs are present."""
 
+    external = False  # the workers are our children: we watch their processes
+
     def launch(self, address: str, key: bytes, world: int) -> dict[int, LocalProcess]:
         gpus = _visible_gpus()
         base = dict(os.environ)
@@ -131,3 +133,59 @@ class LocalLauncher:
             os.set_blocking(popen.stdout.fileno(), False)
             procs[rank] = LocalProcess(rank, popen)
         return procs
+
+
+class ExternalLauncher:
+    """Starts nothing: another launcher (torchrun, srun, mpirun, a pod per rank)
+    runs ``monarch-nb-worker --connection-file F``. Writes the connection file
+    (address and secret, mode 0600) and prints the command lines."""
+
+    external = True
+
+    def __init__(self, name: str, dims: dict, connection_file: str | None = None, out=print):
+        self.name = name
+        self.dims = dict(dims)
+        self.connection_file = connection_file or default_connection_file(name)
+        self._out = out
+
+    def launch(self, address: str, key: bytes, world: int) -> dict:
+        write_connection_file(self.connection_file, address, key, world, self.name, self.dims)
+        f = self.connection_file
+        self._out(
+            f"mesh {self.name!r} waits for {world} workers at {address}\n"
+            f"connection file (address and secret): {f}\n"
+            f"start them with torchrun on each host:\n"
+            f"  torchrun --nnodes NODES --nproc-per-node PER_NODE --node-rank I "
+            f"--master-addr HOST0 -m monarch_nb.worker --connection-file {f}\n"
+            f"  (one host: torchrun --standalone --nproc-per-node {world} -m monarch_nb.worker "
+            f"--connection-file {f})\n"
+            f"or with srun inside an allocation:\n"
+            f"  srun --ntasks {world} python -m monarch_nb.worker --connection-file {f}"
+        )
+        return {}
+
+
+def default_connection_file(name: str) -> str:
+    """``monarch-mesh-NAME.json`` in the user's Jupyter runtime dir."""
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        base = jupyter_runtime_dir()
+    except Exception:
+        base = os.path.join(os.path.expanduser("~"), ".local", "share", "jupyter", "runtime")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return os.path.join(base, f"monarch-mesh-{safe}.json")
+
+
+def write_connection_file(
+    path: str, address: str, key: bytes, world: int, name: str, dims: dict
+) -> None:
+    """The file a worker joins with: readable by its owner only (it holds the secret)."""
+    import json
+
+    data = {"address": address, "key": key.hex(), "world": world, "mesh": name, "dims": dims}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)

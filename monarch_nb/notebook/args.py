@@ -61,6 +61,19 @@ def mesh_parser() -> Parser:
         "replaces that mesh",
     )
     p.add_argument("--backend", choices=BACKENDS, help="collectives backend (default: gloo on CPU)")
+    p.add_argument(
+        "--connect",
+        action="store_true",
+        help="wait for workers started by another launcher (torchrun, srun) instead of spawning",
+    )
+    p.add_argument("--world", type=int, help="with --connect: how many workers join")
+    p.add_argument("--connection-file", help="with --connect: where to write the connection file")
+    p.add_argument(
+        "--interface",
+        default="127.0.0.1",
+        help="with --connect: the address to bind (0.0.0.0 or an address for other hosts)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="with --connect: seconds to wait")
     action = p.add_mutually_exclusive_group()
     action.add_argument(
         "--restart", action="store_true", help="fresh workers for the mesh (--name or active)"

@@ -89,6 +89,10 @@ class MonarchMagics(Magics):
                 )
             self.views.show(self._mesh(a.name, "%monarch_mesh"))
             return None
+        if a.connect:
+            return self._connect(a)
+        if a.world is not None or a.connection_file is not None:
+            raise UsageError("%monarch_mesh: --world and --connection-file go with --connect")
         dims = parse_dims(a.dims)
         name = a.name if a.name is not None else DEFAULT_NAME
         if not name.strip():
@@ -100,6 +104,31 @@ class MonarchMagics(Magics):
             mesh = mesh_mod.local_mesh(name=name, backend=a.backend, **dims)
         except ValueError as e:
             raise UsageError(f"%monarch_mesh: {e}") from None
+        self.hub.router(mesh._controller)
+        self.views.show(mesh)
+        return None
+
+    def _connect(self, a):
+        """``--connect --world N dp=...``: wait for workers another launcher starts."""
+        if a.world is None:
+            raise UsageError("%monarch_mesh --connect: --world N says how many workers join")
+        dims = parse_dims(a.dims) if a.dims else {}
+        name = a.name if a.name is not None else DEFAULT_NAME
+        old = mesh_mod.all_meshes().get(name)
+        if old is not None:
+            self._shutdown(old)
+        try:
+            mesh = mesh_mod.connect_mesh(
+                world=a.world,
+                connection_file=a.connection_file,
+                timeout=a.timeout,
+                name=name,
+                backend=a.backend,
+                interface=a.interface,
+                **dims,
+            )
+        except ValueError as e:
+            raise UsageError(f"%monarch_mesh --connect: {e}") from None
         self.hub.router(mesh._controller)
         self.views.show(mesh)
         return None

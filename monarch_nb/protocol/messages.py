@@ -185,11 +185,22 @@ class DebuggerMessage(NamedTuple):
 
 
 class InitBackend(NamedTuple):
-    """Join the default torch.distributed process group through the controller's TCPStore."""
+    """Join the default torch.distributed process group through the store at
+    ``store``: ``file:///path`` (a local mesh: no socket) or ``tcp://host:port``
+    (the controller's TCPStore, for workers on other hosts)."""
 
-    host: str
-    port: int
+    store: str
     backend: str
+
+
+class Ping(NamedTuple):
+    """The controller is alive (sent to workers that are not its children)."""
+
+
+class Refused(NamedTuple):
+    """The controller does not take this worker (late, duplicate rank, wrong world)."""
+
+    reason: str
 
 
 class CreateProcessGroup(NamedTuple):

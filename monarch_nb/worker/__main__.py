@@ -32,14 +32,37 @@ def _set_parent_death_signal(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="monarch-nb-worker", description=__doc__)
-    p.add_argument("--connect", required=True, help="controller address, tcp://HOST:PORT")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--connect", help="controller address, tcp://HOST:PORT")
+    where.add_argument(
+        "--connection-file",
+        help="the JSON file mnb.connect_mesh / %%monarch_mesh --connect wrote (address and secret)",
+    )
     p.add_argument("--key-file", help="file holding the mesh secret (hex)")
     p.add_argument("--key-stdin", action="store_true", help="read the secret (hex) from stdin")
     p.add_argument("--rank", type=int)
     p.add_argument("--world", type=int)
     p.add_argument("--local-rank", type=int)
     p.add_argument("--parent-pid", type=int, help="exit when this process (the controller) is gone")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10")),
+        help="exit when the controller has not been heard of for this long (s; joined workers)",
+    )
     a = p.parse_args(argv)
+    key_hex = ""
+    if a.connection_file:
+        import json
+
+        try:
+            with open(a.connection_file) as f:
+                info = json.load(f)
+            a.connect, key_hex = info["address"], info["key"]
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"cannot read the connection file {a.connection_file}: {e}")
+        if a.world is None and _env_int("WORLD_SIZE", "SLURM_NTASKS") is None:
+            a.world = int(info["world"])
 
     if a.parent_pid:
         _set_parent_death_signal(a.parent_pid)
@@ -50,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if rank is None or world is None:
         p.error("rank and world size: pass --rank/--world or set RANK/WORLD_SIZE")
-    if a.key_file:
+    if key_hex:
+        pass
+    elif a.key_file:
         with open(a.key_file) as f:
             key_hex = f.read().strip()
     elif a.key_stdin:
@@ -70,12 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     import torch  # noqa: F401 - import before any thread starts (and before CUDA init)
 
     if torch.cuda.is_available():
-        torch.cuda.set_device(0 if "CUDA_VISIBLE_DEVICES" in os.environ else (local_rank or 0))
+        # one visible GPU (the local launcher's way) or the LOCAL_RANK-th (torchrun's, srun's)
+        torch.cuda.set_device((local_rank or 0) % torch.cuda.device_count())
         torch.ones(1, device="cuda")
 
     from .worker import Worker
 
-    Worker(a.connect, bytes.fromhex(key_hex), rank, world, local_rank or 0, a.parent_pid).serve()
+    heartbeat = None if a.parent_pid else a.heartbeat_timeout
+    Worker(
+        a.connect, bytes.fromhex(key_hex), rank, world, local_rank or 0, a.parent_pid, heartbeat
+    ).serve()
     sys.stdout.flush()
     os._exit(0)
 

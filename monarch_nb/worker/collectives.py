@@ -53,10 +53,14 @@ class Comms:
 
     # -------------------------------------------------------------- set-up
 
-    def init_backend(self, host: str, port: int, backend: str) -> None:
+    def init_backend(self, address: str, backend: str) -> None:
         """Join the default process group (runs on the default stream, first)."""
         try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=_timeout())
+            if address.startswith("file://"):
+                store = dist.FileStore(address[len("file://") :], self.world)
+            else:
+                host, port = address[len("tcp://") :].rsplit(":", 1)
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=_timeout())
             if backend == "nccl":
                 backend = "cpu:gloo,cuda:nccl"
             dist.init_process_group(

@@ -36,6 +36,7 @@ logger = logging.getLogger("monarch_nb.worker")
 OUTPUT_AGE = 0.05  # flush output buffered longer than this
 PROGRESS_PERIOD = 0.1
 HEALTH_PERIOD = 1.0
+LOST_CONNECTION_GRACE = 3.0  # a dropped connection not back within this ends a joined worker
 STALL_AFTER = float(os.environ.get("MONARCH_NB_STALL_SECONDS", "30"))
 DEFAULT_STREAM = 0
 
@@ -49,6 +50,7 @@ class Worker:
         world: int,
         local_rank: int = 0,
         parent_pid: int | None = None,
+        heartbeat_timeout: float | None = None,
     ):
         self.address = address
         self.signer = Signer(key)
@@ -56,6 +58,10 @@ class Worker:
         self.world = world
         self.local_rank = local_rank
         self.parent_pid = parent_pid
+        # a worker that is not the controller's child exits when the controller goes quiet
+        self.heartbeat_timeout = heartbeat_timeout
+        self._last_heard = time.monotonic()
+        self._lost_at: float | None = None
         self.ctx = zmq.Context()
         self.env: dict[int, Cell] = {}
         self.streams: dict[int, Stream] = {}
@@ -135,8 +141,14 @@ class Worker:
             )
             self._health = HealthSampler(self.cuda)
             self._next_progress = self._next_health = 0.0
+            monitor = None
+            if self.heartbeat_timeout is not None:
+                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             while not self._exiting:
+                if monitor is not None:
+                    self._watch_connection(monitor)
                 if sock.poll(20):
+                    self._last_heard = time.monotonic()
                     for _ in range(256):
                         frames = recv_ready(sock)
                         if frames is None:
@@ -208,6 +220,27 @@ class Worker:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.error("controller (pid %d) is gone; exiting", self.parent_pid)
             os._exit(1)
+        if self.heartbeat_timeout is not None:
+            quiet = now - self._last_heard
+            lost = self._lost_at is not None and now - self._lost_at > LOST_CONNECTION_GRACE
+            if quiet > self.heartbeat_timeout or lost:
+                why = "connection lost" if lost else f"not heard of for {quiet:.0f} s"
+                print(
+                    f"[monarch worker {self.rank}] the controller is gone ({why}); exiting",
+                    file=sys.__stderr__,
+                    flush=True,
+                )
+                os._exit(1)
+
+    def _watch_connection(self, monitor) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost_at = time.monotonic()
+            elif event == zmq.EVENT_CONNECTED:
+                self._lost_at = None
 
     def _check_stalls(self) -> None:
         """Log what a stream has been doing once a command runs longer than STALL_AFTER."""
@@ -374,6 +407,17 @@ class Worker:
             if not msg.streams or s.id in msg.streams:
                 s.interrupt()
 
+    def Ping(self, msg: m.Ping) -> None:
+        pass  # hearing from the controller is the point
+
+    def Refused(self, msg: m.Refused) -> None:
+        print(
+            f"[monarch worker {self.rank}] the controller refused this worker: {msg.reason}",
+            file=sys.__stderr__,
+            flush=True,
+        )
+        os._exit(2)
+
     def Exit(self, msg: m.Exit) -> None:
         self._exiting = True
         for pipe in self.pipes.values():
@@ -462,7 +506,7 @@ class Worker:
     def InitBackend(self, msg: m.InitBackend) -> None:
         comms = self.comms
         self.streams[DEFAULT_STREAM].call_soon(
-            lambda: _log_failure(comms.init_backend, msg.host, msg.port, msg.backend)
+            lambda: _log_failure(comms.init_backend, msg.store, msg.backend)
         )
 
     def CreateProcessGroup(self, msg: m.CreateProcessGroup) -> None:
