@@ -1,0 +1,263 @@
+"""Workers started by another launcher (torchrun, a shell, another "host") join a mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+import torch
+
+import monarch_nb as mnb
+
+
+def ones_times_rank():
+    return torch.ones(2) * (mnb.current_rank() + 1)
+
+
+class Waiting:
+    """connect_mesh in a thread: it blocks until the workers join."""
+
+    def __init__(self, **kw):
+        self.result: list = []
+        self.error: list = []
+
+        def run():
+            try:
+                self.result.append(mnb.connect_mesh(**kw))
+            except BaseException as e:  # noqa: B036 - handed to the test
+                self.error.append(e)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def mesh(self, timeout=90):
+        self.thread.join(timeout)
+        if self.error:
+            raise self.error[0]
+        assert self.result, "connect_mesh did not return"
+        return self.result[0]
+
+
+def wait_file(path, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+# joined workers import what their own environment has: this test module too
+TESTS_ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+
+
+def worker(conn, *args, env=None, **kw):
+    return subprocess.Popen(
+        [sys.executable, "-m", "monarch_nb.worker", "--connection-file", str(conn), *args],
+        env={**TESTS_ENV, **(env or {})},
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def test_torchrun_workers_join_and_run_a_collective(tmp_path):
+    conn = tmp_path / "mesh.json"
+    w = Waiting(world=2, dp=2, connection_file=str(conn), timeout=120, name="torchrun")
+    wait_file(conn)
+    assert oct(os.stat(conn).st_mode & 0o777) == "0o600"
+    info = json.loads(conn.read_text())
+    assert info["world"] == 2 and info["address"].startswith("tcp://127.0.0.1:")
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    p = subprocess.Popen(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "monarch_nb.worker",
+            "--connection-file",
+            str(conn),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=TESTS_ENV,
+    )
+    try:
+        mesh = w.mesh()
+        assert mesh.dims == {"dp": 2} and mesh.backend == "gloo"
+        x = mnb.remote(ones_times_rank)(mesh=mesh)
+        assert [t.tolist() for t in x.reduce("dp").fetch()] == [[3.0, 3.0]] * 2
+        assert mnb.remote(mnb.current_rank)(mesh=mesh).fetch() == [0, 1]
+        mesh.shutdown()
+        assert p.wait(30) == 0  # the workers exit; torchrun with them
+    finally:
+        p.kill()
+
+
+def test_timeout_names_the_missing_ranks(tmp_path):
+    conn = tmp_path / "mesh.json"
+    w = Waiting(world=2, connection_file=str(conn), timeout=8, name="half")
+    wait_file(conn)
+    p = worker(conn, "--rank", "0", "--world", "2")
+    try:
+        with pytest.raises(TimeoutError, match=r"missing ranks \[1\]"):
+            w.mesh()
+        p.wait(20)  # the controller gave up and told it to leave (or went quiet): no orphan
+    finally:
+        p.kill()
+
+
+def test_duplicate_late_and_wrong_key_workers_are_refused(tmp_path, caplog):
+    conn = tmp_path / "mesh.json"
+    w = Waiting(world=1, connection_file=str(conn), timeout=60, name="refusing")
+    wait_file(conn)
+    first = worker(conn, "--rank", "0", "--world", "1")
+    mesh = w.mesh()
+    try:
+        dup = worker(conn, "--rank", "0", "--world", "1")
+        assert dup.wait(60) == 2
+        err = dup.stderr.read()
+        assert "refused" in err and "rank 0 has joined already" in err
+        outside = worker(conn, "--rank", "3", "--world", "1")
+        assert outside.wait(60) == 2 and "outside the mesh" in outside.stderr.read()
+        bad = dict(json.loads(conn.read_text()), key=os.urandom(32).hex())
+        bad_conn = tmp_path / "bad.json"
+        bad_conn.write_text(json.dumps(bad))
+        before = mesh.status()["bad_messages"]
+        wrong = worker(bad_conn, "--rank", "0", "--world", "1", "--heartbeat-timeout", "3")
+        assert wrong.wait(60) == 1  # never accepted, hears nothing valid, leaves
+        assert mesh.status()["bad_messages"] > before
+        assert mnb.remote(ones_times_rank)(mesh=mesh).fetch(rank=0).tolist() == [1.0, 1.0]
+    finally:
+        mesh.shutdown()
+        first.kill()
+
+
+def test_joined_workers_leave_when_the_controller_dies(tmp_path):
+    conn = tmp_path / "mesh.json"
+    script = tmp_path / "ctl.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import time, monarch_nb as mnb
+        mesh = mnb.connect_mesh(world=2, connection_file={str(conn)!r}, timeout=120)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    )
+    ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        wait_file(conn)
+        workers = [worker(conn, "--rank", str(r), "--world", "2") for r in range(2)]
+        lines = iter(ctl.stdout.readline, "")
+        assert any(line.strip() == "ready" for line in lines)  # after the printed instructions
+        ctl.kill()
+        ctl.wait()
+        gone, alive = psutil.wait_procs([psutil.Process(p.pid) for p in workers], timeout=15)
+        assert not alive
+    finally:
+        ctl.kill()
+        for p in workers:
+            p.kill()
+
+
+def _netns_available() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+@pytest.mark.skipif(not _netns_available(), reason="needs root and iproute2 (ip netns)")
+def test_two_hosts_in_network_namespaces_all_reduce(tmp_path):
+    tag = uuid.uuid4().hex[:5]
+    br, nss = f"mnbbr{tag}", [f"mnbns{tag}{i}" for i in range(2)]
+    hosts = ["10.213.7.2", "10.213.7.3"]
+
+    def ip(*args, check=True):
+        return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+    try:
+        try:
+            ip("link", "add", br, "type", "bridge")
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"cannot make a bridge here: {e.stderr.strip()}")
+        ip("addr", "add", "10.213.7.1/24", "dev", br)
+        ip("link", "set", br, "up")
+        for i, ns in enumerate(nss):
+            ip("netns", "add", ns)
+            ip("link", "add", f"v{tag}{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("link", "set", f"v{tag}{i}", "master", br)
+            ip("link", "set", f"v{tag}{i}", "up")
+            ip("-n", ns, "addr", "add", f"{hosts[i]}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        conn = tmp_path / "mesh.json"
+        w = Waiting(
+            world=2,
+            dp=2,
+            connection_file=str(conn),
+            timeout=120,
+            name="twohosts",
+            interface="10.213.7.1",
+        )
+        wait_file(conn)
+        assert json.loads(conn.read_text())["address"].startswith("tcp://10.213.7.1:")
+        procs = [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "monarch_nb.worker",
+                    "--connection-file",
+                    str(conn),
+                    "--rank",
+                    str(r),
+                    "--world",
+                    "2",
+                ],
+                env={**TESTS_ENV, "GLOO_SOCKET_IFNAME": "eth0"},
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r, ns in enumerate(nss)
+        ]
+        try:
+            mesh = w.mesh()
+            hosts_seen = mnb.remote(
+                lambda: __import__("socket").gethostbyname(__import__("socket").gethostname())
+            )(mesh=mesh)
+            x = mnb.remote(ones_times_rank)(mesh=mesh)
+            assert [t.tolist() for t in x.reduce("dp").fetch(timeout=60)] == [[3.0, 3.0]] * 2
+            addrs = mnb.remote(_eth0_addr)(mesh=mesh).fetch()
+            assert addrs == hosts, addrs  # two "hosts", each in its own namespace
+            del hosts_seen
+            mesh.shutdown()
+            for p in procs:
+                assert p.wait(30) == 0
+        finally:
+            for p in procs:
+                p.kill()
+    finally:
+        for ns in nss:
+            ip("netns", "del", ns, check=False)
+        ip("link", "del", br, check=False)
+
+
+def _eth0_addr():
+    import subprocess
+
+    out = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "eth0"], capture_output=True, text=True
+    ).stdout
+    return out.split()[3].split("/")[0]
