@@ -175,6 +175,22 @@ def exchange_headers(pg, members: tuple, value, backend: str | None) -> list:
 # ------------------------------------------------------------------ reductions
 
 
+def run_reduce(msg, comms: Comms, value, out):
+    """A Reduce message's collective on this rank (``value`` may be a DependentOnError)."""
+    pg, members = comms.group(msg.key)
+    return reduce(
+        value,
+        out,
+        pg,
+        members,
+        msg.reduction,
+        msg.scatter,
+        msg.inplace,
+        msg.dim_sizes,
+        comms.backend,
+    )
+
+
 def reduce(
     value,
     out,

@@ -33,6 +33,17 @@ def set_current_stream(stream) -> None:
     _current.stream = stream
 
 
+def next_line(stream):
+    """The next line (or INTERRUPT) from the stream's debugger queue; waits in
+    slices so that an asynchronous exception can land."""
+    q = stream.debugger_queue
+    while True:
+        try:
+            return q.get(timeout=_POLL)
+        except queue.Empty:
+            continue
+
+
 class _Input(io.TextIOBase):
     """Pdb's stdin: lines from the stream's debugger queue."""
 
@@ -96,13 +107,7 @@ class RemotePdb(pdb.Pdb):
         self.stream.paused = loc
         self.send("paused", loc)
         self.send("prompt", self.prompt)
-        q = self.stream.debugger_queue
-        while True:
-            try:
-                line = q.get(timeout=_POLL)
-                break
-            except queue.Empty:
-                continue
+        line = next_line(self.stream)
         if line is INTERRUPT:
             self.stream.interrupted_in_debugger = True
             return "q\n"
@@ -148,13 +153,7 @@ class _Console(code.InteractiveConsole):
     def raw_input(self, prompt: str = "") -> str:
         s = self._session
         s.send("prompt", prompt)
-        q = s.stream.debugger_queue
-        while True:
-            try:
-                line = q.get(timeout=_POLL)
-                break
-            except queue.Empty:
-                continue
+        line = next_line(s.stream)
         if line is INTERRUPT:
             s.stream.interrupted_in_debugger = True
             raise EOFError

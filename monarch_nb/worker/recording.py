@@ -127,21 +127,10 @@ class Recording:
             return step.fn(*_bind(step.args, values), **_bind(step.kwargs, values))
         msg = step.msg
         if kind == "Reduce":
-            from . import collectives
+            from .collectives import run_reduce
 
-            pg, members = worker.comms.group(msg.key)
             out = None if msg.out is None else values.get(msg.out)
-            return collectives.reduce(
-                values.get(msg.source),
-                out,
-                pg,
-                members,
-                msg.reduction,
-                msg.scatter,
-                msg.inplace,
-                msg.dim_sizes,
-                worker.comms.backend,
-            )
+            return run_reduce(msg, worker.comms, values.get(msg.source), out)
         if kind == "RunCode":
             return run_source(msg.source, msg.filename, worker.namespace)
         raise RuntimeError(f"{kind} cannot be replayed")

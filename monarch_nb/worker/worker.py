@@ -520,18 +520,8 @@ class Worker:
         comms = self.comms
 
         def work():
-            pg, members = comms.group(msg.key)
-            value = _raw(src)
-            return collectives.reduce(
-                value,
-                None if out is None else _get_value(out),
-                pg,
-                members,
-                msg.reduction,
-                msg.scatter,
-                msg.inplace,
-                msg.dim_sizes,
-                comms.backend,
+            return collectives.run_reduce(
+                msg, comms, _raw(src), None if out is None else _get_value(out)
             )
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
