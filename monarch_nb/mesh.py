@@ -428,11 +428,15 @@ def get_mesh(name: str | None = None) -> DeviceMesh:
     return _default[0]
 
 
-def _default_backend() -> str:
+def _default_backend(world: int) -> str:
+    """nccl when every rank gets a GPU of its own (NCCL refuses two ranks on one
+    GPU), else gloo."""
     try:
         import torch
 
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return (
+            "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+        )
     except Exception:
         return "gloo"
 
@@ -480,7 +484,10 @@ def local_mesh(
     _check_dims(dims)
     _check_backend(backend)
     name = _new_name(name)
-    ctrl = Controller(name, dims, backend or _default_backend(), interface=interface)
+    world = 1
+    for v in dims.values():
+        world *= v
+    ctrl = Controller(name, dims, backend or _default_backend(world), interface=interface)
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     _meshes[name] = mesh
     _default[0] = mesh
