@@ -1,7 +1,11 @@
-"""Notebook tier: every notebook in notebooks/ executed by nbclient in a real kernel."""
+"""Notebook tier: every notebook in notebooks/ executed in a real kernel: by nbclient,
+or, for 03_remote_pdb (whose cells wait at the debugger prompt), cell by cell through
+jupyter_client, answering each input request with the line scripted in the cell's
+metadata ``{"monarch_nb": {"answers": [...]}}``, as a person would type it."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -10,7 +14,7 @@ from pathlib import Path
 import nbclient
 import nbformat
 import pytest
-from kernel_helpers import ANSI, kernel_env, wait_gone
+from kernel_helpers import ANSI, Kernel, errors_text, kernel_env, plain, stream, text, wait_gone
 
 pytestmark = pytest.mark.notebook
 
@@ -41,6 +45,8 @@ def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == [
         "01_quickstart.ipynb",
         "02_errors_and_interrupts.ipynb",
+        "03_remote_pdb.ipynb",
+        "04_recordings_pipes_groups.ipynb",
     ]
 
 
@@ -119,3 +125,167 @@ def test_errors_and_interrupts_notebook(tmp_path):
     expected_failures = {"cell-04", "cell-06", "cell-13", "cell-16"}
     assert {c.id for c in nb.cells if c.cell_type == "code" and failed(c.id)} == expected_failures
     assert wait_gone(mesh_pids(nb)) == []
+
+
+# ------------------------------------------------------------ 03: the remote debugger
+
+
+class Typist:
+    """Answers each input request with the next scripted line and records the prompts.
+    Past the script it answers ``continue`` (so nothing hangs); the test then fails
+    on the number of prompts."""
+
+    def __init__(self, k: Kernel, answers):
+        self.k = k
+        self.answers = list(answers)
+        self.prompts: list[str] = []
+
+    def __call__(self, msg):
+        self.prompts.append(msg["content"]["prompt"])
+        self.k.kc.input(self.answers.pop(0) if self.answers else "continue")
+
+
+def scripted_answers(cell) -> list[str] | None:
+    """The lines to type at the cell's prompts (``metadata.monarch_nb.answers``)."""
+    return cell.metadata.get("monarch_nb", {}).get("answers")
+
+
+def test_remote_pdb_notebook(tmp_path):
+    nb = nbformat.read(NOTEBOOKS / "03_remote_pdb.ipynb", as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    scripted = {c.id: scripted_answers(c) for c in code if scripted_answers(c) is not None}
+    assert sorted(scripted) == ["cell-04", "cell-08", "cell-13"]
+    k = Kernel(tmp_path)
+    ran: dict = {}
+    try:
+        for cell in code:
+            answers = scripted.get(cell.id)
+            typist = Typist(k, answers or [])
+            reply, msgs = k.run(
+                cell.source, timeout=120, allow_stdin=answers is not None, stdin_hook=typist
+            )
+            expected = "error" if "raises-exception" in cell.metadata.get("tags", []) else "ok"
+            status = reply["content"]["status"]
+            assert status == expected, f"{cell.id}: {status}\n{text(msgs)}\n{errors_text(msgs)}"
+            if answers is None:
+                assert typist.prompts == [], cell.id
+            else:
+                assert len(typist.prompts) == len(answers), (cell.id, typist.prompts)
+            ran[cell.id] = (typist.prompts, msgs)
+    finally:
+        k.shutdown()
+
+    # both ranks paused: (monarch-dbg); list, cast * p x, attach 1 -> (Pdb r1); back; continue
+    prompts, msgs = ran["cell-04"]
+    assert prompts == ["(monarch-dbg) "] * 3 + ["(Pdb r1) "] * 3 + ["(monarch-dbg) "]
+    out = stream(msgs)
+    assert re.search(r"rank 0 +default +<monarch In\[\d+\]>:4", out)  # list
+    assert re.search(r"rank 1 +default +<monarch In\[\d+\]>:4", out)
+    assert "[rank 0] 5\n" in out and "[rank 1] 15\n" in out  # cast * p x, per rank
+    assert "[15, 15, 15]" in out  # p y on rank 1
+    assert "[rank 1] rank 1 goes on with x = 100" in out  # !x = 100 took effect on rank 1 only
+    assert "[rank 0] rank 0 goes on with x = 5" in out
+
+    # a breakpoint in a remote function on rank 1 only, served by %monarch_debug
+    paused = ast.literal_eval(plain(ran["cell-06"][1])[0])
+    assert [(p["rank"], p["function"]) for p in paused] == [(1, "normalize")]
+    prompts, msgs = ran["cell-08"]
+    assert prompts == ["(Pdb r1) "] * 4
+    out = stream(msgs)
+    assert "normalize" in out and "-> return t - mean" in out
+    assert "tensor([0., 2., 4., 6.])" in out and "tensor(3.)" in out
+    assert "tensor([-3., -1.,  1.,  3.])" in out
+    fetched = plain(ran["cell-09"][1])[0]
+    assert "tensor([-1.5000, -0.5000,  0.5000,  1.5000])" in fetched
+    assert "tensor([-3., -1.,  1.,  3.])" in fetched
+
+    # post-mortem on the rank that raised
+    msgs = ran["cell-11"][1]
+    assert "[rank 0] 2.0" in plain(msgs)
+    assert "[rank 1] ZeroDivisionError" in errors_text(msgs)
+    prompts, msgs = ran["cell-13"]
+    assert prompts == ["(Pdb r1) "] * 5
+    out = stream(msgs)
+    assert "-> return total / count" in out and "def mean_of(values, count):" in out  # ll
+    assert "(6.0, 0)" in out  # p total, count
+    assert "-> mean_of([1.0, 2.0, 3.0], count=3 - 3 * rank)" in out  # u
+    assert "\n1\n" in out  # p rank
+
+    assert "mesh 'default' shut down" in stream(ran["cell-14"][1])
+    pids = re.search(r"\(pids ([\d, ]+)\)", "\n".join(plain(ran["cell-02"][1])))
+    assert pids, plain(ran["cell-02"][1])
+    assert wait_gone([int(p) for p in pids.group(1).split(",")]) == []
+
+
+# ------------------------------------------------------------ 04: recordings, pipes, groups
+
+
+def widget_states(nb) -> dict:
+    return nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+
+
+def test_recordings_pipes_groups_notebook(tmp_path):
+    nb = nbformat.read(NOTEBOOKS / "04_recordings_pipes_groups.ipynb", as_version=4)
+    assert nb.metadata.kernelspec.name == "python3"
+    client = nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute(env=kernel_env(tmp_path))
+    nbformat.validate(nb)
+    cells = {c.id: c for c in nb.cells}
+
+    def text(cid: str) -> str:
+        return outputs_text(cells[cid])
+
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            assert o.output_type != "error", outputs_text(cell)
+            if o.output_type == "stream":
+                assert o.name == "stdout", o.text
+
+    # @mnb.compile: recorded, replayed, the same values as op by op (speed printed only)
+    assert "tensor([0.7500, 0.7500, 0.7500, 0.7500])" in text("cell-04")
+    assert "tensor([0.5000, 0.5000, 0.5000, 0.5000])" in text("cell-04")
+    t = text("cell-06")
+    assert re.search(r"op by op: [\d.]+ ms/step; compiled: [\d.]+ ms/step", t), t
+    assert re.search(r"speedup: [\d.]+x", t) and "same result: True" in t
+    # a pipe: one batch per rank; a process group: all_reduce over dp
+    assert "[(32, 1), (32, 1)]" in text("cell-08")
+    assert "[tensor([3., 3., 3.]), tensor([3., 3., 3.])]" in text("cell-10")
+    # the loader feeds a data-parallel loop whose gradients are averaged over the dp group
+    t = text("cell-12")
+    losses = [ast.literal_eval(x) for x in re.findall(r"step +\d+  loss per rank (\[.*?\])", t)]
+    assert len(losses) == 4, t
+    assert max(losses[-1]) < min(losses[0]) / 100
+    assert "[(3.0, 1.0), (3.0, 1.0)]" in t  # the same model on both ranks: y = 3x + 1
+    # restart: fresh processes, old Refs refuse clearly, the mesh works
+    t = text("cell-14")
+    assert "before: ['set before the restart', 'set before the restart']" in t
+    assert "fresh worker processes: True" in t
+    assert re.search(
+        r"RefUseError: Ref \d+ belongs to generation 0 of mesh 'default', which was restarted", t
+    )
+    assert "[ranks 0-1] False" in text("cell-16")
+    # an 80 MiB fetch drew a progress bar that filled
+    t = text("cell-18")
+    assert "torch.Size([20971520]) torch.float32 80 MiB" in t and "80.0M" in t
+    states = widget_states(nb)
+    views = [
+        o.data["application/vnd.jupyter.widget-view+json"]["model_id"]
+        for o in cells["cell-18"].outputs
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
+    assert len(views) == 1
+    children = [c.removeprefix("IPY_MODEL_") for c in states[views[0]]["state"]["children"]]
+    parts = [(states[c]["model_name"], states[c]["state"]) for c in children]
+    bars = [st for name, st in parts if name == "FloatProgressModel"]
+    assert len(bars) == 1 and bars[0]["value"] == bars[0]["max"] == 80 * 2**20
+    labels = " ".join(st["value"] for name, st in parts if name == "HTMLModel")
+    assert re.search(r"fetch\W+of\W+Ref", labels), labels
+
+    assert "mesh 'default' shut down" in text("cell-19")
+    gens = re.search(r"worker pids \[([\d, ]+)\] -> \[([\d, ]+)\]", text("cell-14"))
+    pids = [int(p) for g in gens.groups() for p in g.split(",")]
+    assert wait_gone(pids) == []
