@@ -35,6 +35,7 @@ MODULES = (
     "benchmarks.collectives",
     "benchmarks.recording",
     "benchmarks.cell",
+    "benchmarks.pdb",
 )
 
 PEERS_FOOTER = (
