@@ -104,3 +104,21 @@ def test_user_pythonbreakpoint_wins(monkeypatch):
     with mnb.local_mesh(dp=1, name="nobreak") as m1:
         assert m1.exec("breakpoint()\n5").fetch(timeout=20) == [5]
         assert m1.debugger.sessions() == []
+
+
+def test_pause_is_announced_once_with_its_location_and_stack_hides_machinery(mesh, dbg):
+    events = []
+    dbg.listeners.append(lambda event, s: events.append((event, s.rank, dict(s.location))))
+    try:
+        r = mesh.exec("def g():\n    v = 1\n    breakpoint()\n    return v\ng()")
+        assert dbg.wait_any(20, count=2)
+        where = dbg.run(0, "w")
+        assert "<monarch-exec-" in where and "monarch_nb/worker" not in where
+        dbg.run(0, "n")
+        dbg.continue_all()
+        assert r.fetch(timeout=20) == [1, 1]
+    finally:
+        dbg.listeners.pop()
+    paused = [e for e in events if e[0] == "paused"]
+    assert sorted(rank for _, rank, _ in paused) == [0, 1]  # once per session, after `n` too
+    assert all(loc["function"] == "g" and loc["line"] for _, _, loc in paused)

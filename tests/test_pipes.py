@@ -90,3 +90,23 @@ def test_pipes_end_with_their_mesh():
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
         assert time.time() < deadline, "a pipe process outlived its mesh"
         time.sleep(0.1)
+
+
+def counter(pipe, n):
+    for i in range(n):
+        pipe.send(i)
+
+
+def test_values_sent_before_the_function_returns_all_arrive(mesh):
+    """The side process stays until the worker has read its last value (ZeroMQ
+    drops unread messages of a closed connection)."""
+    p = mesh.pipe(counter, 60, max_messages=50)
+    refs = []
+    for i in range(60):
+        refs.append(p.recv())
+        if i % 20 == 0:
+            refs[-1].fetch(timeout=30)
+    assert [r.fetch(rank=1, timeout=30) for r in refs] == list(range(60))
+    with pytest.raises(mnb.RemoteError, match="returned"):
+        p.recv().fetch(timeout=30)
+    p.close()

@@ -27,6 +27,7 @@ class Session:
     prompt: str | None = None  # set while pdb waits for a line
     output: list = field(default_factory=list)  # text since the last line sent
     ended: bool = False
+    announced: bool = False  # listeners heard of this pause
 
     def describe(self) -> dict:
         return {"rank": self.rank, "stream": self.stream_name, **self.location}
@@ -51,10 +52,12 @@ class DebugSessions:
             if s is None and kind != "resumed":
                 name = state.stream_names.get(msg.stream, str(msg.stream))
                 s = self._sessions[key] = Session(msg.rank, msg.stream, name)
-                event = "paused"
             if kind == "paused":
                 s.location = {k: v for k, v in payload.items() if k != "ident"}
                 s.ident = payload.get("ident")
+                if not s.announced:  # once per session, with its location known
+                    s.announced = True
+                    event = "paused"
                 w = state.workers.get(msg.rank)
                 if w is not None:
                     w.paused[msg.stream] = dict(s.location)
@@ -74,7 +77,7 @@ class DebugSessions:
                 w = state.workers.get(msg.rank)
                 if w is not None:
                     w.paused.pop(msg.stream, None)
-                event = "resumed"
+                event = "resumed" if s.announced else None
             self._cond.notify_all()
         if event is not None:
             for fn in list(self.listeners):

@@ -23,6 +23,7 @@ import sys
 import threading
 
 from ..protocol.messages import DebuggerMessage
+from .failure import is_machinery
 
 _POLL = 0.05
 _current = threading.local()  # .stream: the stream whose thread this is
@@ -114,6 +115,16 @@ class RemotePdb(pdb.Pdb):
         return line if line.endswith("\n") else line + "\n"
 
     # -------------------------------------------------------------- session
+
+    def get_stack(self, f, t):
+        """pdb's stack without the worker's own frames (which run the user's code)."""
+        stack, index = super().get_stack(f, t)
+        kept = [(fr, n) for fr, n in stack if not is_machinery(fr.f_code.co_filename)]
+        if not kept:
+            return stack, index
+        current = stack[index][0] if 0 <= index < len(stack) else None
+        new_index = next((i for i, (fr, _) in enumerate(kept) if fr is current), len(kept) - 1)
+        return kept, new_index
 
     def interaction(self, frame, tb_or_exc):
         self.stream.debug_session = self

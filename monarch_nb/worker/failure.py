@@ -11,7 +11,7 @@ _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 _PROTOCOL_DIR = os.path.join(os.path.dirname(_WORKER_DIR), "protocol")
 
 
-def _is_machinery(filename: str) -> bool:
+def is_machinery(filename: str) -> bool:
     f = os.path.abspath(filename)
     return f.startswith(_WORKER_DIR + os.sep) or f.startswith(_PROTOCOL_DIR + os.sep)
 
@@ -22,7 +22,7 @@ def format_user_traceback(e: BaseException) -> str:
     te = traceback.TracebackException(type(e), e, e.__traceback__)
     for t in _chain(te):
         t.stack = traceback.StackSummary.from_list(
-            [f for f in t.stack if not _is_machinery(f.filename)]
+            [f for f in t.stack if not is_machinery(f.filename)]
         )
     return "".join(te.format())
 

@@ -94,6 +94,10 @@ class WorkerPipe:
                     pass  # the side process has finished: it needs no credit
                 return value
             self._ended = True
+            try:
+                self._sock.send(b"bye", zmq.NOBLOCK)  # the side process may exit now
+            except zmq.Again:
+                pass
             if kind == "error":
                 raise PipeFailed(value)
             raise PipeEnded("the pipe's function has returned: no more values")
@@ -170,7 +174,12 @@ def _main(argv: list[str]) -> None:
         from .failure import format_user_traceback
 
         sock.send_multipart([dumps(("error", format_user_traceback(e)))[0]])
-    sock.close(linger=10_000)
+    # ZeroMQ drops what a peer has not read when the connection ends: stay until
+    # the worker has received everything (it says "bye"); close() or the worker's
+    # death end this process otherwise
+    while sock.recv() != b"bye":
+        pass
+    sock.close(linger=0)
     ctx.term()
 
 
