@@ -257,6 +257,11 @@ class Controller:
     def usable(self) -> bool:
         return not self._closed and not self._closing and self._broken is None
 
+    @property
+    def closed(self) -> bool:
+        """Shut down for good (``usable`` is also False while broken or restarting)."""
+        return self._closed
+
     def check_usable(self) -> None:
         if self._closed or self._closing:
             raise MeshClosedError(f"mesh {self.name!r} is shut down")

@@ -149,6 +149,7 @@ class MeshState:
                         "queued": queued,
                         "running": running,
                         "done": w.progress.get(sid, (0, 0, 0))[2],
+                        "last": finished,  # ident of the last finished command
                         "paused": w.paused.get(sid),
                     }
                 ranks[r] = {

@@ -23,12 +23,19 @@ def load_ipython_extension(ipython) -> None:
     magics = MonarchMagics(ipython)
     ipython.register_magics(magics)
     ipython.register_magics(DebugMagics(ipython, magics._mesh))
+    if magics.publisher.in_kernel:
+        from . import waiting
+
+        waiting.install(ipython)  # waiting %%monarch cells keep the widgets live
     _loaded[id(ipython)] = magics
 
 
 def unload_ipython_extension(ipython) -> None:
     magics = _loaded.pop(id(ipython), None)
     if magics is not None:
+        from . import waiting
+
+        waiting.uninstall(ipython)
         magics.close()
 
 

@@ -74,6 +74,13 @@ def mesh_parser() -> Parser:
         help="with --connect: the address to bind (0.0.0.0 or an address for other hosts)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="with --connect: seconds to wait")
+    p.add_argument(
+        "--dashboard",
+        choices=("cell", "side", "none"),
+        default="cell",
+        help="where the mesh's dashboard shows: under the cell (default), docked in "
+        "JupyterLab's side area (the sidecar package), or nowhere (a status line)",
+    )
     action = p.add_mutually_exclusive_group()
     action.add_argument(
         "--restart", action="store_true", help="fresh workers for the mesh (--name or active)"

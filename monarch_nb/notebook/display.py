@@ -1,155 +1,89 @@
-"""A compact live status of a mesh (until the dashboard widget replaces it).
+"""Where ``%monarch_mesh`` shows a mesh: its dashboard (``monarch_nb.ui.Dashboard``)
+under the cell, docked in JupyterLab's side area (``--dashboard side``, the
+``sidecar`` package), or a status line (``--dashboard none``, and outside a
+kernel).
 
-In a kernel it is an ``ipywidgets.HTML`` (class ``mnb-mesh-status``) whose
-value the ticker thread re-renders from ``mesh.status()`` at most every
-REFRESH seconds, and only when it changed; its display also carries the same
-HTML and a plain-text line for front-ends without widgets. Each mesh has one
-live view: showing the mesh again freezes the previous one.
+The magics keep one live dashboard per mesh: showing the mesh again (or
+restarting it) draws the previous view one last time and freezes it. A
+dashboard shown with ``mesh.dashboard()`` is the user's and stays live.
 """
 
 from __future__ import annotations
 
-import html
-import threading
+from ..ui import Dashboard, dashboards_of
+from ..ui.render import mesh_state, status_text
 
-REFRESH = 0.5  # seconds between re-renders of a live view (at most 2 updates/s)
-
-
-def _mb(n) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f} MB"
+WHERE = ("cell", "side", "none")
 
 
-def status_text(mesh) -> str:
-    st = mesh.status()
-    alive = sum(1 for r in st["ranks"].values() if r["alive"])
-    dims = " ".join(f"{k}={v}" for k, v in st["dims"].items())
-    state = "shut down" if not mesh.alive and alive == 0 else f"{alive}/{len(st['ranks'])} alive"
-    pids = ", ".join(str(r["pid"]) for r in st["ranks"].values() if r["pid"])
-    return f"mesh {st['name']!r}: {dims}, {st['backend']}, {state} (pids {pids or '-'})"
+def status_line(mesh) -> str:
+    status = mesh.status()
+    ctrl = mesh._controller
+    return status_text(status, mesh_state(status, ctrl.usable, ctrl.closed))
 
 
-def status_html(mesh) -> str:
-    st = mesh.status()
-    dims = " ".join(f"{k}={v}" for k, v in st["dims"].items())
-    ranks = st["ranks"]
-    alive = sum(1 for r in ranks.values() if r["alive"])
-    closed = not mesh.alive
-    head = f"<b>{html.escape(st['name'])}</b> · {html.escape(dims)} · {st['backend']} · " + (
-        "<span style='color:#c00'>shut down</span>"
-        if closed and alive == 0
-        else f"{alive}/{len(ranks)} workers alive"
-        + ("" if not closed else " · <span style='color:#c00'>broken: restart it</span>")
-    )
-    streams = list(next(iter(ranks.values()))["streams"]) if ranks else []
-    th = "".join(f"<th>{html.escape(s)}</th>" for s in streams)
-    rows = []
-    for r, w in ranks.items():
-        coords = ",".join(str(c) for c in mesh.coords(r).values()) if r in mesh.ranks else ""
-        if w["alive"]:
-            state = f"pid {w['pid']}"
-        else:
-            state = f"<span style='color:#c00'>{html.escape(str(w['exit'] or 'down'))}</span>"
-        cells = []
-        for s in streams:
-            info = w["streams"][s]
-            run = info["running"]
-            if info.get("paused"):
-                now = "paused"
-            elif run:
-                now = f"{html.escape(str(run['what'])[:32])} ({run['elapsed']:.0f} s)"
-            else:
-                now = "idle"
-            queued = f" +{info['queued']} queued" if info["queued"] else ""
-            cells.append(f"<td>{now}{queued} · {info['done']} done</td>")
-        cpu = "-" if w["cpu"] is None else f"{w['cpu']:.0f}%"
-        rows.append(
-            f"<tr><td>{r}</td><td>{coords}</td><td>{state}</td>{''.join(cells)}"
-            f"<td>{_mb(w['rss'])}</td><td>{cpu}</td></tr>"
-        )
-    errors = st["errors"]
-    err = ""
-    if errors:
-        e = errors[0]
-        err = (
-            f"<div style='color:#c00'>{len(errors)} failed command(s); last: "
-            f"{html.escape(e['type'])} on ranks {e['ranks']}: {html.escape(e['message'][:80])}</div>"
-        )
-    return (
-        "<div class='mnb-status' style='font-family:monospace;font-size:12px'>"
-        f"<div>{head}</div>"
-        "<table style='border-collapse:collapse'>"
-        f"<tr><th>rank</th><th>coords</th><th>worker</th>{th}<th>rss</th><th>cpu</th></tr>"
-        f"{''.join(rows)}</table>{err}</div>"
-    )
+class MeshViews:
+    """The magics' dashboards, one live per mesh."""
 
-
-class StatusViews:
-    """Live status views, one per mesh, refreshed from the ticker thread."""
-
-    def __init__(self, ticker, in_kernel: bool):
+    def __init__(self, in_kernel: bool, on_restart=None, on_shutdown=None):
         self.in_kernel = in_kernel
-        self._views: dict[int, tuple] = {}  # id(controller) -> (mesh, widget, last html)
-        self._lock = threading.Lock()
-        self._render = threading.Lock()  # one re-render at a time
-        self._last = 0.0
-        self._ticker = ticker
-        self._token = ticker.add(self._tick) if in_kernel else None
+        self._on_restart = on_restart
+        self._on_shutdown = on_shutdown
+        self._live: dict[int, tuple] = {}  # id(controller) -> (dashboard, sidecar or None)
 
-    def show(self, mesh) -> None:
+    def show(self, mesh, where: str = "cell") -> Dashboard | None:
         from IPython.display import display
 
-        text = status_text(mesh)
-        if not self.in_kernel:
-            print(text)
-            return
-        body = status_html(mesh)
-        import ipywidgets
+        if not self.in_kernel or where == "none":
+            print(status_line(mesh))
+            return None
+        self._retire(mesh)
+        d = Dashboard(mesh, on_restart=self._on_restart, on_shutdown=self._on_shutdown)
+        side = None
+        if where == "side":
+            side = self._dock(mesh, d)
+        if side is None:
+            display(d)
+        self._live[id(mesh._controller)] = (d, side)
+        return d
 
-        w = ipywidgets.HTML(value=body)
-        w.add_class("mnb-mesh-status")
-        with self._lock:
-            self._views[id(mesh._controller)] = (mesh, w, body)
-        display(
-            {
-                "text/plain": text,
-                "text/html": body,
-                "application/vnd.jupyter.widget-view+json": {
-                    "version_major": 2,
-                    "version_minor": 0,
-                    "model_id": w.model_id,
-                },
-            },
-            raw=True,
-        )
+    def _dock(self, mesh, d: Dashboard):
+        """The dashboard in a sidecar panel; None (and a note) without the package."""
+        from IPython.display import display
+
+        try:
+            from sidecar import Sidecar
+        except ImportError:
+            print("monarch_nb: the sidecar package is not installed: the dashboard shows here")
+            return None
+        side = Sidecar(title=f"mesh {mesh.name}", anchor="split-right")
+        side.add_class("mnb-sidecar")
+        side.append_display_data(d)
+        display({"text/plain": f"{status_line(mesh)}; dashboard docked in the side area"}, raw=True)
+        return side
+
+    def _retire(self, mesh) -> None:
+        old = self._live.pop(id(mesh._controller), None)
+        if old is None:
+            return
+        d, side = old
+        if side is not None:
+            d.close()
+            side.close()
+        else:
+            d.freeze()
 
     def refresh(self, mesh, final: bool = False) -> None:
-        """Re-render the live view of ``mesh`` if it changed; ``final``: for the last time."""
-        with self._render:
-            with self._lock:
-                v = self._views.get(id(mesh._controller))
-                if v is None or v[0]._controller is not mesh._controller:
-                    return
-                if final:
-                    del self._views[id(mesh._controller)]
-            _, w, last = v
-            body = status_html(mesh)
-            if body != last:
-                w.value = body
-                if not final:
-                    with self._lock:
-                        self._views[id(mesh._controller)] = (mesh, w, body)
-
-    def _tick(self, now: float) -> None:
-        if now - self._last < REFRESH:
-            return
-        self._last = now
-        with self._lock:
-            views = list(self._views.values())
-        for mesh, _, _ in views:
-            # a mesh shut down for good gets its last update; a broken one keeps showing
-            gone = not mesh.alive and not any(r["alive"] for r in mesh.status()["ranks"].values())
-            self.refresh(mesh, final=gone)
+        """Redraw every live dashboard of ``mesh`` now (a shut down mesh: the last time)."""
+        for d in dashboards_of(mesh):
+            d.refresh()
+        if final:
+            entry = self._live.get(id(mesh._controller))
+            if entry is not None and not entry[0].live:
+                del self._live[id(mesh._controller)]
 
     def close(self) -> None:
-        if self._token is not None:
-            self._ticker.remove(self._token)
+        """The extension unloads: the magics' dashboards stop redrawing."""
+        live, self._live = list(self._live.values()), {}
+        for d, _side in live:
+            d.freeze("not live: the monarch_nb extension was unloaded")

@@ -6,6 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from .. import mesh as mesh_mod
+from . import waiting
 from .args import (
     HelpShown,
     cell_parser,
@@ -18,7 +19,7 @@ from .args import (
 from .args import parse_slice as parse_slice_spec
 from .cell import CellRun
 from .debugger import HELP, NoStdin, Prompt, describe
-from .display import StatusViews
+from .display import MeshViews
 from .output import OutputHub
 from .publish import Publisher
 from .push import names_to_push
@@ -33,7 +34,11 @@ class MonarchMagics(Magics):
         super().__init__(shell)
         self.publisher = Publisher(shell)
         self.hub = OutputHub(self.publisher)
-        self.views = StatusViews(self.hub.ticker, self.publisher.in_kernel)
+        self.views = MeshViews(
+            self.publisher.in_kernel,
+            on_restart=lambda mesh: self.hub.router(mesh._controller),
+            on_shutdown=lambda mesh: self.hub.forget(mesh._controller),
+        )
         self._filenames: dict[str, int] = {}
 
     def close(self) -> None:
@@ -79,7 +84,7 @@ class MonarchMagics(Magics):
                 return None
             mesh.restart()
             self.hub.router(mesh._controller)
-            self.views.show(mesh)
+            self.views.show(mesh, a.dashboard)
             return None
         if not a.dims:
             if a.backend:
@@ -87,7 +92,7 @@ class MonarchMagics(Magics):
                     "%monarch_mesh: --backend needs the dims of a new mesh, "
                     "e.g. %monarch_mesh dp=2 --backend gloo"
                 )
-            self.views.show(self._mesh(a.name, "%monarch_mesh"))
+            self.views.show(self._mesh(a.name, "%monarch_mesh"), a.dashboard)
             return None
         if a.connect:
             return self._connect(a)
@@ -105,7 +110,7 @@ class MonarchMagics(Magics):
         except ValueError as e:
             raise UsageError(f"%monarch_mesh: {e}") from None
         self.hub.router(mesh._controller)
-        self.views.show(mesh)
+        self.views.show(mesh, a.dashboard)
         return None
 
     def _connect(self, a):
@@ -130,7 +135,7 @@ class MonarchMagics(Magics):
         except ValueError as e:
             raise UsageError(f"%monarch_mesh --connect: {e}") from None
         self.hub.router(mesh._controller)
-        self.views.show(mesh)
+        self.views.show(mesh, a.dashboard)
         return None
 
     def _shutdown(self, mesh) -> None:
@@ -150,6 +155,20 @@ class MonarchMagics(Magics):
 
     @cell_magic
     def monarch(self, line: str, cell: str):
+        run = self._start_cell(line, cell)
+        if run is not None:
+            run.wait()
+        return None
+
+    async def monarch_awaited(self, line: str, cell: str):
+        """``%%monarch`` as an awaited call (``waiting.transform`` writes it): the
+        kernel keeps handling widget messages while the cell waits."""
+        run = self._start_cell(self.shell.var_expand(line, 1), cell)
+        if run is not None:
+            await waiting.wait(run)
+
+    def _start_cell(self, line: str, cell: str) -> CellRun | None:
+        """Parse, check and send a cell; the run to wait for (None: nothing to wait for)."""
         try:
             a = cell_parser().parse_line(line)
         except HelpShown:
@@ -206,8 +225,7 @@ class MonarchMagics(Magics):
         if a.noblock:
             run.detach()
             return None
-        run.wait()
-        return None
+        return run
 
 
 @magics_class
