@@ -36,6 +36,7 @@ MODULES = (
     "benchmarks.recording",
     "benchmarks.cell",
     "benchmarks.pdb",
+    "benchmarks.dashboard",
 )
 
 PEERS_FOOTER = (
