@@ -4,7 +4,9 @@ the shell channel). One kernel and one dp=2 mesh for the module."""
 
 from __future__ import annotations
 
+import ast
 import datetime
+import time
 
 import pytest
 from kernel_helpers import Kernel, errors_text, idle, stream
@@ -26,10 +28,24 @@ def kw(tmp_path_factory):
         kern.shutdown()
 
 
-def run(k, w, code: str, timeout: float = 60):
-    reply, msgs = k.run(code, timeout=timeout, output_hook=lambda m: w.feed([m]))
-    assert reply["content"]["status"] == "ok", f"{code!r}:\n{errors_text(msgs)}"
-    return msgs
+def run(k, w, code: str, timeout: float = 60, ok: bool = True):
+    """Execute ``code``, feeding every IOPub message to ``w`` (whatever its parent: the
+    redraw thread's updates must not be lost); the reply and the request's messages."""
+    msg_id = k.kc.execute(code)
+    msgs = w.wait_msgs(msg_id, idle, timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = k.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    if ok:
+        assert reply["content"]["status"] == "ok", f"{code!r}:\n{errors_text(msgs)}"
+    return reply, msgs
+
+
+def value(k, w, expr: str):
+    _, msgs = run(k, w, f"print(repr({expr}))")
+    return ast.literal_eval(stream(msgs).strip())
 
 
 def test_mesh_magic_shows_the_dashboard(kw):
@@ -52,9 +68,9 @@ def test_mesh_magic_shows_the_dashboard(kw):
     main = w.wait_text("mnb-dash-main", "2/2 workers alive")
     assert main.count("<tr>") == 2 * 3  # queues and workers: a header and two ranks each
     # mesh.dashboard() gives another live dashboard of the same mesh
-    msgs = run(k, w, "d = mnb.get_mesh().dashboard()\nd")
+    _, msgs = run(k, w, "d = mnb.get_mesh().dashboard()\nd")
     assert len(w.all("mnb-dashboard")) == 2
-    assert k.value("(type(d).__name__, d.live, d.mesh.name)") == ("Dashboard", True, "default")
+    assert value(k, w, "(type(d).__name__, d.live, d.mesh.name)") == ("Dashboard", True, "default")
     (result,) = [m["content"]["data"] for m in msgs if m["msg_type"] == "execute_result"]
     assert result["application/vnd.jupyter.widget-view+json"]["model_id"] == w.find("mnb-dashboard")
     run(k, w, "d.close()")
@@ -67,13 +83,13 @@ def test_queues_on_two_streams_and_grouped_errors(kw):
     run(k, w, "%%monarch --noblock\nimport time\ntime.sleep(0.1)")
     main = w.wait_text("mnb-dash-main", "1 queued")
     assert "mnb-busy" in main and "data-stream='side'" in main and "▶ %%monarch" in main
-    reply, msgs = k.run("%%monarch\nx = 1\n1 / (x - rank)")  # rank 1 divides by zero
+    reply, msgs = run(k, w, "%%monarch\nx = 1\n1 / (x - rank)", ok=False)  # rank 1 divides by zero
     assert reply["content"]["status"] == "error"
     errors = w.wait_text("mnb-dash-errors", "ZeroDivisionError")
     assert "rank 1" in errors and "1 failure" in errors and "<details" in errors
     assert "1 / (x - rank)" in errors  # the traceback, inside the expandable part
     # the same failure again on both ranks: a second group, newest first
-    reply, msgs = k.run("%%monarch\nraise ValueError('both')")
+    reply, msgs = run(k, w, "%%monarch\nraise ValueError('both')", ok=False)
     errors = w.wait_text("mnb-dash-errors", "ValueError")
     assert errors.index("ValueError") < errors.index("ZeroDivisionError")
     assert "ranks 0-1" in errors and "2 distinct" in errors
@@ -154,7 +170,7 @@ def test_redraws_are_bounded_whatever_the_command_rate(kw):
 
 def test_restart_and_shutdown_buttons_and_the_docked_dashboard(kw):
     k, w = kw
-    msgs = run(k, w, "%monarch_mesh dp=1 --name b --dashboard side", timeout=120)
+    _, msgs = run(k, w, "%monarch_mesh dp=1 --name b --dashboard side", timeout=120)
     side = [
         m["content"]
         for m in msgs
@@ -168,7 +184,7 @@ def test_restart_and_shutdown_buttons_and_the_docked_dashboard(kw):
     assert "docked in the side area" in "".join(
         m["content"]["data"].get("text/plain", "") for m in msgs if m["msg_type"] == "display_data"
     )
-    before = k.value("list(mnb.get_mesh('b')._controller.worker_pids().values())")
+    before = value(k, w, "list(mnb.get_mesh('b')._controller.worker_pids().values())")
     restart = w.find("mnb-dash-restart")
     w.click(restart)
     w.wait_text("mnb-dash-note", "click again")
@@ -176,9 +192,9 @@ def test_restart_and_shutdown_buttons_and_the_docked_dashboard(kw):
     w.click(restart)
     w.wait_text("mnb-dash-main", "generation 1", timeout=120)
     w.wait_text("mnb-dash-note", "restarted: generation 1", timeout=60)
-    after = k.value("list(mnb.get_mesh('b')._controller.worker_pids().values())")
+    after = value(k, w, "list(mnb.get_mesh('b')._controller.worker_pids().values())")
     assert not set(before) & set(after)
-    reply, msgs = k.run("%%monarch --mesh b\nrank + 10")
+    reply, msgs = run(k, w, "%%monarch --mesh b\nrank + 10")
     assert "[rank 0] 10" in str(msgs)
     shutdown = w.find("mnb-dash-shutdown")
     w.click(shutdown)
@@ -186,5 +202,5 @@ def test_restart_and_shutdown_buttons_and_the_docked_dashboard(kw):
     w.wait_text("mnb-dash-main", "shut down", timeout=60)
     assert w.wait(shutdown, lambda v: v is True, key="disabled")
     assert w.wait(w.find("mnb-dash-interrupt"), lambda v: v is True, key="disabled")
-    assert k.value("'b' in mnb.mesh.all_meshes()") is False
-    assert k.value("mnb.get_mesh().name") == "default"
+    assert value(k, w, "'b' in mnb.mesh.all_meshes()") is False
+    assert value(k, w, "mnb.get_mesh().name") == "default"

@@ -206,8 +206,11 @@ def health_html(status: dict) -> str:
     for r, w in ranks.items():
         if w["alive"]:
             state = "alive"
-        else:
-            state = f"<span style='color:{RED}'>{_esc(str(w.get('exit') or 'not started'))}</span>"
+        else:  # a clean exit (shut down) in grey, anything else in red
+            color = "#777" if w.get("exit_code") == 0 else RED
+            state = (
+                f"<span style='color:{color}'>{_esc(str(w.get('exit') or 'not started'))}</span>"
+            )
         cpu = "-" if w.get("cpu") is None else f"{w['cpu']:.0f}%"
         cells = [str(r), str(w.get("pid") or "-"), _esc(str(w.get("host") or "-")), state]
         cells += [_mb(w.get("rss")), cpu]
@@ -284,8 +287,9 @@ def errors_html(status: dict) -> str:
             tb = "…" + tb[-MAX_TRACEBACK:]
         items.append(
             "<details class='mnb-error'><summary>"
-            f"<b style='color:{RED}'>{_esc(g['type'])}</b>: {_esc(g['message'][:200])}"
-            f" — <span class='mnb-ranks'>{format_ranks(g['ranks'])}</span> · {counts}"
+            f"<b style='color:{RED}'>{_esc(g['type'])}</b>"
+            + (f": {_esc(g['message'][:200])}" if g["message"] else "")
+            + f" — <span class='mnb-ranks'>{format_ranks(g['ranks'])}</span> · {counts}"
             f" · stream {_esc(streams)} · {when}</summary>"
             f"<pre style='margin:2px 0 6px 16px;white-space:pre-wrap'>{_esc(tb)}</pre></details>"
         )

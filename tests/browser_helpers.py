@@ -1,0 +1,241 @@
+"""A JupyterLab server and Debian's chromium driven by Playwright (TESTING.md, browser tier).
+
+``lab_server()`` starts JupyterLab on a free port with every Jupyter path in a
+temp dir; ``Lab`` opens notebooks in a fresh workspace, runs them and reads the
+page. Never ``playwright install``: the browser is /usr/bin/chromium.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+LAUNCH_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+STDERR = "[data-mime-type='application/vnd.jupyter.stderr']"
+
+
+def missing() -> str | None:
+    """Why the browser tier cannot run here (None: it can)."""
+    if not os.path.exists(CHROMIUM):
+        return f"{CHROMIUM} is not installed (apt-get install chromium)"
+    for mod in ("jupyterlab", "playwright"):
+        try:
+            __import__(mod)
+        except ImportError:
+            return f"{mod} is not installed (pip install -e '.[browser]')"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path):
+        self.root = root
+        self.token = secrets.token_hex(16)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.nb = root / "nb"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60) -> None:
+        t = self.root
+        for d in ("cfg", "data", "rt", "settings", "ws", "ipython", "nb"):
+            (t / d).mkdir(parents=True, exist_ok=True)
+        notes = t / "settings" / "@jupyterlab" / "apputils-extension"
+        notes.mkdir(parents=True, exist_ok=True)
+        (notes / "notification.jupyterlab-settings").write_text(
+            json.dumps({"fetchNews": "false", "checkForUpdates": False})
+        )
+        # every cell stays in the page (windowing detaches cells scrolled out of view)
+        nbext = t / "settings" / "@jupyterlab" / "notebook-extension"
+        nbext.mkdir(parents=True, exist_ok=True)
+        (nbext / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+        env = dict(
+            os.environ,
+            JUPYTER_PLATFORM_DIRS="1",
+            JUPYTER_CONFIG_DIR=str(t / "cfg"),
+            JUPYTER_DATA_DIR=str(t / "data"),
+            JUPYTER_RUNTIME_DIR=str(t / "rt"),
+            JUPYTERLAB_SETTINGS_DIR=str(t / "settings"),
+            JUPYTERLAB_WORKSPACES_DIR=str(t / "ws"),
+            IPYTHONDIR=str(t / "ipython"),
+            PYDEVD_DISABLE_FILE_VALIDATION="1",
+        )
+        self.log = open(t / "server.log", "wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--ip=127.0.0.1",
+                f"--port={self.port}",
+                "--ServerApp.port_retries=0",
+                "--allow-root",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={self.nb}",
+                "--LabApp.news_url=None",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                "--LabApp.extension_manager=readonly",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.api("GET", "/api/status")
+                return
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"JupyterLab did not start: {(t / 'server.log').read_text()[-3000:]}"
+                    ) from None
+                time.sleep(0.2)
+
+    def api(self, method: str, path: str):
+        req = urllib.request.Request(
+            self.url + path, method=method, headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def end_sessions(self) -> None:
+        for s in self.api("GET", "/api/sessions"):
+            self.api("DELETE", f"/api/sessions/{s['id']}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
+
+
+@contextlib.contextmanager
+def lab_server(root: Path):
+    server = Server(root)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def notebook(cells: list[str]) -> dict:
+    return {
+        "cells": [
+            {
+                "cell_type": "code",
+                "id": f"cell-{i:02d}",
+                "metadata": {},
+                "source": src,
+                "outputs": [],
+                "execution_count": None,
+            }
+            for i, src in enumerate(cells)
+        ],
+        "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+
+
+class Lab:
+    """One page of JupyterLab with one notebook open."""
+
+    def __init__(self, server: Server, page, name: str, cells: list[str]):
+        self.server = server
+        self.page = page
+        self.name = name
+        (server.nb / f"{name}.ipynb").write_text(json.dumps(notebook(cells)))
+
+    def open(self, timeout: float = 60_000) -> None:
+        ws = uuid.uuid4().hex[:12]
+        url = f"{self.server.url}/lab/workspaces/{ws}/tree/{self.name}.ipynb?token={self.server.token}"
+        self.page.goto(url)
+        self.page.locator(".jp-Notebook").first.wait_for(timeout=timeout)
+        self.wait_idle(timeout)
+
+    def wait_idle(self, timeout: float = 60_000) -> None:
+        """The status bar names the kernel as idle (the toolbar says so too early)."""
+        self.page.locator(
+            "#jp-main-statusbar [role='button']", has_text=re.compile(r"\| Idle$")
+        ).first.wait_for(timeout=timeout)
+
+    def run_all(self) -> None:
+        self.page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        self.page.locator(".lm-Menu [data-command='runmenu:run-all']").click()
+
+    def run_cell(self, index: int) -> None:
+        cell = self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+        cell.locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Control+Enter")
+
+    def add_cell(self, source: str) -> int:
+        """Type a new cell at the end; its index."""
+        cells = self.page.locator(".jp-Notebook .jp-Cell")
+        n = cells.count()
+        cells.nth(n - 1).locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Escape")
+        self.page.keyboard.press("b")
+        cells.nth(n).locator(".jp-InputArea-editor").click()
+        self.page.keyboard.insert_text(source)
+        return n
+
+    def output_text(self, index: int) -> str:
+        return (
+            self.page.locator(".jp-Notebook .jp-Cell")
+            .nth(index)
+            .locator(".jp-OutputArea")
+            .inner_text()
+        )
+
+    def stderr_outputs(self) -> list[str]:
+        return [e.inner_text() for e in self.page.locator(STDERR).all()]
+
+    def shot(self, name: str, element: str | None = None) -> Path:
+        """A screenshot of the page (with ``element`` scrolled into view), and of that
+        element alone as ``NAME-element.png``."""
+        ARTIFACTS.mkdir(exist_ok=True)
+        path = ARTIFACTS / f"{name}.png"
+        if element is not None:
+            el = self.page.locator(element).last
+            el.scroll_into_view_if_needed()
+            el.screenshot(path=str(ARTIFACTS / f"{name}-element.png"))
+        self.page.screenshot(path=str(path))
+        return path
