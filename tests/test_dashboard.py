@@ -261,3 +261,29 @@ def test_redraw_loop_bounds_the_rate_and_stops_when_shut_down():
         time.sleep(0.05)
     assert "shut down" in d.main.value and d.b_interrupt.disabled and d.input.disabled
     assert d not in LOOP.dashboards()
+
+
+def test_heartbeat_of_a_stopped_worker_turns_red(mesh2):
+    import os
+    import signal
+
+    d = Dashboard(mesh2, live=False)
+    pid = mesh2.status()["ranks"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while "mnb-stale" not in d.main.value:
+            assert time.monotonic() < deadline, d.main.value
+            time.sleep(0.2)
+            d.redraw()
+        beats = re.findall(r"class='mnb-beat( mnb-stale)?'[^>]*>([^<]*)<", d.main.value)
+        assert beats[0] == ("", "&lt;2 s") and beats[1][0] == " mnb-stale"
+        assert int(beats[1][1].split()[0]) >= render.HEARTBEAT_STALE
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while "mnb-stale" in d.main.value:  # it answers again
+        assert time.monotonic() < deadline, d.main.value
+        time.sleep(0.2)
+        d.redraw()
+    d.close()

@@ -74,6 +74,15 @@ def test_mesh_magic_shows_the_dashboard(kw):
     (result,) = [m["content"]["data"] for m in msgs if m["msg_type"] == "execute_result"]
     assert result["application/vnd.jupyter.widget-view+json"]["model_id"] == w.find("mnb-dashboard")
     run(k, w, "d.close()")
+    # showing the mesh again: a new live view; the magic's previous one is frozen
+    _, msgs = run(k, w, "%monarch_mesh")
+    assert w.find("mnb-dashboard") != dash and len(w.all("mnb-dashboard")) == 2
+    note = w.state[w.all("mnb-dash-note")[0]]["value"]
+    assert "a newer view of this mesh replaced it" in note
+    # --dashboard none: a status line, no widget
+    _, msgs = run(k, w, "%monarch_mesh --dashboard none")
+    assert stream(msgs).startswith("mesh 'default': dp=2, gloo, 2/2 alive (pids ")
+    assert not [m for m in msgs if m["msg_type"] in ("comm_open", "display_data")]
 
 
 def test_queues_on_two_streams_and_grouped_errors(kw):
@@ -121,6 +130,29 @@ def test_debugger_panel_prints_a_value_and_continues(kw):
     w.wait_text("mnb-dbg-output", "continued 1 session")
     msgs = w.wait_msgs(cell, lambda ms: "after 42" in stream(ms))
     assert "[rank 1] after 42" in stream(msgs)
+
+
+def test_debugger_panel_serves_a_waiting_cell_after_the_inline_prompt_detaches(kw):
+    """A blocking %%monarch cell at a breakpoint: the inline prompt first (stdin); once
+    the user detaches, the cell goes on waiting (awaited) and the panel serves it."""
+    k, w = kw
+    cell = k.kc.execute(
+        "%%monarch --ranks 0\ny = 7 * 6\nbreakpoint()\nprint('done', y)", allow_stdin=True
+    )
+    prompts = []
+    for answer in ("detach", "detach"):  # (Pdb r0): back to the menu; (monarch-dbg): stop
+        req = k.kc.get_stdin_msg(timeout=30)
+        prompts.append(req["content"]["prompt"])
+        k.kc.input(answer)
+    assert prompts == ["(Pdb r0) ", "(monarch-dbg) "]
+    w.wait_msgs(cell, lambda ms: "detached" in stream(ms))
+    w.wait_text("mnb-dbg-sessions", "1 paused session")
+    w.update(w.find("mnb-dbg-input"), value="p y")
+    w.wait_text("mnb-dbg-output", "(Pdb r0) p y\n42")
+    assert not idle(w.of(cell))  # the cell still waits
+    w.click(w.find("mnb-dbg-continue"))
+    msgs = w.wait_msgs(cell, idle)
+    assert "[rank 0] done 42" in stream(msgs) and not errors_text(msgs)
 
 
 def test_interrupt_button_while_a_blocking_cell_waits(kw):

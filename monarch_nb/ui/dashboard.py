@@ -294,7 +294,7 @@ class Dashboard(W.VBox):
         self.select.disabled = True
         self._set(self.note, "note", f"<i>{why}</i>")
 
-    def freeze(self, why: str = "not live: a newer view of this mesh is") -> None:
+    def freeze(self, why: str = "not live: a newer view of this mesh replaced it") -> None:
         """Stop redrawing this view (a newer one replaces it); draw it one last time."""
         with self._draw_lock:
             if self._frozen:
