@@ -9,7 +9,7 @@ import datetime
 import time
 
 import pytest
-from kernel_helpers import Kernel, errors_text, idle, stream
+from kernel_helpers import Kernel, errors_text, idle, plain, stream
 from widget_helpers import Widgets
 
 pytestmark = pytest.mark.kernel
@@ -174,6 +174,21 @@ def test_interrupt_button_while_a_blocking_cell_waits(kw):
     assert "[ranks 0-1] KeyboardInterrupt" in errors_text(msgs)
     assert "while True:" in errors_text(msgs)
     run(k, w, "%%monarch\nrank")  # the mesh serves on
+
+
+def test_awaited_cells_keep_the_magic_semantics(kw):
+    k, w = kw
+    assert "await" in value(k, w, "get_ipython().transform_cell('%%monarch\\nrank\\n')")
+    run(k, w, "r = 1")
+    _, msgs = run(k, w, "%%monarch --ranks {r}\nrank * 3")  # $/{} expansion, as run_cell_magic
+    assert plain(msgs) == ["[rank 1] 3"]
+    run(k, w, "%autoawait off")
+    try:
+        assert "await" not in value(k, w, "get_ipython().transform_cell('%%monarch\\nrank\\n')")
+        _, msgs = run(k, w, "%%monarch\nrank + 5")  # the blocking wait
+        assert plain(msgs) == ["[rank 0] 5", "[rank 1] 6"]
+    finally:
+        run(k, w, "%autoawait on")
 
 
 def test_redraws_are_bounded_whatever_the_command_rate(kw):

@@ -25,7 +25,10 @@ event loop brings:
   dashboard's panel serve the sessions while the cell goes on waiting.
 
 ``--noblock`` cells, ``-h`` and anything that is not a ``%%monarch`` cell are
-left alone; ``ASYNC_WAIT = False`` turns the rewrite off.
+left alone, and so is every cell under ``%autoawait off`` (or another loop
+runner than asyncio); ``ASYNC_WAIT = False`` turns the rewrite off. With
+ipykernel < 7 comm messages wait for the cell anyway: the rewrite changes
+nothing visible there.
 """
 
 from __future__ import annotations
@@ -41,8 +44,20 @@ from .cell import INTERRUPT_WAIT, POLL, CellRun, _Detached
 ASYNC_WAIT = True  # rewrite blocking %%monarch cells into awaited ones (in a kernel)
 
 
-def transform(lines: list[str]) -> list[str]:
-    """IPython cleanup transformer: a blocking ``%%monarch`` cell -> an awaited call."""
+def _awaits(shell) -> bool:
+    """Does ``shell`` run top-level ``await`` on asyncio (``%autoawait`` on, the default)?"""
+    if shell is None:
+        return True
+    try:
+        from IPython.core.interactiveshell import _asyncio_runner
+    except ImportError:
+        return False
+    return bool(getattr(shell, "autoawait", False)) and shell.loop_runner is _asyncio_runner
+
+
+def transform(lines: list[str], shell=None) -> list[str]:
+    """IPython cleanup transformer: a blocking ``%%monarch`` cell -> an awaited call
+    (unless ``shell`` does not run top-level await on asyncio: ``%autoawait off``)."""
     if not ASYNC_WAIT or not lines or not lines[0].startswith("%%"):
         return lines
     name, _, args = lines[0][2:].rstrip().partition(" ")
@@ -52,7 +67,7 @@ def transform(lines: list[str]) -> list[str]:
         tokens = shlex.split(args)
     except ValueError:
         return lines  # the magic itself reports the bad arguments
-    if any(t in ("--noblock", "-h", "--help") for t in tokens):
+    if any(t in ("--noblock", "-h", "--help") for t in tokens) or not _awaits(shell):
         return lines
     body = "".join(lines[1:])
     return [
@@ -147,11 +162,22 @@ async def wait(run: CellRun) -> None:
         raise err
 
 
+class Transformer:
+    """``transform`` bound to one shell (an IPython cleanup transformer)."""
+
+    def __init__(self, shell):
+        self.shell = shell
+
+    def __call__(self, lines: list[str]) -> list[str]:
+        return transform(lines, self.shell)
+
+
 def install(shell) -> None:
-    if transform not in shell.input_transformers_cleanup:
-        shell.input_transformers_cleanup.append(transform)
+    if not any(isinstance(t, Transformer) for t in shell.input_transformers_cleanup):
+        shell.input_transformers_cleanup.append(Transformer(shell))
 
 
 def uninstall(shell) -> None:
-    while transform in shell.input_transformers_cleanup:
-        shell.input_transformers_cleanup.remove(transform)
+    shell.input_transformers_cleanup[:] = [
+        t for t in shell.input_transformers_cleanup if not isinstance(t, Transformer)
+    ]
