@@ -405,7 +405,6 @@ class Dashboard(W.VBox):
 
         t = threading.Thread(target=run, name=f"monarch-nb-ui-{what}", daemon=True)
         t.start()
-        self._worker = t
         return t
 
     def _restart(self) -> None:
