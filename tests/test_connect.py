@@ -261,3 +261,31 @@ def _eth0_addr():
         ["ip", "-4", "-o", "addr", "show", "eth0"], capture_output=True, text=True
     ).stdout
     return out.split()[3].split("/")[0]
+
+
+@pytest.mark.kernel
+def test_monarch_mesh_connect_magic(tmp_path):
+    from kernel_helpers import Kernel, idle, stream
+
+    k = Kernel(tmp_path)
+    conn = tmp_path / "magic.json"
+    p = None
+    try:
+        k.ok("%load_ext monarch_nb")
+        msg_id = k.kc.execute(
+            f"%monarch_mesh --connect --world 1 --name joined --dashboard none "
+            f"--connection-file {conn} --timeout 60"
+        )
+        wait_file(conn)
+        p = worker(conn, "--rank", "0")
+        msgs = k.drain(msg_id, idle, timeout=90)
+        out = stream(msgs)
+        assert "waits for 1 workers" in out and "torchrun" in out and "srun" in out
+        k.ok("import monarch_nb as mnb\nassert mnb.get_mesh('joined').dims == {'world': 1}")
+        k.ok("%%monarch --mesh joined\nprint('hello from', rank)")
+        k.ok("%monarch_mesh --shutdown --name joined")
+        assert p.wait(30) == 0
+    finally:
+        k.shutdown()
+        if p is not None:
+            p.kill()

@@ -86,6 +86,8 @@ class MonarchMagics(Magics):
             self.hub.router(mesh._controller)
             self.views.show(mesh, a.dashboard)
             return None
+        if a.connect:
+            return self._connect(a)
         if not a.dims:
             if a.backend:
                 raise UsageError(
@@ -94,8 +96,6 @@ class MonarchMagics(Magics):
                 )
             self.views.show(self._mesh(a.name, "%monarch_mesh"), a.dashboard)
             return None
-        if a.connect:
-            return self._connect(a)
         if a.world is not None or a.connection_file is not None:
             raise UsageError("%monarch_mesh: --world and --connection-file go with --connect")
         dims = parse_dims(a.dims)

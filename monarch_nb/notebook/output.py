@@ -279,7 +279,8 @@ class OutputRouter:
             session.rank,
             "stderr",
             f"paused in the debugger ({session.stream_name}) at {loc.get('file')}:"
-            f"{loc.get('line')} in {loc.get('function')}: serve it with %monarch_debug\n",
+            f"{loc.get('line')} in {loc.get('function')}: serve it with %monarch_debug "
+            f"or the dashboard's debugger panel\n",
         )
 
     def register(self, ident: int, sink: CellSink) -> None:
