@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import threading
 from typing import Any
@@ -250,7 +251,7 @@ class DeviceMesh:
         first = source.strip().splitlines()[0] if source.strip() else ""
         what = f"exec: {first[:40]}"
         ctrl.send(
-            m.RunCode(ident, result, source, f"<monarch-exec-{ident}>", stream.id, self.id, what),
+            m.RunCode(ident, result, source, _exec_filename(source), stream.id, self.id, what),
             self.ranks,
             stream.id,
             what,
@@ -388,6 +389,13 @@ class DeviceMesh:
             f"<div><b>{self.name}</b> ({self.backend}, {self.size} ranks)"
             f"<table><tr><th>rank</th>{head}</tr>{rows}</table></div>"
         )
+
+
+def _exec_filename(source: str) -> str:
+    """The name tracebacks and pdb show for ``exec`` source: one per distinct source,
+    so that a loop of exec calls does not grow the workers' linecache."""
+    digest = hashlib.sha1(source.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"<monarch-exec-{digest}>"
 
 
 def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[DeviceMesh, Stream]:

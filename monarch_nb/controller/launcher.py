@@ -91,6 +91,9 @@ class LocalLauncher:
         paths = [p if p else os.getcwd() for p in sys.path]
         base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         base["PYTHONUNBUFFERED"] = "1"
+        # local workers only talk to each other: gloo listens on the loopback interface
+        # (by default it binds to whatever the host name resolves to, often the LAN)
+        base.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
         if "OMP_NUM_THREADS" not in os.environ:
             base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
         # glibc maps allocations over 32 MiB afresh each time (and unmaps them on free):

@@ -81,6 +81,7 @@ class MeshState:
         with self.lock:
             w = self.workers[rank]
             w.alive, w.exit = False, code
+            w.paused.clear()  # a dead worker pauses nothing
 
     def progress(self, rank: int, streams: dict) -> None:
         with self.lock:

@@ -33,11 +33,11 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 
-from .messages import Args, FetchResult, Function
+from .messages import Args, FetchResult, Function, RemoteFailure
 
 SIG_LEN = 32
 FULL_COVER = 1 << 20
@@ -273,7 +273,10 @@ def dumps(obj, refs: list | None = None) -> tuple[bytes, list]:
 
 
 def _describe(obj) -> str:
-    s = repr(obj)
+    try:
+        s = repr(obj)
+    except BaseException:  # noqa: B036 - a broken or too deep repr must not hide the real error
+        s = f"<{type(obj).__name__} object>"
     return s if len(s) < 120 else s[:117] + "..."
 
 
@@ -334,13 +337,25 @@ def resolve_function(f: Function) -> Callable:
 # ------------------------------------------------------------------ framing
 
 
+class _PackedFetch(NamedTuple):
+    """A FetchResult on the wire: its value pickled apart (covered whole by the
+    signature), so that a value the receiver cannot unpickle (a class it cannot
+    import) still delivers the ident and rank, with the reason as the error."""
+
+    ident: int
+    rank: int
+    error: Any
+    value: bytes
+
+
 def encode(msg, signer: Signer) -> list:
     """Frames ``[signature, pickle, *buffers]`` of a message.
 
     Records whose fields are plain data (everything but FetchResult, whose value
     is the user's) go through the C pickler alone: three times faster."""
     if type(msg) is FetchResult:
-        payload, buffers = dumps(msg)
+        value, buffers = dumps(msg.value)
+        payload = pickle.dumps(_PackedFetch(msg.ident, msg.rank, msg.error, value), 5)
     else:
         buffers = []
         payload = pickle.dumps(msg, 5, buffer_callback=buffers.append)
@@ -364,11 +379,25 @@ def decode(frames: Sequence, signer: Signer):
     if not signer.verify(sig, payload, bufs):
         raise BadMessage("signature does not verify")
     try:
-        return pickle.loads(payload, buffers=bufs)
+        msg = pickle.loads(payload, buffers=bufs)
     except Exception as e:
         raise BadMessage(
             f"authenticated message failed to unpickle: {type(e).__name__}: {e}"
         ) from e
+    if type(msg) is _PackedFetch:
+        return _unpack_fetch(msg, bufs)
+    return msg
+
+
+def _unpack_fetch(p: _PackedFetch, bufs: list) -> FetchResult:
+    try:
+        value = pickle.loads(p.value, buffers=bufs)
+    except Exception as e:
+        failure = RemoteFailure(
+            type(e).__name__, f"the value arrived but cannot be unpickled here: {e}", ""
+        )
+        return FetchResult(p.ident, p.rank, None, failure)
+    return FetchResult(p.ident, p.rank, value, p.error)
 
 
 def recv_ready(sock):

@@ -88,10 +88,10 @@ class Worker:
 
     # ------------------------------------------------------------ sockets
 
-    def connect_socket(self) -> zmq.Socket:
+    def connect_socket(self, sndhwm: int = 0) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 2000)
-        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.SNDHWM, sndhwm)
         s.setsockopt(zmq.RCVHWM, 0)
         s.connect(self.address)
         return s
@@ -108,6 +108,7 @@ class Worker:
         context.namespace = self.namespace
         sys.stdout = capture.RoutedWriter("stdout", sys.__stdout__)
         sys.stderr = capture.RoutedWriter("stderr", sys.__stderr__)
+        sys.stdin = capture.NoInput()
         default = Stream(self, DEFAULT_STREAM, "default", main_thread=True)
         self.streams[DEFAULT_STREAM] = default
         signal.signal(signal.SIGINT, self._on_sigint)
@@ -162,7 +163,7 @@ class Worker:
         except Exception as e:
             logger.exception("receiver thread failed")
             try:
-                self._send(m.InternalException(self.rank, describe(e)))
+                self._send(m.InternalException(self.rank, _internal(e, "receiver thread")))
             except Exception:
                 pass
             os._exit(3)
@@ -198,7 +199,9 @@ class Worker:
             handler(msg)
         except Exception as e:
             logger.exception("handler %s failed", type(msg).__name__)
-            self._send(m.InternalException(self.rank, describe(e)))
+            self._send(
+                m.InternalException(self.rank, _internal(e, f"{type(msg).__name__} handler"))
+            )
 
     def _tick(self, final: bool = False) -> None:
         now = time.monotonic()
@@ -378,8 +381,11 @@ class Worker:
                 reply = m.FetchResult(ident, rank, None, describe(e))
             try:
                 stream.outbox.send(reply)
-            except TypeError as e:
-                failure = m.RemoteFailure("TypeError", f"cannot send the value back: {e}", "")
+            except Exception as e:  # unpicklable, too deep, a failing __reduce__...
+                why = str(e) if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
+                failure = m.RemoteFailure(
+                    type(e).__name__, f"cannot send the value back: {why}", ""
+                )
                 stream.outbox.send(m.FetchResult(ident, rank, None, failure))
 
         stream.schedule(ident, what, work, report=False)
@@ -571,6 +577,12 @@ def _raw(cell: Cell):
     if isinstance(v, _MissingRef):
         raise v
     return v
+
+
+def _internal(e: BaseException, where: str) -> m.RemoteFailure:
+    """A failure of the worker's own machinery: its frames are the point, keep them."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return m.RemoteFailure(type(e).__name__, f"in the worker's {where}: {e}", tb)
 
 
 def _log_failure(fn, *args) -> None:
