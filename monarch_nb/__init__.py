@@ -10,7 +10,7 @@ The notebook kernel (or any Python process) is the single controller::
 In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 """
 
-from .controller.errors import MeshClosedError, RemoteError, WorkerCrashed
+from .controller.errors import InterruptTimeout, MeshClosedError, RemoteError, WorkerCrashed
 from .mesh import DeviceMesh, Stream, connect_mesh, get_mesh, local_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
@@ -24,6 +24,7 @@ __all__ = [
     "DeviceMesh",
     "RecordingError",
     "compile",
+    "InterruptTimeout",
     "MeshClosedError",
     "ProcessGroup",
     "Ref",

@@ -332,9 +332,15 @@ class DeviceMesh:
         """The paused debugger sessions of this mesh's workers (remote pdb)."""
         return self._controller.debugger
 
-    def interrupt(self) -> None:
-        """Raise KeyboardInterrupt in whatever runs on this mesh's workers."""
-        self._controller.interrupt()
+    def interrupt(self, timeout: float | None = None) -> None:
+        """Raise KeyboardInterrupt in whatever runs on this mesh's workers. With
+        ``timeout``, wait that long for the running commands to stop; ranks stuck
+        outside Python code (a collective whose peer is gone, a long native call)
+        raise ``mnb.InterruptTimeout`` naming them: ``mesh.restart()`` frees them."""
+        if timeout is None:
+            self._controller.interrupt()
+        else:
+            self._controller.interrupt_and_wait(timeout=timeout)
 
     def status(self) -> dict:
         """Plain data: workers, streams, errors and debugger sessions (MeshState)."""

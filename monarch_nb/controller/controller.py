@@ -31,7 +31,7 @@ from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
 from ..protocol.wire import BATCH, recv_ready
 from .debugger import DebugSessions
-from .errors import MeshClosedError, RemoteError, WorkerCrashed
+from .errors import InterruptTimeout, MeshClosedError, RemoteError, WorkerCrashed
 from .launcher import LocalLauncher, LocalProcess
 from .progress import PROGRESS_BYTES, Transfers, bar
 from .state import MeshState
@@ -39,12 +39,14 @@ from .state import MeshState
 logger = logging.getLogger("monarch_nb.controller")
 
 BIG_SEND = 1 << 20
+RECV_HWM = 256  # messages queued per worker socket before ZeroMQ stops reading it
 TICK = 0.1  # seconds between process checks and housekeeping
 DEPENDENT_GRACE = 2.0
 HEARTBEAT_TIMEOUT = float(
     os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10")
 )  # how long a dependent fetch waits for its original failure to arrive
 MAX_FAILURES_KEPT = 10_000
+INTERRUPT_WAIT = 5.0  # seconds interrupted commands get to stop before their ranks count as stuck
 
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -130,7 +132,9 @@ class Controller:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 0)
-        self._router.setsockopt(zmq.RCVHWM, 0)
+        # per worker socket: a flood (a 1 GB print) waits in the worker, whose
+        # stream blocks, instead of piling up here
+        self._router.setsockopt(zmq.RCVHWM, RECV_HWM)
         self._router.setsockopt(zmq.LINGER, 0)
         port = self._router.bind_to_random_port(f"tcp://{interface}")
         self.bind_address = f"tcp://{interface}:{port}"
@@ -343,17 +347,58 @@ class Controller:
         return p.future
 
     def interrupt(self, streams=()) -> None:
-        """Raise KeyboardInterrupt in the running commands of these streams (all by default)."""
-        if self.usable:
+        """Raise KeyboardInterrupt in the running commands of these streams (all by
+        default). The live workers of a broken mesh are interrupted too."""
+        if not (self._closed or self._closing):
             alive = [r for r, w in self.state.workers.items() if w.alive]
             self.send(m.Interrupt(tuple(streams)), alive, check=False)
 
+    def _running(self, streams=()) -> dict:
+        """(rank, stream id) -> (ident, what) of the commands running now, as reported."""
+        out = {}
+        with self.state.lock:
+            for r, w in self.state.workers.items():
+                if not w.alive:
+                    continue
+                for sid, (started, finished, _) in w.progress.items():
+                    if started > finished and (not streams or sid in streams):
+                        out[(r, sid)] = started
+        return {k: (i, self._what_of(k[1], i)) for k, i in out.items()}
+
+    def interrupt_and_wait(self, streams=(), timeout: float = INTERRUPT_WAIT) -> None:
+        """Interrupt, then wait up to ``timeout`` s for the commands that were running
+        to end; raise InterruptTimeout naming the ranks (and commands) that did not:
+        they are stuck outside Python code and only ``restart()`` frees them."""
+        running = self._running(streams)
+        self.interrupt(streams)
+        deadline = time.monotonic() + timeout
+        while running:
+            with self.state.lock:
+                for (r, sid), (ident, _) in list(running.items()):
+                    w = self.state.workers.get(r)
+                    if w is None or not w.alive or w.progress.get(sid, (0, 0, 0))[1] >= ident:
+                        del running[(r, sid)]
+            if not running or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if running:
+            stuck: dict = {}
+            for (r, sid), (ident, what) in sorted(running.items()):
+                name = self.state.stream_names.get(sid, str(sid))
+                stuck.setdefault(r, []).append((name, ident, what))
+            raise InterruptTimeout(stuck, timeout, self.name)
+
     def wait_result(self, fut: Future, timeout: float | None = None):
-        """Block for ``fut``; Ctrl-C interrupts the remote commands and re-raises."""
+        """Block for ``fut``; Ctrl-C interrupts the remote commands, waits up to
+        INTERRUPT_WAIT s for them to stop, and re-raises (saying which ranks are
+        stuck, if any)."""
         try:
             return fut.result(timeout)
         except KeyboardInterrupt:
-            self.interrupt()
+            try:
+                self.interrupt_and_wait(timeout=INTERRUPT_WAIT)
+            except InterruptTimeout as e:
+                raise KeyboardInterrupt(str(e)) from None
             raise
 
     # ------------------------------------------------------------ failures
@@ -780,13 +825,20 @@ class Controller:
                 p.future.set_exception(err)
 
     def restart(self) -> None:
-        """Stop every worker and start fresh ones (a new generation)."""
+        """Stop every worker and start fresh ones (a new generation). The mesh's
+        named streams exist again on the new workers, under the same ids, so that
+        Stream handles taken before the restart stay usable."""
         with self._lifecycle:
             if self._closed:
                 raise MeshClosedError(f"mesh {self.name!r} is shut down")
+            streams = {n: sid for n, sid in self.streams.items() if sid != 0}
             self._stop_workers(timeout=3.0)
             self._begin_generation()
         self._start_workers()
+        for name, sid in streams.items():
+            self.send(m.CreateStream(sid, name, False), None)
+            self.streams[name] = sid
+            self.state.add_stream(sid, name)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the workers (Exit, then SIGTERM, then SIGKILL) and the IO thread."""

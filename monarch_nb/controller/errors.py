@@ -75,6 +75,31 @@ class WorkerCrashed(RemoteError):
         return (type(self), (self.rank, self.exit_code, self.stderr_tail, self.mesh))
 
 
+class InterruptTimeout(TimeoutError):
+    """Interrupted commands did not stop within the bound: their ranks are stuck
+    outside Python code (a collective whose peer is gone, a long native call).
+    ``stuck`` maps rank -> [(stream name, ident, what)]; ``ranks`` lists them."""
+
+    def __init__(self, stuck: dict, timeout: float, mesh: str = ""):
+        self.stuck = {r: list(v) for r, v in stuck.items()}
+        self.ranks = sorted(self.stuck)
+        self.timeout = timeout
+        self.mesh = mesh
+        where = "; ".join(
+            f"rank {r}: " + ", ".join(f"stream {s!r} command {i} ({w})" for s, i, w in v)
+            for r, v in sorted(self.stuck.items())
+        )
+        super().__init__(
+            f"{format_ranks(self.ranks)}{f' of mesh {mesh!r}' if mesh else ''} did not stop "
+            f"within {timeout:g} s of the interrupt (stuck outside Python code: a collective "
+            f"whose peer is gone, a long native call?) [{where}]; mesh.restart() "
+            f"(%monarch_mesh --restart) gives fresh workers"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.stuck, self.timeout, self.mesh))
+
+
 class MeshClosedError(RuntimeError):
     """The mesh was shut down (or is broken) and cannot take commands."""
 

@@ -20,6 +20,10 @@ from .cell import DependentOnError
 from .failure import describe
 
 OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
+# messages a stream may have on their way before its sends block: with the
+# controller's receive limit, a flood of output (a 1 GB print) waits for the
+# controller instead of piling up in either process's memory
+SEND_HWM = 256
 BIG_SEND = 1 << 20  # sends with more buffer bytes than this wait until ZeroMQ is done with them
 PROGRESS_BYTES = 64 << 20  # transfers larger than this get a progress bar
 
@@ -61,14 +65,14 @@ class Outbox:
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            self._sock = self._worker.connect_socket()
+            self._sock = self._worker.connect_socket(SEND_HWM)
         return self._sock
 
     def write(self, name: str, text: str) -> None:
         with self.lock:
             p = self._pending
-            if p and p[-1][0] == name and p[-1][1] == self.ident:
-                p[-1][2] += text
+            if p and p[-1][0] == name and p[-1][1] == self.ident and len(text) < OUTPUT_CHUNK:
+                p[-1][2] += text  # coalesce small writes (a large text is not copied)
             else:
                 if not p:
                     self._pending_since = time.monotonic()
@@ -77,17 +81,24 @@ class Outbox:
             if self._pending_bytes >= OUTPUT_CHUNK:
                 self._flush_locked()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, block: bool = True) -> None:
+        """Send the buffered output. Not blocking (the receiver thread, which must
+        keep answering): stop where the socket is full and keep the rest."""
         rank = self._worker.rank
-        for name, ident, text in self._pending:
+        pending = self._pending
+        while pending:
+            entry = pending[0]
+            name, ident, text = entry
             for i in range(0, len(text), OUTPUT_CHUNK):
-                self._send_locked(
-                    Output(rank, self._stream_id, ident, name, text[i : i + OUTPUT_CHUNK])
-                )
-        self._pending.clear()
+                msg = Output(rank, self._stream_id, ident, name, text[i : i + OUTPUT_CHUNK])
+                if not self._send_locked(msg, block):
+                    entry[2] = text[i:]
+                    self._pending_bytes = sum(len(e[2]) for e in pending)
+                    return
+            pending.pop(0)
         self._pending_bytes = 0
 
-    def _send_locked(self, msg) -> None:
+    def _send_locked(self, msg, block: bool = True) -> bool:
         frames = encode(msg, self._worker.signer)
         sock = self._socket()
         nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
@@ -99,8 +110,14 @@ class Outbox:
             # zero-copy: wait until ZeroMQ no longer reads the value's memory
             tracker = sock.send_multipart(frames, copy=False, track=True)
             tracker.wait()
-        else:
+        elif block:
             sock.send_multipart(frames)
+        else:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+        return True
 
     def send(self, msg) -> None:
         """Send ``msg`` after any output written before it."""
@@ -116,10 +133,14 @@ class Outbox:
                     self._flush_locked()
 
     def flush_if_stale(self, now: float, age: float) -> None:
-        if self._pending and now - self._pending_since >= age:
-            with self.lock:
+        """Called by the receiver thread: never waits for the stream (which may be
+        sending) nor for a full socket."""
+        if self._pending and now - self._pending_since >= age and self.lock.acquire(False):
+            try:
                 if self._pending:
-                    self._flush_locked()
+                    self._flush_locked(block=False)
+            finally:
+                self.lock.release()
 
     def close(self) -> None:
         with self.lock:
