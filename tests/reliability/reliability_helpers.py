@@ -1,0 +1,121 @@
+"""Shared helpers of the reliability tests (real meshes, real processes; no mocks)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+
+
+def wait_for(cond, timeout: float, what: str, poll: float = 0.02):
+    """Poll ``cond()`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def running(mesh, rank: int, stream: str = "default"):
+    """What ``rank`` runs on ``stream`` now, per mesh.status() (None when idle)."""
+    return mesh.status()["ranks"][rank]["streams"].get(stream, {}).get("running")
+
+
+def wait_running(mesh, ranks, stream: str = "default", what: str | None = None, timeout=30.0):
+    def ok():
+        for r in ranks:
+            cur = running(mesh, r, stream)
+            if cur is None or (what is not None and not cur["what"].startswith(what)):
+                return False
+        return True
+
+    wait_for(ok, timeout, f"ranks {list(ranks)} to run {what or 'a command'} on {stream!r}")
+
+
+def pids_gone(pids, timeout: float) -> list[int]:
+    """The pids still alive after ``timeout`` s (a zombie is dead: it runs nothing)."""
+    deadline = time.monotonic() + timeout
+    left = list(pids)
+    while True:
+        left = [p for p in left if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class PeakRss:
+    """Samples the RSS of some processes on a thread; ``peak[pid]`` is the highest seen."""
+
+    def __init__(self, pids, period: float = 0.01):
+        self.procs = {p: psutil.Process(p) for p in pids}
+        self.base = {p: proc.memory_info().rss for p, proc in self.procs.items()}
+        self.peak = dict(self.base)
+        self._stop = threading.Event()
+        self._period = period
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for p, proc in self.procs.items():
+                try:
+                    self.peak[p] = max(self.peak[p], proc.memory_info().rss)
+                except psutil.Error:
+                    pass
+            self._stop.wait(self._period)
+
+    def growth(self, pid: int) -> int:
+        return self.peak[pid] - self.base[pid]
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Collect:
+    """A controller output handler that keeps the text per rank (the notebook layer
+    installs its own handler the same way)."""
+
+    def __init__(self, ctrl):
+        self.ctrl = ctrl
+        self.text: dict[int, list[str]] = {}
+        self.nbytes = 0
+        self.keep = True
+
+    def __call__(self, msg) -> None:
+        self.nbytes += len(msg.text)
+        if self.keep:
+            self.text.setdefault(msg.rank, []).append(msg.text)
+
+    def of(self, rank: int) -> str:
+        return "".join(self.text.get(rank, ()))
+
+    def __enter__(self) -> Collect:
+        self._old = self.ctrl.on_output
+        self.ctrl.on_output = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ctrl.on_output = self._old
+
+
+def env_sizes(mesh) -> list:
+    return [mesh.status()["ranks"][r]["env_size"] for r in mesh.ranks]
+
+
+MY_PID = os.getpid()
