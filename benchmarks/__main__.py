@@ -37,6 +37,7 @@ MODULES = (
     "benchmarks.cell",
     "benchmarks.pdb",
     "benchmarks.dashboard",
+    "benchmarks.soak",
 )
 
 PEERS_FOOTER = (
