@@ -1,7 +1,14 @@
 """The controller side: Controller (socket + IO thread + futures), MeshState, launchers."""
 
 from .controller import Controller
-from .errors import InterruptTimeout, MeshClosedError, RemoteError, WorkerCrashed, format_ranks
+from .errors import (
+    InterruptTimeout,
+    MeshClosedError,
+    RemoteError,
+    WorkerCrashed,
+    fold_by_rank,
+    format_ranks,
+)
 from .launcher import ExternalLauncher, LocalLauncher
 from .state import MeshState
 
@@ -14,5 +21,6 @@ __all__ = [
     "MeshState",
     "RemoteError",
     "WorkerCrashed",
+    "fold_by_rank",
     "format_ranks",
 ]

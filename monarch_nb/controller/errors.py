@@ -21,6 +21,19 @@ def format_ranks(ranks) -> str:
     return "ranks " + ",".join(parts)
 
 
+def fold_by_rank(outputs: dict) -> str:
+    """rank -> text; identical texts once, with their ranks."""
+    groups: dict[str, list] = {}
+    for rank, text in sorted(outputs.items()):
+        groups.setdefault(text, []).append(rank)
+    parts = []
+    for text, ranks in groups.items():
+        body = text.rstrip("\n")
+        label = f"[{format_ranks(ranks)}]"
+        parts.append(f"{label} {body}" if "\n" not in body else f"{label}\n{body}")
+    return "\n".join(parts)
+
+
 def group_failures(failures: dict) -> list[tuple[list, tuple]]:
     """Group rank -> (type, message, traceback) by identical traceback text."""
     groups: dict = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from IPython.core.error import StdinNotImplementedError
 
-from ..controller import format_ranks
+from ..controller import fold_by_rank as fold
 from ..controller.debugger import DebugSessions, Session
 from .args import parse_ranks
 
@@ -53,19 +53,6 @@ def notice(sessions: list[Session]) -> str:
         for s in sessions
     )
     return f"monarch_nb: paused in the debugger: {where}"
-
-
-def fold(outputs: dict) -> str:
-    """rank -> text, identical texts shown once with their ranks."""
-    groups: dict[str, list] = {}
-    for rank, text in sorted(outputs.items()):
-        groups.setdefault(text, []).append(rank)
-    parts = []
-    for text, ranks in groups.items():
-        body = text.rstrip("\n")
-        label = f"[{format_ranks(ranks)}]"
-        parts.append(f"{label} {body}" if "\n" not in body else f"{label}\n{body}")
-    return "\n".join(parts)
 
 
 class _Filtered:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import time
 
+from ..controller import fold_by_rank as fold  # noqa: F401 - the panel's folded outputs
 from ..controller import format_ranks
 
 HEARTBEAT_STALE = 5.0  # seconds without a word from a live worker: its heartbeat turns red
@@ -335,16 +336,3 @@ def output_html(text: str) -> str:
         if text
         else ""
     )
-
-
-def fold(outputs: dict) -> str:
-    """rank -> text; identical texts once, with their ranks."""
-    groups: dict[str, list] = {}
-    for rank, text in sorted(outputs.items()):
-        groups.setdefault(text, []).append(rank)
-    parts = []
-    for text, ranks in groups.items():
-        body = text.rstrip("\n")
-        label = f"[{format_ranks(ranks)}]"
-        parts.append(f"{label} {body}" if "\n" not in body else f"{label}\n{body}")
-    return "\n".join(parts)
