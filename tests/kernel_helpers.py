@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -93,6 +94,18 @@ class Kernel:
             self.kc.stop_channels()
         finally:
             self.km.shutdown_kernel(now=False)
+
+
+@contextlib.contextmanager
+def mesh_kernel(tmp, dims: str = "dp=2"):
+    """A kernel with monarch_nb loaded (``mnb`` imported) and a mesh made by the magic."""
+    kern = Kernel(tmp)
+    try:
+        kern.ok("%load_ext monarch_nb\nimport monarch_nb as mnb")
+        kern.ok(f"%monarch_mesh {dims}", timeout=120)
+        yield kern
+    finally:
+        kern.shutdown()
 
 
 def idle(msgs) -> bool:

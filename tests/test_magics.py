@@ -9,11 +9,11 @@ import psutil
 import pytest
 from kernel_helpers import (
     ANSI,
-    Kernel,
     displays,
     errors,
     errors_text,
     idle,
+    mesh_kernel,
     plain,
     stream,
     wait_gone,
@@ -24,13 +24,8 @@ pytestmark = pytest.mark.kernel
 
 @pytest.fixture(scope="module")
 def k(tmp_path_factory):
-    kern = Kernel(tmp_path_factory.mktemp("kernel"))
-    try:
-        kern.ok("%load_ext monarch_nb\nimport monarch_nb as mnb")
-        kern.ok("%monarch_mesh dp=2", timeout=120)
+    with mesh_kernel(tmp_path_factory.mktemp("kernel")) as kern:
         yield kern
-    finally:
-        kern.shutdown()
 
 
 def pids(k, name="default") -> list[int]:

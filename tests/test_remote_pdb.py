@@ -4,20 +4,15 @@ driven exactly as a person typing answers input_request messages (kc.input)."""
 from __future__ import annotations
 
 import pytest
-from kernel_helpers import Kernel, errors, errors_text, stream, text
+from kernel_helpers import errors, errors_text, mesh_kernel, stream, text
 
 pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")
 def k(tmp_path_factory):
-    kern = Kernel(tmp_path_factory.mktemp("pdbkernel"))
-    try:
-        kern.ok("%load_ext monarch_nb\nimport monarch_nb as mnb")
-        kern.ok("%monarch_mesh dp=2", timeout=120)
+    with mesh_kernel(tmp_path_factory.mktemp("pdbkernel")) as kern:
         yield kern
-    finally:
-        kern.shutdown()
 
 
 class Typist:

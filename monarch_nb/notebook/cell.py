@@ -147,16 +147,20 @@ class CellRun:
             interrupted = True
             if not self._wait_interrupted():
                 self.detach()
-                raise KeyboardInterrupt(
-                    f"{format_ranks(self.ranks)} did not stop within {INTERRUPT_WAIT:.0f} s "
-                    f"(stuck outside Python code?); their output still lands under this cell. "
-                    f"%monarch_mesh --restart gives fresh workers."
-                ) from None
+                raise self.stuck() from None
         finally:
             self.router.blocking.discard(self.ident)
         err = self._finish(interrupted)
         if err is not None:
             raise err
+
+    def stuck(self) -> KeyboardInterrupt:
+        """What an interrupt that did not stop the ranks raises (blocking or awaited)."""
+        return KeyboardInterrupt(
+            f"{format_ranks(self.ranks)} did not stop within {INTERRUPT_WAIT:.0f} s "
+            f"(stuck outside Python code?); their output still lands under this cell. "
+            f"%monarch_mesh --restart gives fresh workers."
+        )
 
     def _wait(self, timeout: float | None) -> bool:
         """Wait for the cell's end (in short slices, so that signals land); True if it

@@ -38,7 +38,6 @@ import shlex
 import signal
 import time
 
-from ..controller import format_ranks
 from .cell import INTERRUPT_WAIT, POLL, CellRun, _Detached
 
 ASYNC_WAIT = True  # rewrite blocking %%monarch cells into awaited ones (in a kernel)
@@ -150,11 +149,7 @@ async def wait(run: CellRun) -> None:
         interrupted = True
         if not await _wait_interrupted(run):
             run.detach()
-            raise KeyboardInterrupt(
-                f"{format_ranks(run.ranks)} did not stop within {INTERRUPT_WAIT:.0f} s "
-                f"(stuck outside Python code?); their output still lands under this cell. "
-                f"%monarch_mesh --restart gives fresh workers."
-            ) from None
+            raise run.stuck() from None
     finally:
         run.router.blocking.discard(run.ident)
     err = run._finish(interrupted)
