@@ -38,7 +38,9 @@ def demo(ranks: int = 2) -> None:
             grads = mnb.remote(_grads)(mesh=mesh).fetch()
             avg = [sum(g[k] for g in grads) / len(grads) for k in range(2)]
             mesh.push(avg=avg)
-            mesh.exec("with torch.no_grad():\n    for p, g in zip(model.parameters(), avg): p -= 0.3 * g")
+            mesh.exec(
+                "with torch.no_grad():\n    for p, g in zip(model.parameters(), avg): p -= 0.3 * g"
+            )
             if i % 10 == 0 or i == 39:
                 losses = mesh.pull("loss")
                 print(f"step {i:2d} loss per rank: {[round(v.item(), 4) for v in losses]}")

@@ -103,6 +103,7 @@ class Server:
                 "--LabApp.news_url=None",
                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
                 "--LabApp.extension_manager=readonly",
+                "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: tests run commands
             ],
             env=env,
             stdout=self.log,

@@ -27,6 +27,9 @@ def load_ipython_extension(ipython) -> None:
         from . import waiting
 
         waiting.install(ipython)  # waiting %%monarch cells keep the widgets live
+        from .lab import LabChannel
+
+        magics.lab = LabChannel(magics.views)  # the JupyterLab extension's comm
     _loaded[id(ipython)] = magics
 
 

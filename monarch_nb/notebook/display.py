@@ -47,6 +47,11 @@ class MeshViews:
         self._live[id(mesh._controller)] = (d, side)
         return d
 
+    def extra(self, mesh, **kw) -> Dashboard:
+        """A live dashboard shown elsewhere (the Lab extension's panel), with the
+        magics' restart / shut down hooks; the magics never retire it."""
+        return Dashboard(mesh, on_restart=self._on_restart, on_shutdown=self._on_shutdown, **kw)
+
     def _dock(self, mesh, d: Dashboard):
         """The dashboard in a sidecar panel; None (and a note) without the package."""
         from IPython.display import display

@@ -40,8 +40,11 @@ class MonarchMagics(Magics):
             on_shutdown=lambda mesh: self.hub.forget(mesh._controller),
         )
         self._filenames: dict[str, int] = {}
+        self.lab = None  # the JupyterLab extension's LabChannel (in a kernel)
 
     def close(self) -> None:
+        if self.lab is not None:
+            self.lab.close()
         self.views.close()
         self.hub.close()
 

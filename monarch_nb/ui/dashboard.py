@@ -44,7 +44,11 @@ LOG_CHARS = 20_000  # the debugger output kept (its end)
 
 
 class RedrawLoop:
-    """One daemon thread that redraws every live dashboard, at most 10 times a second."""
+    """One daemon thread that redraws every live view, at most 10 times a second.
+
+    A view is a ``Dashboard`` or anything else with ``redraw(snapshots)`` (the
+    JupyterLab extension's status feed); one pass takes one snapshot per mesh,
+    shared by every view (``snapshot``)."""
 
     def __init__(self, period: float = REDRAW_PERIOD):
         self.period = period
@@ -68,7 +72,11 @@ class RedrawLoop:
 
     def dashboards(self, controller=None) -> list[Dashboard]:
         with self._lock:
-            return [d for d in self._dashboards if controller is None or d.controller is controller]
+            return [
+                d
+                for d in self._dashboards
+                if isinstance(d, Dashboard) and (controller is None or d.controller is controller)
+            ]
 
     def _run(self) -> None:
         wait = self.period
@@ -99,6 +107,20 @@ def dashboards_of(mesh) -> list:
     return LOOP.dashboards(mesh._controller)
 
 
+def snapshot(mesh, cache: dict | None = None) -> tuple[dict, str]:
+    """``(mesh.status(), render.mesh_state(...))``, taken once per redraw pass:
+    ``cache`` is the pass's (keyed by controller; slices share it)."""
+    ctrl = mesh._controller
+    key = id(ctrl)
+    if cache is not None and key in cache:
+        return cache[key]
+    status = mesh.status()
+    state = render.mesh_state(status, ctrl.usable, getattr(ctrl, "closed", False))
+    if cache is not None:
+        cache[key] = (status, state)
+    return status, state
+
+
 def _classed(kind, cls: str, **kw):
     """A widget with a stable class, set at creation (so its comm_open carries it)."""
     return kind(_dom_classes=(cls,), **kw)
@@ -110,9 +132,12 @@ class Dashboard(W.VBox):
     ``on_restart(mesh)`` / ``on_shutdown(mesh)`` run after the buttons did their
     work (the notebook layer re-attaches or forgets the mesh's output routing).
     ``live=False``: draw once and leave redrawing to the caller (``redraw()``).
+    ``debugger=False``: no debugger part (a view that has its own console).
     """
 
-    def __init__(self, mesh, *, live: bool = True, on_restart=None, on_shutdown=None):
+    def __init__(
+        self, mesh, *, live: bool = True, on_restart=None, on_shutdown=None, debugger: bool = True
+    ):
         self.mesh = mesh
         self.controller = mesh._controller
         self._on_restart = on_restart
@@ -188,9 +213,8 @@ class Dashboard(W.VBox):
         self.debugger_panel = _classed(
             W.VBox, "mnb-dbg", children=[self.sessions, self.command_row, self.output]
         )
-        super().__init__(
-            [self.main, buttons, self.errors, self.debugger_panel], _dom_classes=("mnb-dashboard",)
-        )
+        parts = [self.main, buttons, self.errors] + ([self.debugger_panel] if debugger else [])
+        super().__init__(parts, _dom_classes=("mnb-dashboard",))
 
         self.b_interrupt.on_click(self._click_interrupt)
         self.b_restart.on_click(self._click_restart)
@@ -203,17 +227,6 @@ class Dashboard(W.VBox):
             LOOP.add(self)
 
     # ------------------------------------------------------------ drawing
-
-    def _snapshot(self, cache: dict | None) -> tuple[dict, str]:
-        key = id(self.controller)
-        if cache is not None and key in cache:
-            return cache[key]
-        status = self.mesh.status()
-        ctrl = self.controller
-        state = render.mesh_state(status, ctrl.usable, getattr(ctrl, "closed", False))
-        if cache is not None:
-            cache[key] = (status, state)
-        return status, state
 
     def _set(self, widget, part: str, value: str) -> bool:
         if self._last.get(part) == value:
@@ -228,7 +241,7 @@ class Dashboard(W.VBox):
         with self._draw_lock:
             if self._frozen:
                 return
-            status, state = self._snapshot(cache)
+            status, state = snapshot(self.mesh, cache)
             changed = False
             if status.get("generation") != self._generation:
                 if self._generation is not None:  # restarted: the old sessions are gone
@@ -336,7 +349,7 @@ class Dashboard(W.VBox):
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
-        status, state = self._snapshot(None)
+        status, state = snapshot(self.mesh)
         data["text/plain"] = render.status_text(status, state)
         data["text/html"] = render.main_html(status, state) + render.errors_html(status)
         return data
@@ -449,44 +462,9 @@ class Dashboard(W.VBox):
             self._command, self.select.value if target is None else target, line
         )
 
-    def _find(self, rank: int, stream: str):
-        for s in self.mesh.debugger.sessions():
-            if s.rank == rank and s.stream_name == stream:
-                return s
-        return None
-
     def _command(self, target, line: str) -> None:
-        dbg = self.mesh.debugger
-        try:
-            if target == "*":
-                self._append(f"(cast *) {line}")
-                replies = dbg.cast(None, line, COMMAND_WAIT)
-                outputs = {}
-                for rank, text in replies.items():
-                    s = next((x for x in dbg.sessions() if x.rank == rank), None)
-                    outputs[rank] = _strip_prompt(text, s.prompt if s else None)
-                self._append(render.fold(outputs) if outputs else "no paused session")
-                return
-            if not target:
-                self._append(f"{line}: no paused session")
-                return
-            rank, stream = target
-            s = self._find(rank, stream)
-            if s is None:
-                self._append(f"{line}: no paused session on rank {rank} ({stream})")
-                return
-            self._append(f"(Pdb r{rank}) {line}")
-            dbg.send(s, line)
-            text, prompt = dbg.wait_reply(s, COMMAND_WAIT)
-            text = _strip_prompt(text, prompt).rstrip("\n")
-            if text:
-                self._append(text)
-            if s.ended:
-                self._append(f"(rank {rank} went on)")
-            elif prompt is None:
-                self._append(f"(no prompt within {COMMAND_WAIT:.0f} s: rank {rank} is running)")
-        except Exception as e:
-            self._append(f"{line}: {type(e).__name__}: {e}")
+        for text in debugger_command(self.mesh, target, line):
+            self._append(text)
 
     def _append(self, text: str) -> None:
         with self._log_lock:
@@ -506,3 +484,39 @@ def _strip_prompt(text: str, prompt: str | None) -> str:
     if prompt and text.endswith(prompt):
         text = text[: -len(prompt)]
     return text
+
+
+def debugger_command(mesh, target, line: str, wait: float = COMMAND_WAIT) -> list[str]:
+    """Send ``line`` to a paused session of ``mesh`` and wait (at most ``wait`` s)
+    for its reply: the log lines to show, the command first. ``target``:
+    ``(rank, stream name)``, ``"*"`` (every paused session, outputs folded) or
+    None (there is no session)."""
+    dbg = mesh.debugger
+    try:
+        if target == "*":
+            out = [f"(cast *) {line}"]
+            replies = dbg.cast(None, line, wait)
+            outputs = {}
+            for rank, text in replies.items():
+                s = next((x for x in dbg.sessions() if x.rank == rank), None)
+                outputs[rank] = _strip_prompt(text, s.prompt if s else None)
+            return out + [render.fold(outputs) if outputs else "no paused session"]
+        if not target:
+            return [f"{line}: no paused session"]
+        rank, stream = target
+        s = next((x for x in dbg.sessions() if x.rank == rank and x.stream_name == stream), None)
+        if s is None:
+            return [f"{line}: no paused session on rank {rank} ({stream})"]
+        out = [f"(Pdb r{rank}) {line}"]
+        dbg.send(s, line)
+        text, prompt = dbg.wait_reply(s, wait)
+        text = _strip_prompt(text, prompt).rstrip("\n")
+        if text:
+            out.append(text)
+        if s.ended:
+            out.append(f"(rank {rank} went on)")
+        elif prompt is None:
+            out.append(f"(no prompt within {wait:.0f} s: rank {rank} is running)")
+        return out
+    except Exception as e:
+        return [f"{line}: {type(e).__name__}: {e}"]

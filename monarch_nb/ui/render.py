@@ -57,6 +57,41 @@ def status_text(status: dict, state: str = "ok") -> str:
     return f"mesh {status['name']!r}: {dims}, {status['backend']}, {what} (pids {pids or '-'})"
 
 
+def summary(status: dict, state: str = "ok") -> dict:
+    """What the JupyterLab status item and panel show of a mesh (plain, JSON-able):
+    its shape, workers alive, busy ranks (running a command, paused ones too),
+    paused debugger sessions and the failures seen (one per rank and command)."""
+    ranks = status["ranks"]
+    sessions = status.get("debugger") or []
+    return {
+        "name": status["name"],
+        "generation": status.get("generation", 0),
+        "shape": " ".join(f"{k}={v}" for k, v in status["dims"].items()),
+        "backend": status["backend"],
+        "state": state,
+        "alive": sum(1 for r in ranks.values() if r["alive"]),
+        "total": len(ranks),
+        "dead": {
+            str(r): w["exit"] or "gone"
+            for r, w in ranks.items()
+            if not w["alive"] and state != "shut down"
+        },
+        "busy": sorted(
+            r
+            for r, w in ranks.items()
+            if w["alive"] and any(s["running"] or s.get("paused") for s in w["streams"].values())
+        ),
+        "queued": sum(
+            s["queued"] for w in ranks.values() if w["alive"] for s in w["streams"].values()
+        ),
+        "paused": len(sessions),
+        "sessions": [
+            {"rank": s["rank"], "stream": s["stream"], "label": session_label(s)} for s in sessions
+        ],
+        "errors": sum(len(g["ranks"]) for g in status["errors"]),
+    }
+
+
 def failed_streams(status: dict) -> set:
     """(rank, stream name) whose last command failed: no command after the newest
     failure finished there, except the one right behind it (a ``%%monarch`` cell is

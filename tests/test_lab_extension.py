@@ -1,0 +1,208 @@
+"""Browser tier: the JupyterLab extension (extension/), installed by ``pip install`` into
+the environment, in a real JupyterLab driven with Debian's chromium. The status-bar item
+follows the current notebook's mesh; the side panel docks its dashboard and a debugger
+console; a kernel without monarch_nb leaves both quiet."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from browser_helpers import ARTIFACTS, CHROMIUM, LAUNCH_ARGS, Lab, lab_server, missing, notebook
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(missing() is not None, reason=missing() or ""),
+]
+
+T = 60_000  # ms: the longest any single wait in the page may take
+ITEM = "#jp-main-statusbar .mnb-lab-status"
+PANEL = "#monarch-nb-panel"
+
+
+def installed() -> str | None:
+    """Why the extension is not where JupyterLab looks (None: it is)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter", "labextension", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if "monarch-nb" not in out.stdout + out.stderr:
+        return "the monarch-nb labextension is not installed (pip install -e . builds it)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    why = installed()
+    if why:
+        pytest.fail(why)
+    with lab_server(tmp_path_factory.mktemp("lab")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture()
+def page(browser, server, request):
+    ctx = browser.new_context(viewport={"width": 1600, "height": 1000})
+    pg = ctx.new_page()
+    try:
+        yield pg
+    finally:
+        try:
+            ARTIFACTS.mkdir(exist_ok=True)
+            pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"))
+        finally:
+            ctx.close()
+            server.end_sessions()
+
+
+def cells(page):
+    """The cells of the notebook shown now (other notebooks' tabs are hidden)."""
+    return page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
+
+
+def run_cell(page, index: int) -> None:
+    cells(page).nth(index).locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Control+Enter")
+
+
+def wait_text(page, selector: str, pattern: str) -> str:
+    """Wait until the (first) element matching ``selector`` shows text matching ``pattern``."""
+    page.wait_for_function(
+        """([sel, pattern]) => {
+            const el = document.querySelector(sel);
+            return !!el && el.offsetParent !== null && new RegExp(pattern).test(el.innerText);
+        }""",
+        arg=[selector, pattern],
+        timeout=T,
+    )
+    return page.locator(selector).first.inner_text()
+
+
+def open_notebook(page, server, name: str, sources: list[str]) -> None:
+    (server.nb / f"{name}.ipynb").write_text(json.dumps(notebook(sources)))
+    page.evaluate(
+        "path => window.jupyterapp.commands.execute('docmanager:open', {path})", f"{name}.ipynb"
+    )
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current", has_text=name).wait_for(
+        timeout=T
+    )
+
+
+def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
+    # a notebook whose kernel has no monarch_nb: nothing shows, nothing is sent
+    plain = Lab(server, page, "plain", ["print(1 + 1)"])
+    plain.open()
+    run_cell(page, 0)
+    page.locator(".jp-OutputArea-output", has_text="2").first.wait_for(timeout=T)
+    assert page.locator(ITEM).count() == 0 or not page.locator(ITEM).is_visible()
+
+    open_notebook(
+        page,
+        server,
+        "mesh",
+        [
+            "%load_ext monarch_nb\nimport monarch_nb as mnb",
+            "%monarch_mesh dp=2 --dashboard none",
+            "%%monarch --noblock --ranks 1\nx = 41 + rank\nbreakpoint()\nprint('after', x)",
+            "import os, signal\nos.kill(mnb.get_mesh().status()['ranks'][1]['pid'], signal.SIGKILL)",
+        ],
+    )
+    plain.wait_idle(T)
+    run_cell(page, 0)
+    plain.wait_idle(T)
+    assert not page.locator(ITEM).is_visible()  # monarch_nb loaded, but no mesh yet
+    run_cell(page, 1)
+    # the status item appears with the mesh
+    assert wait_text(page, ITEM, "2/2 alive") == "mesh dp=2 · 2/2 alive · idle"
+
+    # a paused session shows as busy and paused
+    run_cell(page, 2)
+    text = wait_text(page, ITEM, "1 paused")
+    assert text == "mesh dp=2 · 2/2 alive · busy r1 · 1 paused"
+    assert page.locator(f"{ITEM} .mnb-lab-paused").inner_text() == "1 paused"
+
+    # a click opens the panel: the notebook's dashboard, and the debugger console
+    page.locator(ITEM).click()
+    page.locator(PANEL).wait_for(state="visible", timeout=T)
+    assert wait_text(page, f"{PANEL} .mnb-lab-head", "mesh 'default'") == (
+        "mesh.ipynb: mesh 'default' dp=2 (gloo)"
+    )
+    wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "2/2 workers alive")
+    assert page.locator(f"{PANEL} .mnb-dbg").count() == 0  # the console replaces that part
+    session = page.locator(f"{PANEL} .mnb-lab-session")
+    assert re.fullmatch(
+        r"rank 1 · default · <monarch In\[3\]>:3 <module>", session.inner_text().strip()
+    )
+    box = page.locator(f"{PANEL} .mnb-lab-console-input")
+    box.fill("p x")
+    box.press("Enter")
+    log = f"{PANEL} .mnb-lab-console-log"
+    wait_text(page, log, r"\(Pdb r1\) p x\n42")
+    box.fill("p x * 2")
+    box.press("Enter")
+    wait_text(page, log, r"\(Pdb r1\) p x \* 2\n84")
+    assert box.input_value() == ""
+    # the arrow keys walk the history, and come back to the draft
+    box.fill("draft")
+    box.press("ArrowUp")
+    assert box.input_value() == "p x * 2"
+    box.press("ArrowUp")
+    assert box.input_value() == "p x"
+    box.press("ArrowUp")
+    assert box.input_value() == "p x"
+    box.press("ArrowDown")
+    assert box.input_value() == "p x * 2"
+    box.press("ArrowDown")
+    assert box.input_value() == "draft"
+    box.fill("")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "lab_extension_panel.png"))
+
+    # continue from the console: the cell's output arrives, the item is no longer paused
+    page.locator(f"{PANEL} .mnb-lab-continue").click()
+    wait_text(page, log, "continued 1 session")
+    page.locator(".jp-OutputArea-output", has_text="[rank 1] after 42").first.wait_for(timeout=T)
+    assert wait_text(page, ITEM, "idle$") == "mesh dp=2 · 2/2 alive · idle"
+
+    # a killed worker: the item turns red within seconds, the docked dashboard says so
+    run_cell(page, 3)
+    assert wait_text(page, ITEM, "1/2 alive") == "mesh dp=2 · broken · 1/2 alive · idle"
+    assert page.locator(f"{ITEM} .mnb-lab-bad").all_inner_texts() == ["broken", "1/2 alive"]
+    assert "rank 1: killed by signal SIGKILL" in page.locator(ITEM).get_attribute("title")
+    wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "1/2 workers alive")
+    page.screenshot(path=str(ARTIFACTS / "lab_extension_dead_worker.png"))
+
+    # the panel and the item follow the notebook tab
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="plain.ipynb").click()
+    wait_text(page, f"{PANEL} .mnb-lab-head", "not loaded in this kernel")
+    page.wait_for_function(
+        f"() => {{ const e = document.querySelector('{ITEM}'); return !e || e.offsetParent === null; }}",
+        timeout=T,
+    )
+    assert page.locator(f"{PANEL} .mnb-lab-dashboard").count() == 0
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="mesh.ipynb").click()
+    wait_text(page, ITEM, "1/2 alive")
+    wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "1/2 workers alive")
+    # a reloaded page finds the kernel's monarch_nb again (comm_info), with nothing run
+    page.reload()
+    wait_text(page, ITEM, "1/2 alive")
+    # the kernel without monarch_nb was never sent a comm it does not know
+    assert "No such comm target" not in (server.root / "server.log").read_text()
