@@ -43,6 +43,11 @@ __all__ = [
 ]
 
 
+def _jupyter_labextension_paths():
+    """Where the built JupyterLab extension lies (``jupyter labextension develop``)."""
+    return [{"src": "labextension", "dest": "monarch-nb"}]
+
+
 def load_ipython_extension(ipython):
     """``%load_ext monarch_nb``: register the magics."""
     from .notebook import load_ipython_extension as load
