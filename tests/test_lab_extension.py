@@ -204,5 +204,25 @@ def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
     # a reloaded page finds the kernel's monarch_nb again (comm_info), with nothing run
     page.reload()
     wait_text(page, ITEM, "1/2 alive")
+
+    # a new mesh of the same name: the panel asks for its dashboard
+    page.locator(ITEM).click()
+    wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "1/2 workers alive")
+    run_cell(page, 1)
+    assert wait_text(page, ITEM, "2/2 alive") == "mesh dp=2 · 2/2 alive · idle"
+    wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "2/2 workers alive")
+
+    # a restarted kernel: quiet until monarch_nb loads and a mesh comes again
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:restart-kernel'); }")
+    page.locator(".jp-Dialog .jp-mod-accept").click()
+    wait_text(page, f"{PANEL} .mnb-lab-head", "not loaded in this kernel")
+    assert not page.locator(ITEM).is_visible()
+    plain.wait_idle(T)
+    run_cell(page, 0)
+    wait_text(page, f"{PANEL} .mnb-lab-head", "no mesh yet")
+    run_cell(page, 1)
+    assert wait_text(page, ITEM, "2/2 alive") == "mesh dp=2 · 2/2 alive · idle"
+    wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "2/2 workers alive")
+    assert page.locator(f"{PANEL} .mnb-lab-dashboard").count() == 1
     # the kernel without monarch_nb was never sent a comm it does not know
     assert "No such comm target" not in (server.root / "server.log").read_text()

@@ -21,6 +21,7 @@ export interface ISession {
 
 /** The kernel's `render.summary()` of the active mesh. */
 export interface IMeshSummary {
+  id: number; // which mesh: a new mesh of the same name has another
   name: string;
   generation: number;
   shape: string;
@@ -65,6 +66,9 @@ export class MeshChannel {
   get changed(): ISignal<this, IMeshSummary | null> {
     return this._changed;
   }
+
+  /** How many times the comm opened: a restarted kernel's meshes are new ones. */
+  epoch = 0;
 
   /** The debugger console's text for this kernel (kept while the panel shows others). */
   log = '';
@@ -135,6 +139,7 @@ export class MeshChannel {
       }
     };
     this._comm = comm;
+    this.epoch++;
     comm.open({});
   }
 

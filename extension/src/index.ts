@@ -5,6 +5,7 @@
  * leaves them quiet.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ICommandPalette } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
@@ -30,8 +31,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'The monarch_nb mesh of the current notebook: status-bar item and side panel.',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [IStatusBar],
-  activate: (app: JupyterFrontEnd, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+  optional: [IStatusBar, ICommandPalette],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    statusBar: IStatusBar | null,
+    palette: ICommandPalette | null
+  ) => {
     const current = new CurrentMesh(tracker);
     const panel = new MeshPanel(current);
     panel.title.icon = meshIcon;
@@ -41,6 +47,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       label: 'Show the monarch_nb mesh panel',
       execute: () => app.shell.activateById(panel.id)
     });
+    palette?.addItem({ command: OPEN_PANEL, category: 'monarch_nb' });
     if (statusBar !== null) {
       const item = new MeshStatusItem(current, () => void app.commands.execute(OPEN_PANEL));
       statusBar.registerStatusItem('monarch-nb:status', {

@@ -51,9 +51,17 @@ export class MeshPanel extends Panel {
     }
     this._head.node.textContent = head;
     // the dashboard is drawn only while the panel shows, and asked for again when
-    // the notebook, its kernel or its mesh changes
-    const key = panel !== null && s !== null ? `${name}\n${s.name}\n${s.state === 'shut down'}` : '';
-    if (!this.isVisible || key === this._shown) {
+    // the notebook, its kernel or its mesh changes (a stale view goes at once)
+    const key =
+      panel !== null && channel !== null && s !== null ? `${name}\n${channel.epoch}\n${s.id}` : '';
+    if (key === this._shown) {
+      return;
+    }
+    if (!this.isVisible) {
+      if (this._shown) {
+        this._clear();
+        this._shown = '';
+      }
       return;
     }
     this._shown = key;

@@ -9,7 +9,7 @@ sent anything, and never logs an unknown target.
 
 On a front-end's comm, kernel -> front-end::
 
-    {"event": "status", "mesh": <render.summary(...)> | null}
+    {"event": "status", "mesh": <render.summary(...) and "id"> | null}
         when the comm opens, then whenever it changes (the dashboards' redraw
         thread: at most 10 a second, nothing while nothing changes)
     {"reply": <request>, "id": <id>, ...}    the answer to a request
@@ -97,8 +97,8 @@ class LabChannel:
         """Send each comm the status if it changed (the redraw thread calls this)."""
         mesh = active_mesh()
         summary = None
-        if mesh is not None:
-            summary = render.summary(*dash.snapshot(mesh, cache))
+        if mesh is not None:  # "id": a new mesh of the same name is another mesh
+            summary = {**render.summary(*dash.snapshot(mesh, cache)), "id": id(mesh._controller)}
         text = json.dumps(summary, sort_keys=True)
         with self._lock:
             todo = [(cid, c) for cid, c in self._comms.items() if self._sent.get(cid) != text]
