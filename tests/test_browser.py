@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from browser_helpers import ARTIFACTS, CHROMIUM, LAUNCH_ARGS, Lab, lab_server, missing
+from browser_helpers import ARTIFACTS, Lab, lab_server, missing
 
 pytestmark = [
     pytest.mark.browser,
@@ -20,18 +20,6 @@ T = 60_000  # ms: the longest any single wait in the page may take
 def server(tmp_path_factory):
     with lab_server(tmp_path_factory.mktemp("lab")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 @pytest.fixture()

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from browser_helpers import ARTIFACTS, CHROMIUM, LAUNCH_ARGS, Lab, lab_server, missing, notebook
+from browser_helpers import ARTIFACTS, Lab, lab_server, missing, notebook
 
 pytestmark = [
     pytest.mark.browser,
@@ -44,18 +44,6 @@ def server(tmp_path_factory):
         pytest.fail(why)
     with lab_server(tmp_path_factory.mktemp("lab")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 @pytest.fixture()
