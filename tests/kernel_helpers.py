@@ -43,16 +43,17 @@ class Kernel:
         reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout, **kw)
         return reply, msgs
 
-    def ok(self, code: str, timeout: float = 60):
-        """Run ``code``; fail with the kernel's traceback unless it succeeded."""
-        reply, msgs = self.run(code, timeout)
+    def ok(self, code: str, timeout: float = 60, output_hook=None):
+        """Run ``code``; fail with the kernel's traceback unless it succeeded
+        (``output_hook`` sees every IOPub message read meanwhile)."""
+        reply, msgs = self.run(code, timeout, output_hook=output_hook)
         status = reply["content"]["status"]
         assert status == "ok", f"{code!r} -> {status}:\n{text(msgs)}\n{errors_text(msgs)}"
         return msgs
 
-    def value(self, expr: str, timeout: float = 60):
+    def value(self, expr: str, timeout: float = 60, output_hook=None):
         """``eval(expr)`` in the kernel, brought back through its repr."""
-        msgs = self.ok(f"print(repr({expr}))", timeout)
+        msgs = self.ok(f"print(repr({expr}))", timeout, output_hook)
         import ast
 
         return ast.literal_eval(stream(msgs, "stdout").strip())

@@ -43,23 +43,30 @@ class Front:
     def close(self) -> None:
         self.send("comm_close", {"comm_id": self.comm_id, "data": {}})
 
-    def pump(self, timeout: float) -> list:
-        """IOPub messages for ``timeout`` seconds (this comm's are recorded)."""
-        out = []
+    def record(self, msg) -> None:
+        """An IOPub message, whoever read it: this comm's are kept."""
+        c = msg["content"]
+        if c.get("comm_id") == self.comm_id:
+            if msg["msg_type"] == "comm_msg":
+                self.seen.append(c["data"])
+            elif msg["msg_type"] == "comm_close":
+                self.closed = True
+
+    def pump(self, timeout: float) -> None:
+        """Read IOPub for ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                msg = self.kern.kc.get_iopub_msg(timeout=0.2)
+                self.record(self.kern.kc.get_iopub_msg(timeout=0.2))
             except Exception:
                 continue
-            out.append(msg)
-            c = msg["content"]
-            if c.get("comm_id") == self.comm_id:
-                if msg["msg_type"] == "comm_msg":
-                    self.seen.append(c["data"])
-                elif msg["msg_type"] == "comm_close":
-                    self.closed = True
-        return out
+
+    def ok(self, code: str, timeout: float = 60):
+        """Run ``code`` in the kernel; the pushes that arrive meanwhile are kept."""
+        return self.kern.ok(code, timeout, output_hook=self.record)
+
+    def value(self, expr: str):
+        return self.kern.value(expr, output_hook=self.record)
 
     def wait(self, pred, timeout: float = 30, what: str = "a message") -> dict:
         """The first message from the cursor on that satisfies ``pred``."""
@@ -120,26 +127,26 @@ def test_the_channel_serves_status_dashboard_and_debugger(kern):
     front = Front(kern)
     front.open()
     assert front.status(None) is None  # no mesh yet: the item stays hidden
-    kern.ok("%monarch_mesh dp=2", timeout=120)
+    front.ok("%monarch_mesh dp=2", timeout=120)
     s = front.status(lambda s: s["alive"] == 2)
     assert (s["shape"], s["total"], s["state"], s["paused"], s["errors"]) == ("dp=2", 2, "ok", 0, 0)
-    assert s["id"] == kern.value("id(mnb.get_mesh()._controller)")
+    assert s["id"] == front.value("id(mnb.get_mesh()._controller)")
 
     # the panel's dashboard: a live Dashboard widget, without the debugger part
     reply = front.request(request="dashboard")
     model = reply["model_id"]
     assert model
     assert front.request(request="dashboard")["model_id"] == model  # one per comm and mesh
-    d = kern.value(
+    d = front.value(
         f"[(type(w).__name__, w._dom_classes, len(w.children)) "
         f"for w in __import__('ipywidgets').Widget.widgets.values() if w.model_id == {model!r}]"
     )
     assert d == [("Dashboard", ("mnb-dashboard", "mnb-lab-dashboard"), 3)]
 
     # a failure and a paused session show in the summary; pdb commands are served
-    kern.ok("_ = mnb.get_mesh().exec('1 / (1 - rank)')")
+    front.ok("_ = mnb.get_mesh().exec('1 / (1 - rank)')")
     front.status(lambda s: s["errors"] == 1)
-    kern.ok("%%monarch --noblock --ranks 1\nx = 41 + rank\nbreakpoint()\nprint('after', x)")
+    front.ok("%%monarch --noblock --ranks 1\nx = 41 + rank\nbreakpoint()\nprint('after', x)")
     s = front.status(lambda s: s["paused"] == 1)
     assert s["busy"] == [1]
     assert [(x["rank"], x["stream"]) for x in s["sessions"]] == [(1, "default")]
@@ -154,7 +161,7 @@ def test_the_channel_serves_status_dashboard_and_debugger(kern):
     assert "unknown request" in front.request(request="frobnicate")["error"]
 
     # a killed worker shows within seconds
-    pid = kern.value("mnb.get_mesh().status()['ranks'][1]['pid']")
+    pid = front.value("mnb.get_mesh().status()['ranks'][1]['pid']")
     os.kill(pid, signal.SIGKILL)
     s = front.status(lambda s: s["alive"] == 1, timeout=15)
     assert s["total"] == 2 and "1" in s["dead"] and "SIGKILL" in s["dead"]["1"]

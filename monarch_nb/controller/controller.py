@@ -833,7 +833,9 @@ class Controller:
                 raise MeshClosedError(f"mesh {self.name!r} is shut down")
             streams = {n: sid for n, sid in self.streams.items() if sid != 0}
             self._stop_workers(timeout=3.0)
-            self._begin_generation()
+            # on the IO thread: a check of an old worker's exit that is under way there
+            # must not see the new generation's state (and fail its start-up)
+            self.call_in_io(self._begin_generation).result(timeout=30)
         self._start_workers()
         for name, sid in streams.items():
             self.send(m.CreateStream(sid, name, False), None)

@@ -155,7 +155,9 @@ class LabChannel:
                 target = data.get("target")
                 if isinstance(target, list):
                     target = tuple(target)
-                answer = {"lines": dash.debugger_command(mesh, target, str(data.get("line", "")))}
+                lines: list[str] = []
+                dash.debugger_command(mesh, target, str(data.get("line", "")), lines.append)
+                answer = {"lines": lines}
             else:
                 n = len(mesh.debugger.sessions())
                 mesh.debugger.continue_all()

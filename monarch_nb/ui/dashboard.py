@@ -14,9 +14,9 @@ Layout (every widget has a stable ``mnb-...`` class)::
 Cost is bounded whatever the command rate: one thread (``RedrawLoop``) redraws
 every live dashboard at most ``REDRAW_PERIOD`` apart (10 a second), from one
 snapshot per mesh per pass, and sends a widget update only for a part whose
-HTML changed; when a pass costs more than ``MAX_OVERHEAD`` of the time, the
-passes space out. Widget updates from that thread go out on the kernel's IOPub
-(ipykernel's comms are thread-safe); without a kernel the widgets still work
+HTML changed; when a pass costs more than ``MAX_OVERHEAD`` of the CPU time, the
+passes space out (at most ``MAX_WAIT`` apart). Widget updates from that thread go
+out on the kernel's IOPub (ipykernel's comms are thread-safe); without a kernel the widgets still work
 (their comms are dummies), so scripts and benchmarks can run a dashboard.
 
 Debugger commands never block a comm handler: they run on the dashboard's own
@@ -37,7 +37,8 @@ from . import render
 logger = logging.getLogger("monarch_nb.ui")
 
 REDRAW_PERIOD = 0.1  # seconds between redraws: at most 10 a second
-MAX_OVERHEAD = 0.05  # the redraw thread's share of the time, at most
+MAX_OVERHEAD = 0.05  # the redraw thread's share of the CPU time, at most
+MAX_WAIT = 2.0  # seconds a live view goes without a redraw, at most
 COMMAND_WAIT = 20.0  # seconds a debugger command waits for the session's reply
 CONFIRM_WINDOW = 5.0  # seconds in which a second click confirms restart / shut down
 LOG_CHARS = 20_000  # the debugger output kept (its end)
@@ -87,7 +88,9 @@ class RedrawLoop:
                 if not live:
                     self._thread = None
                     return
-            t0 = time.perf_counter()
+            # the pass's own CPU time: waiting for the GIL while the kernel's main
+            # thread works (a mesh starting) is not cost, and must not space passes out
+            t0 = time.thread_time()
             snapshots: dict = {}  # one snapshot per mesh per pass, whatever the dashboards
             for d in live:
                 try:
@@ -95,8 +98,8 @@ class RedrawLoop:
                 except Exception:
                     logger.exception("monarch_nb dashboard redraw failed (continuing)")
             self.passes += 1
-            cost = time.perf_counter() - t0
-            wait = max(self.period, cost * (1.0 / MAX_OVERHEAD - 1.0))
+            cost = time.thread_time() - t0
+            wait = min(MAX_WAIT, max(self.period, cost * (1.0 / MAX_OVERHEAD - 1.0)))
 
 
 LOOP = RedrawLoop()
@@ -463,8 +466,7 @@ class Dashboard(W.VBox):
         )
 
     def _command(self, target, line: str) -> None:
-        for text in debugger_command(self.mesh, target, line):
-            self._append(text)
+        debugger_command(self.mesh, target, line, self._append)
 
     def _append(self, text: str) -> None:
         with self._log_lock:
@@ -486,37 +488,39 @@ def _strip_prompt(text: str, prompt: str | None) -> str:
     return text
 
 
-def debugger_command(mesh, target, line: str, wait: float = COMMAND_WAIT) -> list[str]:
+def debugger_command(mesh, target, line: str, emit, wait: float = COMMAND_WAIT) -> None:
     """Send ``line`` to a paused session of ``mesh`` and wait (at most ``wait`` s)
-    for its reply: the log lines to show, the command first. ``target``:
-    ``(rank, stream name)``, ``"*"`` (every paused session, outputs folded) or
-    None (there is no session)."""
+    for its reply; ``emit(text)`` gets each log line as it is known, the command
+    first. ``target``: ``(rank, stream name)``, ``"*"`` (every paused session,
+    outputs folded) or None (there is no session)."""
     dbg = mesh.debugger
     try:
         if target == "*":
-            out = [f"(cast *) {line}"]
+            emit(f"(cast *) {line}")
             replies = dbg.cast(None, line, wait)
             outputs = {}
             for rank, text in replies.items():
                 s = next((x for x in dbg.sessions() if x.rank == rank), None)
                 outputs[rank] = _strip_prompt(text, s.prompt if s else None)
-            return out + [render.fold(outputs) if outputs else "no paused session"]
+            emit(render.fold(outputs) if outputs else "no paused session")
+            return
         if not target:
-            return [f"{line}: no paused session"]
+            emit(f"{line}: no paused session")
+            return
         rank, stream = target
         s = next((x for x in dbg.sessions() if x.rank == rank and x.stream_name == stream), None)
         if s is None:
-            return [f"{line}: no paused session on rank {rank} ({stream})"]
-        out = [f"(Pdb r{rank}) {line}"]
+            emit(f"{line}: no paused session on rank {rank} ({stream})")
+            return
+        emit(f"(Pdb r{rank}) {line}")
         dbg.send(s, line)
         text, prompt = dbg.wait_reply(s, wait)
         text = _strip_prompt(text, prompt).rstrip("\n")
         if text:
-            out.append(text)
+            emit(text)
         if s.ended:
-            out.append(f"(rank {rank} went on)")
+            emit(f"(rank {rank} went on)")
         elif prompt is None:
-            out.append(f"(no prompt within {wait:.0f} s: rank {rank} is running)")
-        return out
+            emit(f"(no prompt within {wait:.0f} s: rank {rank} is running)")
     except Exception as e:
-        return [f"{line}: {type(e).__name__}: {e}"]
+        emit(f"{line}: {type(e).__name__}: {e}")
