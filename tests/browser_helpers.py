@@ -202,14 +202,18 @@ class Lab:
         self.page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         self.page.locator(".lm-Menu [data-command='runmenu:run-all']").click()
 
+    def cells(self):
+        """The cells of the notebook shown now (other notebooks' tabs are hidden)."""
+        return self.page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
+
     def run_cell(self, index: int) -> None:
-        cell = self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+        cell = self.cells().nth(index)
         cell.locator(".jp-InputArea-editor").click()
         self.page.keyboard.press("Control+Enter")
 
     def add_cell(self, source: str) -> int:
         """Type a new cell at the end; its index."""
-        cells = self.page.locator(".jp-Notebook .jp-Cell")
+        cells = self.cells()
         n = cells.count()
         cells.nth(n - 1).locator(".jp-InputArea-editor").click()
         self.page.keyboard.press("Escape")
@@ -219,12 +223,7 @@ class Lab:
         return n
 
     def output_text(self, index: int) -> str:
-        return (
-            self.page.locator(".jp-Notebook .jp-Cell")
-            .nth(index)
-            .locator(".jp-OutputArea")
-            .inner_text()
-        )
+        return self.cells().nth(index).locator(".jp-OutputArea").inner_text()
 
     def stderr_outputs(self) -> list[str]:
         return [e.inner_text() for e in self.page.locator(STDERR).all()]

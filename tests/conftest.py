@@ -65,3 +65,31 @@ def browser():
             yield b
         finally:
             b.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A JupyterLab server (the browser tier; one for the session)."""
+    from browser_helpers import lab_server
+
+    with lab_server(tmp_path_factory.mktemp("lab")) as s:
+        yield s
+
+
+@pytest.fixture()
+def page(browser, server, request):
+    """A fresh page; its screenshot as the test left it goes to artifacts/NAME-end.png
+    (a failed test: where it stopped); the server's kernels end with the test."""
+    from browser_helpers import ARTIFACTS
+
+    ctx = browser.new_context(viewport={"width": 1600, "height": 1100})
+    pg = ctx.new_page()
+    try:
+        yield pg
+    finally:
+        try:
+            ARTIFACTS.mkdir(exist_ok=True)
+            pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"), full_page=True)
+        finally:
+            ctx.close()
+            server.end_sessions()

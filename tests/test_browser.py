@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from browser_helpers import ARTIFACTS, Lab, lab_server, missing
+from browser_helpers import Lab, missing
 
 pytestmark = [
     pytest.mark.browser,
@@ -14,27 +14,6 @@ pytestmark = [
 ]
 
 T = 60_000  # ms: the longest any single wait in the page may take
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with lab_server(tmp_path_factory.mktemp("lab")) as s:
-        yield s
-
-
-@pytest.fixture()
-def page(browser, server, request):
-    ctx = browser.new_context(viewport={"width": 1500, "height": 1100})
-    pg = ctx.new_page()
-    try:
-        yield pg
-    finally:
-        try:  # the page as the test left it (a failed test: where it stopped)
-            ARTIFACTS.mkdir(exist_ok=True)
-            pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"), full_page=True)
-        finally:
-            ctx.close()
-            server.end_sessions()
 
 
 def dash_text(page, cls: str) -> str:

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from browser_helpers import ARTIFACTS, Lab, lab_server, missing, notebook
+from browser_helpers import ARTIFACTS, Lab, missing, notebook
 
 pytestmark = [
     pytest.mark.browser,
@@ -37,38 +37,11 @@ def installed() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def extension_installed():
     why = installed()
     if why:
         pytest.fail(why)
-    with lab_server(tmp_path_factory.mktemp("lab")) as s:
-        yield s
-
-
-@pytest.fixture()
-def page(browser, server, request):
-    ctx = browser.new_context(viewport={"width": 1600, "height": 1000})
-    pg = ctx.new_page()
-    try:
-        yield pg
-    finally:
-        try:
-            ARTIFACTS.mkdir(exist_ok=True)
-            pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"))
-        finally:
-            ctx.close()
-            server.end_sessions()
-
-
-def cells(page):
-    """The cells of the notebook shown now (other notebooks' tabs are hidden)."""
-    return page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
-
-
-def run_cell(page, index: int) -> None:
-    cells(page).nth(index).locator(".jp-InputArea-editor").click()
-    page.keyboard.press("Control+Enter")
 
 
 def wait_text(page, selector: str, pattern: str) -> str:
@@ -96,9 +69,9 @@ def open_notebook(page, server, name: str, sources: list[str]) -> None:
 
 def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
     # a notebook whose kernel has no monarch_nb: nothing shows, nothing is sent
-    plain = Lab(server, page, "plain", ["print(1 + 1)"])
-    plain.open()
-    run_cell(page, 0)
+    lab = Lab(server, page, "plain", ["print(1 + 1)"])
+    lab.open()
+    lab.run_cell(0)
     page.locator(".jp-OutputArea-output", has_text="2").first.wait_for(timeout=T)
     assert page.locator(ITEM).count() == 0 or not page.locator(ITEM).is_visible()
 
@@ -113,16 +86,16 @@ def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
             "import os, signal\nos.kill(mnb.get_mesh().status()['ranks'][1]['pid'], signal.SIGKILL)",
         ],
     )
-    plain.wait_idle(T)
-    run_cell(page, 0)
-    plain.wait_idle(T)
+    lab.wait_idle(T)
+    lab.run_cell(0)
+    lab.wait_idle(T)
     assert not page.locator(ITEM).is_visible()  # monarch_nb loaded, but no mesh yet
-    run_cell(page, 1)
+    lab.run_cell(1)
     # the status item appears with the mesh
     assert wait_text(page, ITEM, "2/2 alive") == "mesh dp=2 · 2/2 alive · idle"
 
     # a paused session shows as busy and paused
-    run_cell(page, 2)
+    lab.run_cell(2)
     text = wait_text(page, ITEM, "1 paused")
     assert text == "mesh dp=2 · 2/2 alive · busy r1 · 1 paused"
     assert page.locator(f"{ITEM} .mnb-lab-paused").inner_text() == "1 paused"
@@ -171,7 +144,7 @@ def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
     assert wait_text(page, ITEM, "idle$") == "mesh dp=2 · 2/2 alive · idle"
 
     # a killed worker: the item turns red within seconds, the docked dashboard says so
-    run_cell(page, 3)
+    lab.run_cell(3)
     assert wait_text(page, ITEM, "1/2 alive") == "mesh dp=2 · broken · 1/2 alive · idle"
     assert page.locator(f"{ITEM} .mnb-lab-bad").all_inner_texts() == ["broken", "1/2 alive"]
     assert "rank 1: killed by signal SIGKILL" in page.locator(ITEM).get_attribute("title")
@@ -196,7 +169,7 @@ def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
     # a new mesh of the same name: the panel asks for its dashboard
     page.locator(ITEM).click()
     wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "1/2 workers alive")
-    run_cell(page, 1)
+    lab.run_cell(1)
     assert wait_text(page, ITEM, "2/2 alive") == "mesh dp=2 · 2/2 alive · idle"
     wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "2/2 workers alive")
 
@@ -205,10 +178,10 @@ def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
     page.locator(".jp-Dialog .jp-mod-accept").click()
     wait_text(page, f"{PANEL} .mnb-lab-head", "not loaded in this kernel")
     assert not page.locator(ITEM).is_visible()
-    plain.wait_idle(T)
-    run_cell(page, 0)
+    lab.wait_idle(T)
+    lab.run_cell(0)
     wait_text(page, f"{PANEL} .mnb-lab-head", "no mesh yet")
-    run_cell(page, 1)
+    lab.run_cell(1)
     assert wait_text(page, ITEM, "2/2 alive") == "mesh dp=2 · 2/2 alive · idle"
     wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "2/2 workers alive")
     assert page.locator(f"{PANEL} .mnb-lab-dashboard").count() == 1

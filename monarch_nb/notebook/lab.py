@@ -159,9 +159,7 @@ class LabChannel:
                 dash.debugger_command(mesh, target, str(data.get("line", "")), lines.append)
                 answer = {"lines": lines}
             else:
-                n = len(mesh.debugger.sessions())
-                mesh.debugger.continue_all()
-                answer = {"lines": [f"continued {n} session(s)"]}
+                answer = {"lines": [dash.continue_all(mesh)]}
         except Exception as e:
             logger.exception("monarch_nb: a Lab request failed")
             answer = {"lines": [f"{type(e).__name__}: {e}"]}

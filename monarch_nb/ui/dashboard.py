@@ -439,9 +439,7 @@ class Dashboard(W.VBox):
         self._submit_call(self._continue_all)
 
     def _continue_all(self) -> None:
-        n = len(self.mesh.debugger.sessions())
-        self.mesh.debugger.continue_all()
-        self._append(f"continued {n} session(s)")
+        self._append(continue_all(self.mesh))
 
     # ------------------------------------------------------------ debugger
 
@@ -486,6 +484,13 @@ def _strip_prompt(text: str, prompt: str | None) -> str:
     if prompt and text.endswith(prompt):
         text = text[: -len(prompt)]
     return text
+
+
+def continue_all(mesh) -> str:
+    """Let every paused session of ``mesh`` go on; the log line that says so."""
+    n = len(mesh.debugger.sessions())
+    mesh.debugger.continue_all()
+    return f"continued {n} session(s)"
 
 
 def debugger_command(mesh, target, line: str, emit, wait: float = COMMAND_WAIT) -> None:
