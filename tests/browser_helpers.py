@@ -1,4 +1,4 @@
-"""A JupyterLab server and Debian's chromium driven by Playwright (TESTING.md, browser tier).
+"""A JupyterLab server and Debian's chromium driven by Playwright (docs/testing.md, browser tier).
 
 ``lab_server()`` starts JupyterLab on a free port with every Jupyter path in a
 temp dir; ``Lab`` opens notebooks in a fresh workspace, runs them and reads the

@@ -1,4 +1,4 @@
-"""Browser tier: JupyterLab + Debian chromium + Playwright (TESTING.md). The dashboard
+"""Browser tier: JupyterLab + Debian chromium + Playwright (docs/testing.md). The dashboard
 renders in a real page and reacts to clicks and typing. Screenshots: artifacts/."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import monarch_nb.controller.controller as controller_mod
 from monarch_nb.protocol import messages as m
 
 REPEAT = int(os.environ.get("MONARCH_NB_FAULT_REPEAT", "3"))
-CRASH_BOUND = 5.0  # API.md promises <= 2 s; the bound leaves room on a busy 2-core machine
+CRASH_BOUND = 5.0  # docs/api.md promises <= 2 s; the bound leaves room on a busy 2-core machine
 ESCALATE = 1.5  # seconds an interrupted rank gets before it counts as stuck
 ORPHAN_BOUND = 5.0
 ORPHAN_TRIALS = 20
