@@ -128,10 +128,28 @@ def text(msgs) -> str:
     return stream(msgs, "stdout") + stream(msgs, "stderr")
 
 
+def _live_id(m) -> str | None:
+    did = m["content"].get("transient", {}).get("display_id") or ""
+    return did if did.startswith("mnb-live") else None
+
+
 def displays(msgs) -> list[dict]:
+    """Values, figures and widgets shown (not the live display of lines in progress)."""
     return [
-        m["content"]["data"] for m in msgs if m["msg_type"] in ("display_data", "execute_result")
+        m["content"]["data"]
+        for m in msgs
+        if m["msg_type"] in ("display_data", "execute_result") and not _live_id(m)
     ]
+
+
+def live(msgs) -> dict:
+    """The cells' live displays (lines in progress, the latest lines past the cap):
+    display id -> its text after every display and update among ``msgs``."""
+    shown: dict = {}
+    for m in msgs:
+        if m["msg_type"] in ("display_data", "update_display_data") and _live_id(m):
+            shown[_live_id(m)] = m["content"]["data"]["text/plain"]
+    return shown
 
 
 def plain(msgs) -> list[str]:

@@ -10,6 +10,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from monarch_nb.notebook import output as out_mod
+from monarch_nb.notebook import sink as sink_mod
 from monarch_nb.notebook.args import (
     cell_parser,
     mesh_parser,
@@ -103,7 +104,7 @@ def test_tick_budget_leaves_the_rest_for_later():
     assert lines(pub) == [f"[rank 0] line {i}" for i in range(1000)]
 
 
-def test_volume_is_capped_with_a_notice():
+def test_volume_is_capped_and_the_latest_lines_still_show():
     s, pub = sink()
     chunk = "x" * 99 + "\n"
     for _ in range(2000):  # 4 MB in all
@@ -112,19 +113,24 @@ def test_volume_is_capped_with_a_notice():
         before = len(pub.sent)
         s.tick(time.monotonic() + 1, out_mod.BYTES_PER_TICK)
         assert len(pub.sent) - before <= 1  # at most one message per tick and stream name
+    s.add(0, "stdout", "final metrics 0\n")
+    s.add(1, "stdout", "final metrics 1\n")
     s.finish()
     total = sum(len(t) for _, _, t in pub.sent)
-    assert total <= CELL_CAP + 4096
-    text = "\n".join(lines(pub))
-    assert "bytes of output dropped ...]" in text
-    assert s.dropped > 0 and s.published == total
+    assert total <= CELL_CAP + 16384  # the cap, then (outside a kernel) the latest lines
+    text = lines(pub)
+    assert any("this cell's output passed 512 KB" in t for t in text)
+    assert any(re.search(r"\d+ lines \(\d+\.\d MB\) elided", t) for t in text), text[-30:]
+    # each rank's latest lines, as a block per rank: both end with their last line
+    assert text[-21] == "[rank 0] final metrics 0" and text[-1] == "[rank 1] final metrics 1"
+    assert s.published == total
 
 
 def test_a_huge_backlog_is_shed_not_buffered():
     s, pub = sink((0,))
     for _ in range(100):
         s.add(0, "stdout", "y" * 9999 + "\n")  # 1 MB, nothing published in between
-    assert s._pending <= out_mod.PENDING_CAP
+    assert s._pending <= sink_mod.PENDING_CAP
     s.finish()
     assert "[rank 0] [... " in "\n".join(lines(pub))
 

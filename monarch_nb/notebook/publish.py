@@ -66,13 +66,24 @@ class Publisher:
             return
         self._send("stream", {"name": name, "text": text}, parent, b"stream." + name.encode())
 
-    def display(self, parent, data: dict, metadata: dict | None = None) -> None:
+    def display(
+        self, parent, data: dict, metadata: dict | None = None, display_id: str | None = None
+    ) -> None:
+        """``display_data``; with ``display_id``, one that ``update_display`` redraws."""
         if self.kernel is None:
             sys.__stdout__.write(str(data.get("text/plain", "")) + "\n")
             sys.__stdout__.flush()
             return
-        content = {"data": data, "metadata": metadata or {}, "transient": {}}
+        transient = {"display_id": display_id} if display_id else {}
+        content = {"data": data, "metadata": metadata or {}, "transient": transient}
         self._send("display_data", content, parent, b"display_data")
+
+    def update_display(self, parent, data: dict, display_id: str) -> None:
+        """Redraw the display shown with ``display_id`` (in a kernel; else nothing)."""
+        if self.kernel is None:
+            return
+        content = {"data": data, "metadata": {}, "transient": {"display_id": display_id}}
+        self._send("update_display_data", content, parent, b"update_display_data")
 
     def error(self, parent, ename: str, evalue: str, traceback: list[str]) -> None:
         if self.kernel is None:

@@ -85,11 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     if not key_hex:
         p.error("no mesh secret: use --key-file, --key-stdin or MONARCH_NB_KEY")
 
-    logging.basicConfig(
-        level=os.environ.get("MONARCH_NB_LOG", "WARNING").upper(),
-        format=f"[monarch worker {rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    # the worker's own log goes to its real stderr (the launcher keeps its tail); the
+    # root logger stays unconfigured, so user code's logging reaches the cell as in a kernel
+    own = logging.getLogger("monarch_nb")
+    handler = logging.StreamHandler(sys.__stderr__)
+    handler.setFormatter(
+        logging.Formatter(f"[monarch worker {rank}] %(levelname)s %(name)s: %(message)s")
     )
+    own.addHandler(handler)
+    own.setLevel(os.environ.get("MONARCH_NB_LOG", "WARNING").upper())
+    own.propagate = False
     # headless: matplotlib renders with Agg; %%monarch cells send figures home
     os.environ["MPLBACKEND"] = "module://monarch_nb.worker.mpl_backend"
     import torch  # noqa: F401 - import before any thread starts (and before CUDA init)

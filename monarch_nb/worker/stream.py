@@ -28,6 +28,7 @@ BIG_SEND = 1 << 20  # sends with more buffer bytes than this wait until ZeroMQ i
 PROGRESS_BYTES = 64 << 20  # transfers larger than this get a progress bar
 
 _STOP = object()
+_RUNNING = object()  # Outbox.write's default ident: the running command's
 _real_sleep = time.sleep
 
 
@@ -55,7 +56,7 @@ class Outbox:
 
     def __init__(self, worker, stream_id: int):
         self._worker = worker
-        self._stream_id = stream_id
+        self.stream_id = stream_id
         self.lock = threading.Lock()
         self._sock: zmq.Socket | None = None
         self._pending: list = []  # [name, ident, text]
@@ -68,15 +69,18 @@ class Outbox:
             self._sock = self._worker.connect_socket(SEND_HWM)
         return self._sock
 
-    def write(self, name: str, text: str) -> None:
+    def write(self, name: str, text: str, ident=_RUNNING) -> None:
+        """Buffer ``text`` as output of command ``ident`` (default: the one running)."""
         with self.lock:
+            if ident is _RUNNING:
+                ident = self.ident
             p = self._pending
-            if p and p[-1][0] == name and p[-1][1] == self.ident and len(text) < OUTPUT_CHUNK:
+            if p and p[-1][0] == name and p[-1][1] == ident and len(text) < OUTPUT_CHUNK:
                 p[-1][2] += text  # coalesce small writes (a large text is not copied)
             else:
                 if not p:
                     self._pending_since = time.monotonic()
-                p.append([name, self.ident, text])
+                p.append([name, ident, text])
             self._pending_bytes += len(text)
             if self._pending_bytes >= OUTPUT_CHUNK:
                 self._flush_locked()
@@ -90,7 +94,7 @@ class Outbox:
             entry = pending[0]
             name, ident, text = entry
             for i in range(0, len(text), OUTPUT_CHUNK):
-                msg = Output(rank, self._stream_id, ident, name, text[i : i + OUTPUT_CHUNK])
+                msg = Output(rank, self.stream_id, ident, name, text[i : i + OUTPUT_CHUNK])
                 if not self._send_locked(msg, block):
                     entry[2] = text[i:]
                     self._pending_bytes = sum(len(e[2]) for e in pending)

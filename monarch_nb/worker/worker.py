@@ -28,6 +28,7 @@ from .borrow import Borrow
 from .cell import Cell, DependentOnError
 from .code import run_source
 from .failure import describe
+from .forked import ChildOutputReader
 from .health import HealthSampler
 from .stream import Stream, interruptible_sleep
 
@@ -111,6 +112,9 @@ class Worker:
         sys.stdin = capture.NoInput()
         default = Stream(self, DEFAULT_STREAM, "default", main_thread=True)
         self.streams[DEFAULT_STREAM] = default
+        child_r, child_w = os.pipe()
+        self._children = ChildOutputReader(child_r, self._child_output)
+        capture.install(child_w)
         signal.signal(signal.SIGINT, self._on_sigint)
         debugger.install()
         time.sleep = interruptible_sleep
@@ -122,6 +126,10 @@ class Worker:
                 s.thread.join(timeout=5)
         receiver.join(timeout=5)
         self.ctx.destroy(linger=1000)
+
+    def _child_output(self, stream_id: int, ident: int | None, name: str, text: str) -> None:
+        stream = self.streams.get(stream_id) or self.streams[DEFAULT_STREAM]
+        stream.outbox.write(name, text, ident)
 
     def _on_sigint(self, signum, frame):
         if self.streams[DEFAULT_STREAM].in_user_code:
