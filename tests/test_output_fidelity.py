@@ -203,3 +203,25 @@ print("final metrics: accuracy 0.99")
     assert rows[-1] == "[ranks 0-1] final metrics: accuracy 0.99", rows[-3:]
     assert rows[-2] == "[ranks 0-1] step 59999 loss 0.000017"
     assert idle(msgs)
+
+
+def test_ten_megabytes_of_carriage_returns_then_the_final_line(k):
+    msgs = monarch(
+        k,
+        """
+import sys
+update = "\\r" + "#" * 99
+for i in range(50):
+    sys.stderr.write(update * 1000)  # 100 KB a write, 10 MB a rank in all
+sys.stderr.write("\\rbar finished\\n")
+print("metrics after the bar")
+""",
+        timeout=240,
+    )
+    err, out = stream(msgs, "stderr"), stream(msgs, "stdout")
+    published = sum(len(m["content"]["text"]) for m in msgs if m["msg_type"] == "stream")
+    assert published < 8192, published  # superseded updates are never published
+    shown = err + "".join(live(msgs).values())
+    assert ranks_saying(shown, "bar finished" + "#" * 87) == {0, 1}, shown[-500:]
+    assert ranks_saying(out, "metrics after the bar") == {0, 1}
+    serves(k)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from monarch_nb.notebook import sink as sink_mod
-from monarch_nb.notebook.live import LIVE_AFTER, TAIL_LINES, finished, overwrite
+from monarch_nb.notebook.live import LIVE_AFTER, TAIL_LINES, compact, finished, overwrite
 from monarch_nb.notebook.sink import CELL_CAP, HOLD, CellSink
 
 
@@ -55,6 +55,12 @@ def test_overwrite_is_terminal_semantics():
     assert finished("done\r") == "done" and finished("abc\r") == "abc"
     assert overwrite("no return") == "no return"
     assert overwrite("\r\r\rlast") == "last"
+
+
+def test_a_line_cut_between_two_writes_continues_where_it_was():
+    first = compact("#" * 99 + "\r" + "-" * 40)  # cut in the middle of an update
+    assert finished(compact(first + "-" * 59 + "\r" + "=" * 10)) == "=" * 10 + "-" * 89
+    assert len(compact("\r".join(["x" * 80] * 10_000))) <= 161
 
 
 def test_a_progress_bar_is_one_updating_row_per_rank_and_ends_as_its_last_line():

@@ -37,6 +37,16 @@ def overwrite(text: str) -> str:
     return line + "\r" if text.endswith("\r") else line
 
 
+def compact(text: str) -> str:
+    """``text`` (a line still being written) in a short form that reads the same:
+    every segment but the last collapsed, the last kept after its ``\r`` so that
+    text written next continues it (where a cut between two writes fell)."""
+    i = text.rfind("\r")
+    if i <= 0:
+        return text
+    return overwrite(text[:i]).rstrip("\r") + text[i:]
+
+
 def finished(line: str) -> str:
     """A line ended by a newline, as it reads (``\\r\\n`` is a plain newline)."""
     return overwrite(line).rstrip("\r")

@@ -18,7 +18,7 @@ import time
 from collections import Counter, deque
 
 from ..controller import format_ranks
-from .live import LIVE_AFTER, LiveDisplay, Tails, finished, fold_rows, overwrite
+from .live import LIVE_AFTER, LiveDisplay, Tails, compact, finished, fold_rows
 from .publish import Publisher
 
 HOLD = 0.3  # seconds a line waits for the same line from the other ranks
@@ -85,12 +85,14 @@ class CellSink:
             t0, rest = partials.pop(rank, (now, ""))
             self._partial_bytes -= len(rest)
             pieces = (rest + text).split("\n")
-            rest = overwrite(pieces.pop())
+            rest = compact(pieces.pop())
             for i, line in enumerate(pieces):
                 self._line(name, rank, t0 if i == 0 else now, finished(line))
-            while len(rest.rstrip("\r")) > LONG_LINE:
-                self._line(name, rank, now, rest[:LONG_LINE])
-                rest = rest[LONG_LINE:]
+            if len(rest) > LONG_LINE:
+                rest = finished(rest)
+                while len(rest) > LONG_LINE:
+                    self._line(name, rank, now, rest[:LONG_LINE])
+                    rest = rest[LONG_LINE:]
             if rest:
                 partials[rank] = (t0 if not pieces else now, rest)
                 self._partial_bytes += len(rest)
@@ -162,7 +164,7 @@ class CellSink:
             now = time.monotonic()
             for name, partials in self._partial.items():
                 for rank, (t, rest) in sorted(partials.items()):
-                    if rest.rstrip("\r"):
+                    if finished(rest):
                         self._line(name, rank, t, finished(rest))
                 partials.clear()
             self._partial_bytes = 0
@@ -171,7 +173,7 @@ class CellSink:
     def _live_rows(self) -> list[str]:
         rows = self._tails.rows() if self._tails is not None else []
         for name in sorted(self._partial, key=lambda n: (n != "stdout", n)):
-            shown = {r: rest.rstrip("\r") for r, (_, rest) in self._partial[name].items()}
+            shown = {r: finished(rest) for r, (_, rest) in self._partial[name].items()}
             shown = {r: t for r, t in shown.items() if t}
             if shown:
                 self._live_names.add(name)
