@@ -25,7 +25,7 @@ def test_breakpoint_pauses_only_that_stream(mesh, dbg):
     st = mesh.status()
     assert st["ranks"][1]["streams"]["default"]["paused"]["line"] == 3
     assert {(d["rank"], d["stream"]) for d in st["debugger"]} == {(0, "default"), (1, "default")}
-    assert dbg.cast(None, "p x") == {0: "0\n(Pdb r0) ", 1: "10\n(Pdb r1) "}
+    assert dbg.cast(None, "p x") == {0: "0\n", 1: "10\n"}  # the prompts are not output
     listing = dbg.run(0, "ll")
     assert "->\ty = x + 1" in listing and "breakpoint()" in listing
     assert "11" in dbg.run(1, "p x + 1")
@@ -68,6 +68,7 @@ def test_post_mortem_and_interact(mesh, dbg):
     s = dbg.find(1)
     text, prompt = dbg.wait_reply(s, 10)
     assert "raise ValueError(b)" in text and prompt == "(Pdb r1) "
+    assert not text.endswith(prompt), text
     assert dbg.run(1, "p b").startswith("4")
     banner = dbg.run(1, "interact")
     assert "*interactive*" in banner
@@ -122,3 +123,21 @@ def test_pause_is_announced_once_with_its_location_and_stack_hides_machinery(mes
     paused = [e for e in events if e[0] == "paused"]
     assert sorted(rank for _, rank, _ in paused) == [0, 1]  # once per session, after `n` too
     assert all(loc["function"] == "g" and loc["line"] for _, _, loc in paused)
+
+
+def test_run_returns_output_without_the_prompt(mesh, dbg):
+    r = mesh.exec("x = rank * 10\nbreakpoint()\ny = x + 1\ny")
+    assert dbg.wait_any(20, count=2)
+    s = dbg.find(1)
+    stopped = dbg.take_output(s)  # what pdb printed as it stopped
+    assert "-> y = x + 1" in stopped and "(Pdb" not in stopped, stopped
+    assert dbg.run(1, "p x") == "10\n"
+    for line in ("ll", "n", "w", "p y", "p 'a (Pdb r1) b'"):
+        out = dbg.run(1, line)
+        assert out and not out.endswith(s.prompt) and not out.endswith("(Pdb r1) "), (line, out)
+    assert "'a (Pdb r1) b'" in dbg.run(1, "p 'a (Pdb r1) b'")  # a prompt-like value is output
+    assert "*interactive*" in dbg.run(1, "interact")
+    assert dbg.run(1, "y * 2") == "22\n"
+    assert dbg.run(1, "exit()").strip() == ""
+    dbg.continue_all()
+    assert r.fetch(timeout=20) == [1, 11]

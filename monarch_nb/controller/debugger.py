@@ -25,9 +25,11 @@ class Session:
     location: dict = field(default_factory=dict)
     ident: int | None = None  # the command that paused
     prompt: str | None = None  # set while pdb waits for a line
-    output: list = field(default_factory=list)  # text since the last line sent
+    output: list = field(default_factory=list)  # text since the last line sent, prompt excluded
     ended: bool = False
     announced: bool = False  # listeners heard of this pause
+    requested: bool = False  # a post-mortem someone asked for (and so serves)
+    told: bool = False  # the notebook told the user of this pause (once, see ``claim_notice``)
 
     def describe(self) -> dict:
         return {"rank": self.rank, "stream": self.stream_name, **self.location}
@@ -39,6 +41,7 @@ class DebugSessions:
         self._cond = threading.Condition()
         self._sessions: dict[tuple, Session] = {}
         self.listeners: list = []  # callables(event, session) on pause / resume (IO thread)
+        self._requested: set[int] = set()  # idents of post-mortems asked for, not yet over
 
     # -------------------------------------------------------------- IO thread
 
@@ -55,6 +58,7 @@ class DebugSessions:
             if kind == "paused":
                 s.location = {k: v for k, v in payload.items() if k != "ident"}
                 s.ident = payload.get("ident")
+                s.requested = s.ident in self._requested
                 if not s.announced:  # once per session, with its location known
                     s.announced = True
                     event = "paused"
@@ -64,6 +68,10 @@ class DebugSessions:
             elif kind == "output":
                 s.output.append(payload)
             elif kind == "prompt":
+                # pdb writes its prompt to its stdout first: the prompt is not output
+                text = "".join(s.output)
+                if payload and text.endswith(payload):
+                    s.output[:] = [text[: -len(payload)]] if len(text) > len(payload) else []
                 s.prompt = payload
             elif kind == "running" and s is not None:
                 s.prompt = None
@@ -92,6 +100,7 @@ class DebugSessions:
             for s in self._sessions.values():
                 s.ended = True
             self._sessions.clear()
+            self._requested.clear()
             self._cond.notify_all()
 
     # -------------------------------------------------------------- user threads
@@ -124,6 +133,14 @@ class DebugSessions:
                 self._cond.wait(left)
             return True
 
+    def claim_notice(self, s: Session) -> bool:
+        """True once per pause, and only while it is on: the caller tells the user of it."""
+        with self._cond:
+            if s.ended or s.told:
+                return False
+            s.told = True
+            return True
+
     def take_output(self, s: Session) -> str:
         with self._cond:
             text = "".join(s.output)
@@ -140,8 +157,8 @@ class DebugSessions:
         self._ctrl.send(m.DebuggerMessage(s.rank, s.stream, line), [s.rank], check=False)
 
     def wait_reply(self, s: Session, timeout: float = 60.0) -> tuple[str, str | None]:
-        """Output up to the next prompt, and that prompt (None: the session ended
-        or nothing came within ``timeout``)."""
+        """Output up to the next prompt (without it), and that prompt (None: the
+        session ended or nothing came within ``timeout``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while s.prompt is None and not s.ended:
@@ -160,7 +177,8 @@ class DebugSessions:
     # -------------------------------------------------------------- conveniences
 
     def run(self, rank: int, line: str, stream: int | None = None, timeout: float = 60.0) -> str:
-        """Send ``line`` to the session paused on ``rank``; its output up to the next prompt."""
+        """Send ``line`` to the session paused on ``rank``; its output up to the next
+        prompt (the prompt itself left out)."""
         return self.command(self.find(rank, stream), line, timeout)
 
     def cast(self, ranks, line: str, timeout: float = 60.0) -> dict:
@@ -182,9 +200,16 @@ class DebugSessions:
         ctrl = self._ctrl
         ctrl.check_usable()
         ident = ctrl.next_ident()
+        with self._cond:
+            self._requested.add(ident)  # its caller serves it: no pause notice
         fut = ctrl.expect(ident, [rank], single=True, what=f"post-mortem on rank {rank}")
+        fut.add_done_callback(lambda _f: self._forget_request(ident))
         ctrl.send(m.PostMortem(ident, stream), [rank], stream, "post-mortem")
         return fut
+
+    def _forget_request(self, ident: int) -> None:
+        with self._cond:
+            self._requested.discard(ident)
 
     def release(self, streams=()) -> None:
         """Forget the failures that workers keep for post-mortem."""

@@ -69,6 +69,7 @@ class CellRun:
         self.what = what or label
         self.ctrl = mesh._controller
         self.ident: int | None = None
+        self.take: int | None = None  # the ident of take_result, the cell's last command
         self.future: Future | None = None
         self.sink: CellSink | None = None
         self.router = None
@@ -116,7 +117,7 @@ class CellRun:
             what,
         )
         ctrl.delete_ref(result)
-        take = ctrl.next_ident()
+        self.take = take = ctrl.next_ident()
         self.future = ctrl.expect(take, self.ranks, what=f"{what} (result)")
         targs, _ = pack_args((ident,), {})
         ctrl.send(m.SendValue(take, _fn("take_result"), targs, sid), self.ranks, sid, "result")
@@ -155,12 +156,28 @@ class CellRun:
             raise err
 
     def stuck(self) -> KeyboardInterrupt:
-        """What an interrupt that did not stop the ranks raises (blocking or awaited)."""
+        """What an interrupt that did not stop the ranks raises (blocking or awaited):
+        it names the ranks still in the cell, not those that stopped."""
         return KeyboardInterrupt(
-            f"{format_ranks(self.ranks)} did not stop within {INTERRUPT_WAIT:.0f} s "
+            f"{format_ranks(self.unfinished() or self.ranks)} did not stop within "
+            f"{INTERRUPT_WAIT:.0f} s "
             f"(stuck outside Python code?); their output still lands under this cell. "
             f"%monarch_mesh --restart gives fresh workers."
         )
+
+    def unfinished(self) -> list:
+        """The live ranks that have not finished this cell (its result included), as
+        their last progress reports say."""
+        st = self.ctrl.state
+        sid = self.stream.id
+        with st.lock:
+            return [
+                r
+                for r in self.ranks
+                if (w := st.workers.get(r)) is not None
+                and w.alive
+                and w.progress.get(sid, (0, 0, 0))[1] < self.take
+            ]
 
     def _wait(self, timeout: float | None) -> bool:
         """Wait for the cell's end (in short slices, so that signals land); True if it
@@ -193,7 +210,10 @@ class CellRun:
         try:
             prompt.serve()
         except NoStdin:
-            waiting = [s for s in self.ctrl.debugger.waiting() if self._mine(s)]
+            dbg = self.ctrl.debugger
+            waiting = [s for s in dbg.waiting() if self._mine(s)]
+            for s in waiting:
+                dbg.claim_notice(s)  # said here: the router says nothing more of them
             print(
                 notice(waiting) + ". This front end has no stdin: the cell goes on in the "
                 "background; serve the sessions with %monarch_debug (or the dashboard).",

@@ -76,21 +76,34 @@ class OutputRouter:
         return sink
 
     def on_debugger(self, event: str, session) -> None:
-        """A pause no blocking cell is there to serve: a one-line notice under the
-        cell that paused (``--noblock``), pointing to ``%monarch_debug``."""
-        if event != "paused" or session.ident in self.blocking:
+        """A pause no inline prompt serves gets a one-line notice pointing to
+        ``%monarch_debug``: under the cell that paused (``--noblock``), else under
+        the cell that runs as it begins. It is decided at the next tick (when a
+        blocking cell has claimed its pauses) and published only while the pause
+        is still on: a pause over by then, or asked for (post-mortem), says nothing."""
+        if event != "paused" or session.requested:
             return
-        sink = self.sinks.get(session.ident) if session.ident is not None else None
-        if sink is None or sink.closed:
-            sink = self.ambient
-        loc = session.location
-        sink.add(
-            session.rank,
-            "stderr",
-            f"paused in the debugger ({session.stream_name}) at {loc.get('file')}:"
-            f"{loc.get('line')} in {loc.get('function')}: serve it with %monarch_debug "
-            f"or the dashboard's debugger panel\n",
-        )
+        parent = self.hub.publisher.current_parent()  # the cell current as the pause begins
+        debugger = self.controller.debugger
+
+        def tell() -> None:
+            if session.ident in self.blocking or not debugger.claim_notice(session):
+                return
+            loc = session.location
+            line = (
+                f"paused in the debugger ({session.stream_name}) at {loc.get('file')}:"
+                f"{loc.get('line')} in {loc.get('function')}: serve it with %monarch_debug "
+                f"or the dashboard's debugger panel\n"
+            )
+            sink = self.sinks.get(session.ident) if session.ident is not None else None
+            if sink is not None and not sink.closed:
+                sink.add(session.rank, "stderr", line)  # in order with the cell's output
+            else:
+                once = CellSink(self.hub.publisher, parent, None)
+                once.add(session.rank, "stderr", line)
+                once.finish()
+
+        self.hub.ticker.call_soon(tell)
 
     def close(self) -> None:
         """Publish what is left of the ambient and late output; stop ticking them."""
