@@ -31,7 +31,14 @@ from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
 from ..protocol.wire import BATCH, recv_ready
 from .debugger import DebugSessions
-from .errors import InterruptTimeout, MeshClosedError, RemoteError, WorkerCrashed
+from .errors import (
+    InterruptTimeout,
+    MeshClosedError,
+    RemoteError,
+    WorkerCrashed,
+    broken_again,
+    format_ranks,
+)
 from .launcher import LocalLauncher, LocalProcess
 from .progress import PROGRESS_BYTES, Transfers, bar
 from .state import MeshState
@@ -270,7 +277,7 @@ class Controller:
         if self._closed or self._closing:
             raise MeshClosedError(f"mesh {self.name!r} is shut down")
         if self._broken is not None:
-            raise self._broken
+            raise broken_again(self._broken) from None
 
     def send(
         self, msg, ranks, stream: int | None = None, what: str = "", check: bool = True
@@ -409,12 +416,16 @@ class Controller:
             return None
         idents, self._unreported = self._unreported, []
         first = idents[0]
-        context = f"command {first} ({self._failure_what.get(first, '?')}) failed"
+        failures = {r: tuple(f) for r, f in self._failures.get(first, {}).items()}
+        context = self._failed(self._failure_what.get(first, "?"), failures)
         if len(idents) > 1:
-            context += f"; {len(idents) - 1} later command(s) failed too: {idents[1:6]}"
-        return RemoteError(
-            {r: tuple(f) for r, f in self._failures.get(first, {}).items()}, first, context
-        )
+            context += f"; {len(idents) - 1} later command(s) failed too"
+        return RemoteError(failures, first, context)
+
+    def _failed(self, what: str, failures: dict) -> str:
+        """The first line of a RemoteError: what failed, on which ranks of which mesh."""
+        on = f" on {format_ranks(failures)}" if failures else ""
+        return f"{what} failed{on} of mesh {self.name!r}"
 
     def mark_reported(self, ident: int) -> None:
         try:
@@ -618,15 +629,17 @@ class Controller:
     def _finish(self, p: _Pending, deadline_passed: bool = False) -> None:
         if p.failures:
             self._pending.pop(p.ident, None)
-            p.future.set_exception(RemoteError(p.failures, p.ident, f"{p.what} failed"))
+            p.future.set_exception(
+                RemoteError(p.failures, p.ident, self._failed(p.what, p.failures))
+            )
             return
         if p.dependent:
             orig = min(p.dependent.values())
             what = self._failure_what.get(orig, "?")
             if orig == p.source:
-                context = f"command {orig} ({what}) failed"
+                context = self._failed(what, self._failures.get(orig, {}))
             else:
-                context = f"{p.what}: the value depends on command {orig} ({what}), which failed"
+                context = f"{p.what}: the value depends on command {what!r}, which failed"
             err = self.failure_error(orig, context)
             if err is None and not deadline_passed:
                 # the original failure is still on its way (it may come through another socket)
@@ -636,7 +649,7 @@ class Controller:
             p.future.set_exception(
                 err
                 or RemoteError(
-                    {}, orig, f"{p.what}: the value depends on command {orig}, which failed"
+                    {}, orig, f"{p.what}: the value depends on command {what!r}, which failed"
                 )
             )
             return
@@ -771,10 +784,12 @@ class Controller:
 
     def _break(self, err: BaseException) -> None:
         """The mesh cannot go on: fail every pending future with ``err``."""
+        pending, self._pending = self._pending, {}
         if self._broken is None:
             self._broken = err
-            logger.error("%s", str(err).splitlines()[0])
-        pending, self._pending = self._pending, {}
+            # said once: by the calls waiting for replies, else (nobody waits) by the log
+            waiting = any(not p.future.done() for p in pending.values())
+            logger.log(logging.INFO if waiting else logging.ERROR, "%s", str(err).splitlines()[0])
         self._awaiting_failure = {}
         self.debugger.clear()
         for p in pending.values():

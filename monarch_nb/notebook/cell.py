@@ -17,7 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from IPython.core.error import UsageError
 
-from ..controller import MeshClosedError, RemoteError, format_ranks
+from ..controller import MeshClosedError, RemoteError, WorkerCrashed, format_ranks
 from ..protocol import messages as m
 from ..protocol.wire import RefUseError, function_ref, pack_args
 from ..remote import check_refs
@@ -85,13 +85,15 @@ class CellRun:
             mesh._controller.check_usable()
         except MeshClosedError as e:
             raise RemoteCellError({}, None, f"{e}: create it again with %monarch_mesh") from None
+        except WorkerCrashed as e:
+            context = (
+                f"mesh {mesh.name!r} needs a restart: its worker rank {e.rank} died earlier "
+                f"({e.how}); {restart_hint(mesh)}"
+            )
+            raise RemoteCellError(e.failures, e.ident, context, brief=True) from None
         except RemoteError as e:
-            raise RemoteCellError(
-                e.failures,
-                e.ident,
-                f"mesh {mesh.name!r} is broken ({e.context}); "
-                f"restart it with %monarch_mesh --restart",
-            ) from None
+            context = f"{e.head()}: {restart_hint(mesh)}"  # "mesh ... is broken: ..."
+            raise RemoteCellError(e.failures, e.ident, context, brief=True) from None
 
     def send(self) -> None:
         ctrl = self.ctrl
@@ -273,9 +275,11 @@ class CellRun:
             self.hub.publisher.display(self.parent, bundle)
         where = f"{self.label} on mesh {self.mesh.name!r}"
         if broken is not None:
-            if isinstance(broken, RemoteError):
+            if isinstance(broken, WorkerCrashed):  # said once, with the way out
+                context = f"{where}: {crash_line(broken, self.mesh)}"
+            elif isinstance(broken, RemoteError):
                 failures.update({r: f for r, f in broken.failures.items() if r not in failures})
-                context = f"{where}: {str(broken).splitlines()[0]}"
+                context = f"{where}: {broken.head()}"
             else:
                 context = f"{where}: {type(broken).__name__}: {broken}"
             return RemoteCellError(failures, self.ident, context)
@@ -285,6 +289,25 @@ class CellRun:
                 failures, self.ident, f"{where} {what} on {format_ranks(failures)}"
             )
         return None
+
+
+def restart_hint(mesh) -> str:
+    """The way out of a broken mesh, as typed in this notebook."""
+    from ..mesh import get_mesh
+
+    try:
+        current = get_mesh() is mesh
+    except Exception:
+        current = False
+    name = "" if current else f" --name {mesh.name}"
+    return f"%monarch_mesh --restart{name} (or mesh.restart()) gives fresh workers"
+
+
+def crash_line(e: WorkerCrashed, mesh) -> str:
+    """A crash, once: rank, exit, the way out, then what it wrote to stderr last."""
+    text = f"worker rank {e.rank} died ({e.how}); {restart_hint(mesh)}"
+    tail = e.stderr_tail.rstrip()
+    return f"{text}\nlast lines of its stderr:\n{tail}" if tail else text
 
 
 __all__ = ["CellRun", "RemoteCellError", "render_failures"]

@@ -8,17 +8,32 @@ import json
 
 from ..controller import RemoteError, format_ranks
 from ..controller.errors import group_failures
+from ..controller.frames import relabel, set_file_labeler
 
 RED, BOLD, RESET = "\x1b[31m", "\x1b[1m", "\x1b[0m"
+
+
+def cell_label(filename: str) -> str | None:
+    """``Cell In[n]`` for the file of a kernel cell (as IPython names it), else None."""
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    fmt = getattr(getattr(ip, "compile", None), "format_code_name", None)
+    got = fmt(filename) if fmt is not None else None
+    return f"{got[0]} {got[1]}" if got else None
+
+
+set_file_labeler(cell_label)  # rendered RemoteErrors name kernel cells as IPython does
 
 
 class RemoteCellError(RemoteError):
     """A ``%%monarch`` cell failed on some ranks. IPython shows it through
     ``_render_traceback_``: one block per distinct traceback, naming its ranks,
-    with the cell's own line numbers and source lines."""
+    with the cell's own line numbers and source lines (``brief``: the first
+    line only, for a mesh that needs a restart)."""
 
     def _render_traceback_(self) -> list[str]:
-        return render_failures(self.failures, self.context)
+        return render_failures({} if self.brief else self.failures, self.context)
 
 
 class CellSyntaxError(Exception):
@@ -35,14 +50,17 @@ class CellSyntaxError(Exception):
 
 
 def render_failures(failures: dict, context: str = "") -> list[str]:
-    """Structured traceback lines (ANSI-coloured, as IPython's)."""
+    """Structured traceback lines (ANSI-coloured, as IPython's): the context (its
+    first line in bold), then each distinct traceback once, naming its ranks."""
     lines: list[str] = []
     if context:
-        lines.append(f"{RED}{BOLD}{context}{RESET}")
+        first, *rest = context.split("\n")
+        lines.append(f"{RED}{BOLD}{first}{RESET}")
+        lines.extend(rest)
     for ranks, (etype, msg, tb) in group_failures(failures):
         head = f"{etype}: {msg}" if msg else etype
         lines.append(f"{RED}{BOLD}[{format_ranks(ranks)}]{RESET} {RED}{head}{RESET}")
-        body = (tb or head).rstrip("\n")
+        body = relabel((tb or head).rstrip("\n"))
         lines.extend(body.split("\n"))
     return lines
 

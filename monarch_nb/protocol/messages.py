@@ -274,9 +274,15 @@ class FetchResult(NamedTuple):
 
 
 class RemoteFailure(NamedTuple):
+    """An exception on a worker: its type's name, ``str()`` and formatted traceback;
+    ``exc_module`` and ``exc_qualname`` locate the type (empty when the failure is
+    the worker's own report, not a user exception)."""
+
     exc_type: str
     message: str
     traceback: str
+    exc_module: str = ""
+    exc_qualname: str = ""
 
 
 class DependentOn(NamedTuple):

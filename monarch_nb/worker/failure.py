@@ -36,6 +36,8 @@ def _chain(te):
 
 
 def describe(e: BaseException) -> RemoteFailure:
+    """``e`` as sent home: its type (name, module, qualname, so that the controller
+    can raise that type too), message and user traceback."""
     try:
         text = format_user_traceback(e)
     except Exception as fmt_error:  # a broken __str__ must not break error reporting
@@ -44,4 +46,8 @@ def describe(e: BaseException) -> RemoteFailure:
         message = str(e)
     except Exception:
         message = "<unprintable exception>"
-    return RemoteFailure(type(e).__name__, message, text)
+    t = type(e)
+    module, qualname = getattr(t, "__module__", None), getattr(t, "__qualname__", None)
+    if type(module) is not str or type(qualname) is not str:
+        module = qualname = ""  # a type that lies about its names: report the name only
+    return RemoteFailure(t.__name__, message, text, module, qualname)

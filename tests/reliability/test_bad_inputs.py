@@ -76,6 +76,41 @@ def raise_with_broken_str():
     raise Broken()
 
 
+class NeedsArgs(Exception):
+    """An exception whose __init__ needs arguments (the controller must not call it)."""
+
+    def __init__(self, path, line):
+        super().__init__(f"{path}:{line}: bad record")
+        self.path, self.line = path, line
+
+
+class OwnNew(Exception):
+    """An exception with its own __new__: not combined with RemoteError."""
+
+    def __new__(cls, code):
+        return super().__new__(cls, code)
+
+
+def raise_needs_args():
+    raise NeedsArgs("data.csv", 7)
+
+
+def raise_own_new():
+    raise OwnNew(5)
+
+
+def _type_only_on_workers(ctx):
+    src = (
+        "import sys, types\n"
+        "mod = types.ModuleType('errors_only_on_workers')\n"
+        "sys.modules['errors_only_on_workers'] = mod\n"
+        "exec('class Gone(Exception):\\n    pass', mod.__dict__)\n"
+        "mod.Gone.__module__ = 'errors_only_on_workers'\n"
+        "raise mod.Gone('from a module the controller lacks')"
+    )
+    return ctx.mesh.exec(src).fetch(timeout=30)
+
+
 def recurse(n=0):
     return recurse(n + 1)
 
@@ -126,6 +161,7 @@ class Bad:
     match: str = ""  # regex searched in str(error)
     check: Callable | None = None  # check(error or result, ctx)
     after: Callable | None = None  # recovery the entry needs (a restart)
+    remote: type | None = None  # the remote exception's type, which the RemoteError also is
 
 
 def failed_with(etype, message=None, ranks=(0, 1)):
@@ -291,6 +327,7 @@ CASES = [
         mnb.RemoteError,
         r"ModuleNotFoundError: No module named 'no_such_module_anywhere'",
         check=failed_with("ModuleNotFoundError", r"^No module named 'no_such_module_anywhere'$"),
+        remote=ModuleNotFoundError,
     ),
     Bad(
         "unpicklable-result",
@@ -426,12 +463,14 @@ CASES = [
         lambda c: c.mesh.exec("rank").reduce("dp").fetch(timeout=60),
         mnb.RemoteError,
         r"not a tensor",
+        remote=ValueError,
     ),
     Bad(
         "reduce-of-mismatched-shapes",
         lambda c: c.ref(shaped, 3).reduce("dp").fetch(timeout=60),
         mnb.RemoteError,
         r"shape",
+        remote=ValueError,
     ),
     Bad(
         "process-group-unknown-dim",
@@ -594,6 +633,7 @@ CASES = [
         mnb.RemoteError,
         r"NameError: name 'never_defined_here' is not defined on rank 0",
         check=failed_with("NameError"),
+        remote=NameError,
     ),
     Bad(
         "wrong-argument-count",
@@ -601,6 +641,7 @@ CASES = [
         mnb.RemoteError,
         r"TypeError: add\(\) missing 1 required positional argument: 'b'",
         check=failed_with("TypeError", r"^add\(\) missing 1 required positional argument: 'b'$"),
+        remote=TypeError,
     ),
     Bad(
         "fetch-with-a-misspelt-keyword",
@@ -634,6 +675,7 @@ CASES = [
         mnb.RemoteError,
         r"RecursionError: maximum recursion depth exceeded",
         check=failed_with("RecursionError", r"^maximum recursion depth exceeded"),
+        remote=RecursionError,
     ),
     Bad(
         "system-exit",
@@ -662,6 +704,7 @@ CASES = [
         mnb.RemoteError,
         r"EOFError: a worker has no stdin: input\(\) cannot read there",
         check=failed_with("EOFError", r"^a worker has no stdin"),
+        remote=EOFError,
     ),
     Bad(
         "exception-with-a-broken-str",
@@ -669,6 +712,30 @@ CASES = [
         mnb.RemoteError,
         r"Broken",
         check=failed_with("Broken", r"^<unprintable exception>$"),
+    ),
+    Bad(
+        "exception-type-not-importable-on-the-controller",
+        _type_only_on_workers,
+        mnb.RemoteError,
+        r"\(raised here as a plain mnb.RemoteError, not as Gone: module "
+        r"'errors_only_on_workers' is not imported here\)\n",
+        check=failed_with("Gone", r"^from a module the controller lacks$"),
+    ),
+    Bad(
+        "exception-whose-init-needs-arguments",
+        lambda c: c.ref(raise_needs_args).fetch(timeout=30),
+        mnb.RemoteError,
+        rf"(?s)^raise_needs_args failed on ranks 0-1 of mesh '{MESH}'\n.*"
+        r"NeedsArgs: data.csv:7: bad record$",
+        check=failed_with("NeedsArgs", r"^data.csv:7: bad record$"),
+        remote=NeedsArgs,
+    ),
+    Bad(
+        "exception-with-its-own-new",
+        lambda c: c.ref(raise_own_new).fetch(timeout=30),
+        mnb.RemoteError,
+        r"\(raised here as a plain mnb.RemoteError, not as OwnNew: OwnNew defines __new__\)",
+        check=failed_with("OwnNew", r"^5$"),
     ),
     Bad(
         "os-exit-in-user-code",
@@ -899,7 +966,10 @@ def run(case: Bad, ctx) -> None:
         with pytest.raises(BaseException) as ei:
             case.action(ctx)
         err = ei.value
-        assert type(err) is case.raises, f"{case.id}: {type(err).__name__}: {err}"
+        if case.remote is None:
+            assert type(err) is case.raises, f"{case.id}: {type(err).__name__}: {err}"
+        else:  # exactly a RemoteError that is also the remote type
+            assert type(err).__bases__ == (case.raises, case.remote), f"{case.id}: {err!r}"
         assert re.search(case.match, str(err)), f"{case.id}: {str(err)!r} !~ {case.match!r}"
         if case.check is not None:
             assert case.check(err, ctx) is not False, f"{case.id}: check failed on {err!r}"
