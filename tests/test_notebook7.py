@@ -125,13 +125,13 @@ def test_quickstart_in_notebook7(nb7_page, nb7_server, tmp_path):
     stdin = page.locator(".jp-Stdin-input")
     stdin.wait_for(timeout=T)
     assert "(Pdb r1)" in page.locator(".jp-Stdin").last.inner_text()
-    stdin.fill("p x")
+    stdin.press_sequentially("p x")
     stdin.press("Enter")
     wait_cell_text(page, n, r"\(Pdb r1\)\s+p x\s+42\s")
     stdin = page.locator(".jp-Stdin-input").last  # the new prompt (the answered one stays)
     stdin.wait_for(timeout=T)
     nb.shot("nb7_pdb", nb.cells().nth(n))
-    stdin.fill("c")
+    stdin.press_sequentially("c")
     stdin.press("Enter")
     wait_cell_text(page, n, r"\[rank 1\] after 42")
     wait_done(nb, n)
@@ -155,3 +155,5 @@ def test_quickstart_in_notebook7(nb7_page, nb7_server, tmp_path):
     assert nb.stderr_outputs() == []
     ours = [p for p in problems if "monarch" in p.lower()]
     assert ours == [], ours
+    # the extension never sent a comm to the kernel before monarch_nb was loaded in it
+    assert "No such comm target" not in (nb7_server.root / "server.log").read_text()
