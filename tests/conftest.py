@@ -70,14 +70,22 @@ def browser():
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """A JupyterLab server (the browser tier; one for the session)."""
-    from browser_helpers import lab_server
+    from browser_helpers import jupyter_server
 
-    with lab_server(tmp_path_factory.mktemp("lab")) as s:
+    with jupyter_server(tmp_path_factory.mktemp("lab"), "lab") as s:
         yield s
 
 
-@pytest.fixture()
-def page(browser, server, request):
+@pytest.fixture(scope="session")
+def nb7_server(tmp_path_factory):
+    """A Jupyter Notebook 7 server (the browser tier; one for the session)."""
+    from browser_helpers import jupyter_server
+
+    with jupyter_server(tmp_path_factory.mktemp("nb7"), "notebook") as s:
+        yield s
+
+
+def _page(browser, server, name: str):
     """A fresh page; its screenshot as the test left it goes to artifacts/NAME-end.png
     (a failed test: where it stopped); the server's kernels end with the test."""
     from browser_helpers import ARTIFACTS
@@ -89,7 +97,19 @@ def page(browser, server, request):
     finally:
         try:
             ARTIFACTS.mkdir(exist_ok=True)
-            pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"), full_page=True)
+            pg.screenshot(path=str(ARTIFACTS / f"{name}-end.png"), full_page=True)
         finally:
             ctx.close()
             server.end_sessions()
+
+
+@pytest.fixture()
+def page(browser, server, request):
+    """A fresh JupyterLab page (``_page``)."""
+    yield from _page(browser, server, request.node.name)
+
+
+@pytest.fixture()
+def nb7_page(browser, nb7_server, request):
+    """A fresh Notebook 7 page (``_page``)."""
+    yield from _page(browser, nb7_server, request.node.name)

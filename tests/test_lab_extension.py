@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from browser_helpers import ARTIFACTS, Lab, missing, notebook
+from browser_helpers import ARTIFACTS, Lab, clipped, missing, notebook, outside_window
 
 pytestmark = [
     pytest.mark.browser,
@@ -187,3 +187,24 @@ def test_status_item_and_panel_follow_the_notebooks_mesh(page, server):
     assert page.locator(f"{PANEL} .mnb-lab-dashboard").count() == 1
     # the kernel without monarch_nb was never sent a comm it does not know
     assert "No such comm target" not in (server.root / "server.log").read_text()
+
+
+def test_panel_shows_every_button_at_its_default_width(page, server):
+    lab = Lab(
+        server, page, "width", ["%load_ext monarch_nb", "%monarch_mesh dp=2 --dashboard none"]
+    )
+    lab.open()
+    lab.run_cell(0)
+    lab.run_cell(1)
+    wait_text(page, ITEM, "2/2 alive")
+    page.evaluate("() => window.jupyterapp.commands.execute('monarch-nb:open-panel')")
+    page.locator(PANEL).wait_for(state="visible", timeout=T)
+    wait_text(page, f"{PANEL} .mnb-lab-dashboard .mnb-dash-main", "2/2 workers alive")
+    for part in ("interrupt", "restart", "shut down"):
+        page.locator(f"{PANEL} .mnb-dash-buttons button", has_text=part).wait_for(timeout=T)
+    width = page.evaluate(f"() => document.querySelector('{PANEL}').getBoundingClientRect().width")
+    page.screenshot(path=str(ARTIFACTS / "lab_panel_default_width.png"))
+    # the dashboard's buttons and the console's, each whole inside the panel as it opens
+    assert page.locator(f"{PANEL} button").count() == 4
+    assert clipped(page, PANEL, "button") == [], f"panel {width:.0f} px wide"
+    assert outside_window(page, PANEL) == []  # nor is the panel cut
