@@ -114,6 +114,7 @@ def test_errors_and_interrupts_notebook(tmp_path):
     assert t.count("[ranks 0-1] RuntimeError") == 1 and t.count("Traceback") == 1
     assert not failed("cell-08") and "'rank 1 still here'" in text("cell-08")
     assert "failed on ranks [1]" in text("cell-10") and "over the limit" in text("cell-10")
+    assert "an mnb.RemoteError too: True" in text("cell-10")  # caught by except ValueError
     # interrupts: every rank stopped where it was, the mesh serves on
     t = text("cell-13")
     assert failed("cell-13") and "[ranks 0-1] KeyboardInterrupt" in t and "while True:" in t
