@@ -27,7 +27,9 @@ def bar(**kwargs):
     try:
         from tqdm.auto import tqdm
 
-        return tqdm(delay=DELAY, leave=not _widget(tqdm), **kwargs)
+        # every update redraws (ours are few: a worker joined, a transfer ended), so a
+        # closed bar shows its last state: a notebook widget keeps its last redraw's text
+        return tqdm(delay=DELAY, leave=not _widget(tqdm), mininterval=0, miniters=1, **kwargs)
     except Exception:
         logger.debug("no progress bar", exc_info=True)
         return None
