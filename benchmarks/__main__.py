@@ -1,7 +1,8 @@
-"""``python -m benchmarks [--quick] [--json PATH] [--only NAME[,NAME]]``
+"""``python -m benchmarks [--quick] [--check] [--json PATH] [--only NAME[,NAME]]``
 
 Runs every benchmark side by side with its baseline in one run, prints a table
-(name, ours, baseline, unit, ratio, target, ok) and writes the results as JSON
+(name, ours, baseline, unit, ratio, target, ok) with a legend of its columns and
+a line naming the rows that missed their target, and writes the results as JSON
 to PATH, ``bench.json`` in the current directory when ``--json`` is not given
 (``--json -`` writes none). Each entry::
 
@@ -9,10 +10,11 @@ to PATH, ``bench.json`` in the current directory when ``--json`` is not given
              "target": "<= 1.5", "baseline_is": "...", "ok": true, "note": "..."}}
 
 ``ratio`` is always ours / baseline and ``ok`` says whether the target holds
-for it. A missed target is data, not a failure: the exit code is 0 whenever
-the benchmarks ran (a benchmark that raised is reported with ``"error"`` and
-``ok: false``). ``--quick`` uses fewer calls and repetitions (under 2 minutes
-on a 2-core machine); ``--only rtt,fetch`` runs just those.
+for it (a benchmark that raised is reported with ``"error"`` and ``ok: false``).
+Without ``--check`` a missed target is data: the exit code is 0 whenever the
+benchmarks ran; with ``--check`` it is 1 when any row missed. ``--quick`` uses
+fewer calls and repetitions (under 2 minutes on a 2-core machine); ``--only
+rtt,fetch`` runs just those.
 
 Benchmarks live in the modules of ``MODULES``; each exposes
 ``BENCHMARKS = [(name, fn)]`` with ``fn(quick: bool) -> list[Entry]``.
@@ -23,12 +25,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import sys
 import time
 import traceback
 
-from ._report import Entry, failed_entry
+from ._report import LEGEND, Entry, exit_code, failed_entry, format_table, verdict
 
 MODULES = (
     "benchmarks.core",
@@ -46,8 +47,6 @@ PEERS_FOOTER = (
     "(reference only: Ray and ipyparallel are not run by this suite, even when installed)"
 )
 
-COLUMNS = ("name", "ours", "baseline", "unit", "ratio", "target", "ok")
-
 
 def registry() -> list[tuple[str, object]]:
     benches: list[tuple[str, object]] = []
@@ -56,43 +55,12 @@ def registry() -> list[tuple[str, object]]:
     return benches
 
 
-def _fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "nan"
-        if abs(x) >= 1000:
-            return f"{x:,.0f}"
-        return f"{x:.4g}"
-    return str(x)
-
-
-def format_table(results: dict) -> str:
-    rows = [COLUMNS]
-    for name, d in results.items():
-        rows.append((name, *(_fmt(d.get(c)) for c in COLUMNS[1:])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = []
-    for i, r in enumerate(rows):
-        cells = [
-            c.ljust(w) if j in (0, 3, 5, 6) else c.rjust(w)
-            for j, (c, w) in enumerate(zip(r, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    for name, d in results.items():
-        if d.get("error"):
-            lines.append(f"{name}: ERROR {d['error']}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer calls and repetitions (< 2 min)")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 when any row missed its target (0 otherwise)"
+    )
     p.add_argument(
         "--json", default="bench.json", metavar="PATH", help="where to write results ('-': nowhere)"
     )
@@ -125,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(results))
     print()
+    print(LEGEND)
+    print()
+    print(verdict(results))
+    print()
     print(PEERS_FOOTER)
     print(f"total {time.monotonic() - t_start:.0f} s{' (quick)' if args.quick else ''}")
     if args.json != "-":
@@ -132,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, f, indent=2, ensure_ascii=False)
             f.write("\n")
         print(f"wrote {args.json}")
-    return 0
+    return exit_code(results, args.check)
 
 
 if __name__ == "__main__":

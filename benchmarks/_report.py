@@ -1,7 +1,9 @@
-"""One benchmark result: our number, the baseline's, and whether the target holds."""
+"""Benchmark results: one entry (our number, the baseline's, whether the target holds)
+and the report of a run (the table, its legend, the rows that missed)."""
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 import statistics
@@ -124,3 +126,73 @@ def interleaved(
             b.append(baseline())
             a.append(ours())
     return statistics.median(a), statistics.median(b), a, b
+
+
+# ------------------------------------------------------------------ the report of a run
+
+COLUMNS = ("name", "ours", "baseline", "unit", "ratio", "target", "ok")
+
+LEGEND = """\
+ours      monarch_nb's number, in unit (ms: lower is better; calls/s, GB/s, steps/s: higher)
+baseline  the same work done without monarch_nb (what exactly: baseline_is in the JSON)
+ratio     ours / baseline
+target    the bound ratio must meet ("<= baseline + N": the bound on ours itself)
+ok        yes: the target holds; NO: the row missed it (or the benchmark failed)"""
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        return f"{x:.4g}"
+    return str(x)
+
+
+def format_table(results: dict) -> str:
+    """The results (name -> entry dict) as an aligned text table, then one line per
+    benchmark that raised."""
+    rows = [COLUMNS]
+    for name, d in results.items():
+        rows.append((name, *(_fmt(d.get(c)) for c in COLUMNS[1:])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = []
+    for i, r in enumerate(rows):
+        cells = [
+            c.ljust(w) if j in (0, 3, 5, 6) else c.rjust(w)
+            for j, (c, w) in enumerate(zip(r, widths))
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for name, d in results.items():
+        if d.get("error"):
+            lines.append(f"{name}: ERROR {d['error']}")
+    return "\n".join(lines)
+
+
+def missed(results: dict) -> list[str]:
+    """The rows whose target did not hold (a benchmark that raised is one of them)."""
+    return [name for name, d in results.items() if d.get("ok") is not True]
+
+
+def verdict(results: dict) -> str:
+    """One line: which rows missed their target, or that all met it."""
+    bad = missed(results)
+    n = len(results)
+    if not n:
+        return "no benchmark ran"
+    if not bad:
+        return "the one row met its target" if n == 1 else f"all {n} rows met their target"
+    rows = "row" if n == 1 else "rows"
+    return f"{len(bad)} of {n} {rows} missed their target: {', '.join(bad)}"
+
+
+def exit_code(results: dict, check: bool) -> int:
+    """0, unless ``check`` and a row missed its target (or nothing ran): 1."""
+    return 1 if check and (missed(results) or not results) else 0

@@ -39,14 +39,12 @@ class AdditiveEntry(Entry):
 
 class _Kernel:
     def __init__(self):
-        from jupyter_client.manager import start_new_kernel
+        from monarch_nb.headless import start_kernel
 
         self._tmp = tempfile.TemporaryDirectory(prefix="monarch-bench-")
         env = dict(os.environ, IPYTHONDIR=os.path.join(self._tmp.name, "ipython"))
         env["JUPYTER_PLATFORM_DIRS"] = "1"
-        self.km, self.kc = start_new_kernel(
-            kernel_name="python3", env=env, cwd=self._tmp.name, startup_timeout=60
-        )
+        self.km, self.kc = start_kernel("python3", timeout=60, env=env, cwd=self._tmp.name)
 
     def run(self, code: str, timeout: float = 120) -> None:
         reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=_ignore)

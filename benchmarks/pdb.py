@@ -34,7 +34,7 @@ class _Kernel:
     """An ipykernel started by jupyter_client in a temporary directory."""
 
     def __init__(self):
-        from jupyter_client.manager import start_new_kernel
+        from monarch_nb.headless import start_kernel
 
         self._tmp = tempfile.TemporaryDirectory(prefix="monarch-bench-pdb-")
         env = dict(os.environ)
@@ -43,9 +43,7 @@ class _Kernel:
             JUPYTER_PLATFORM_DIRS="1",
             PYDEVD_DISABLE_FILE_VALIDATION="1",
         )
-        self.km, self.kc = start_new_kernel(
-            kernel_name="python3", env=env, cwd=self._tmp.name, startup_timeout=60
-        )
+        self.km, self.kc = start_kernel("python3", timeout=60, env=env, cwd=self._tmp.name)
 
     def run(self, code: str, timeout: float = 120, stdin_hook=None) -> list:
         """Execute ``code``; its IOPub messages. Raises unless the cell succeeded."""

@@ -1,4 +1,6 @@
-"""``python -m monarch_nb demo``: a headless tour of a local mesh."""
+"""``python -m monarch_nb demo``: a headless tour of a local mesh.
+``python -m monarch_nb quickstart``: notebooks/01_quickstart.ipynb executed in a real
+kernel, each cell printed under the heading of its section, with its output."""
 
 from __future__ import annotations
 
@@ -77,14 +79,16 @@ def main(argv=None) -> None:
     d = sub.add_parser("demo", help="run a demo on a local mesh")
     d.add_argument("--ranks", type=int, default=2)
     q = sub.add_parser(
-        "quickstart", help="execute notebooks/01_quickstart.ipynb headlessly and print its results"
+        "quickstart",
+        help="execute notebooks/01_quickstart.ipynb headlessly; print each cell (under its "
+        "section's heading) and its output",
     )
     q.add_argument("--output", metavar="PATH", help="also save the executed notebook here")
     a = p.parse_args(argv)
     if a.cmd == "demo":
         demo(a.ranks)
     elif a.cmd == "quickstart":
-        from .notebook.run import quickstart
+        from .headless import quickstart
 
         return quickstart(a.output)
 

@@ -8,7 +8,8 @@ import re
 import time
 
 import psutil
-from jupyter_client.manager import start_new_kernel
+
+from monarch_nb.headless import ipc_config, start_kernel
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -23,13 +24,26 @@ def kernel_env(tmp) -> dict:
     return env
 
 
+def notebook_client(nb, tmp, timeout: float = 120):
+    """nbclient's NotebookClient for ``nb`` in a ``python3`` kernel whose cwd is ``tmp``,
+    over IPC (sockets in ``tmp``), as every kernel our tools start."""
+    import nbclient
+
+    return nbclient.NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp)}},
+        config=ipc_config(str(tmp)),
+    )
+
+
 class Kernel:
     """One kernel; ``run`` executes code and returns (reply, iopub messages of that request)."""
 
     def __init__(self, tmp):
-        self.km, self.kc = start_new_kernel(
-            kernel_name="python3", env=kernel_env(tmp), cwd=str(tmp), startup_timeout=60
-        )
+        # over IPC, as every kernel our tools start: no TCP port, no encryption warning
+        self.km, self.kc = start_kernel("python3", timeout=60, env=kernel_env(tmp), cwd=str(tmp))
 
     def run(self, code: str, timeout: float = 60, output_hook=None, **kw):
         msgs: list = []

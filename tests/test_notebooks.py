@@ -11,10 +11,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbclient
 import nbformat
 import pytest
-from kernel_helpers import ANSI, Kernel, errors_text, kernel_env, plain, stream, text, wait_gone
+from kernel_helpers import (
+    ANSI,
+    Kernel,
+    errors_text,
+    kernel_env,
+    notebook_client,
+    plain,
+    stream,
+    text,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.notebook
 
@@ -41,6 +50,24 @@ def mesh_pids(nb) -> list[int]:
     raise AssertionError("no mesh status in the notebook")
 
 
+def transcript_lines(path) -> list[str]:
+    """What the quickstart transcript shows, in order, for the notebook at ``path``: the
+    headings and the start of the text above each code cell, the cell's first line."""
+    want = []
+    n = 0
+    for cell in nbformat.read(path, as_version=4).cells:
+        lines = [ln.strip() for ln in cell.source.splitlines() if ln.strip()]
+        if cell.cell_type == "markdown":
+            want += [ln for ln in lines if ln.startswith("#")]
+            prose = [ln for ln in lines if not ln.startswith("#")]
+            if prose:
+                want.append("\n" + prose[0][:30])  # the lead starts a line
+        elif lines:
+            n += 1
+            want.append(f"\nIn [{n}]: {lines[0]}")
+    return want
+
+
 def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == [
         "01_quickstart.ipynb",
@@ -63,7 +90,21 @@ def test_quickstart_runs_headless_from_the_command_line(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "without encryption" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
     out = proc.stdout
+    # each code cell under the headings of its section and the lead of the text above
+    # it, then its first lines, then its output: the transcript reads on its own
+    at = 0
+    for want in transcript_lines(NOTEBOOKS / "01_quickstart.ipynb"):
+        found = out.find(want, at)
+        assert found >= 0, f"{want!r} missing after offset {at}:\n{out}"
+        at = found + len(want)
+    head = out[: out.index("\n    [ranks 0-1] step  0  mean loss")]
+    cell = head[head.rindex("\nIn [") :]  # the losses come right under the training cell
+    assert "%%monarch" in cell and "losses = []" in cell, cell
+    # a start-up bar drawn (start-up over 0.5 s) shows as it ended
+    bars = re.findall(r"\n    starting mesh 'default':.*", out)
+    assert all(re.match(r"\n    starting mesh 'default': 100%\|#+\| 2/2 ", b) for b in bars), bars
     losses = [float(x) for x in re.findall(r"\[ranks 0-1\] step +\d+ +mean loss ([0-9.]+)", out)]
     assert len(losses) == 7, out
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 100
@@ -88,9 +129,7 @@ def test_quickstart_runs_headless_from_the_command_line(tmp_path):
 
 def test_errors_and_interrupts_notebook(tmp_path):
     nb = nbformat.read(NOTEBOOKS / "02_errors_and_interrupts.ipynb", as_version=4)
-    client = nbclient.NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
+    client = notebook_client(nb, tmp_path, timeout=120)
     client.execute(env=kernel_env(tmp_path))
     nbformat.validate(nb)
     cells = {c.id: c for c in nb.cells}
@@ -230,9 +269,7 @@ def widget_states(nb) -> dict:
 def test_recordings_pipes_groups_notebook(tmp_path):
     nb = nbformat.read(NOTEBOOKS / "04_recordings_pipes_groups.ipynb", as_version=4)
     assert nb.metadata.kernelspec.name == "python3"
-    client = nbclient.NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    )
+    client = notebook_client(nb, tmp_path, timeout=120)
     client.execute(env=kernel_env(tmp_path))
     nbformat.validate(nb)
     cells = {c.id: c for c in nb.cells}

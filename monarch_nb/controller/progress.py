@@ -19,14 +19,25 @@ logger = logging.getLogger("monarch_nb.progress")
 
 
 def bar(**kwargs):
-    """A tqdm.auto bar, or None when tqdm is not installed or cannot draw here."""
+    """A tqdm.auto bar, or None when tqdm is not installed or cannot draw here.
+
+    In a notebook the finished bar (a widget) goes away; on a terminal or in a log
+    it stays as one finished line, so what is printed next starts on a line of its
+    own. A bar never drawn (done within ``DELAY``) prints nothing."""
     try:
         from tqdm.auto import tqdm
 
-        return tqdm(delay=DELAY, leave=False, **kwargs)
+        # every update redraws (ours are few: a worker joined, a transfer ended), so a
+        # closed bar shows its last state: a notebook widget keeps its last redraw's text
+        return tqdm(delay=DELAY, leave=not _widget(tqdm), mininterval=0, miniters=1, **kwargs)
     except Exception:
         logger.debug("no progress bar", exc_info=True)
         return None
+
+
+def _widget(cls) -> bool:
+    """Whether tqdm.auto chose its notebook (ipywidgets) flavour."""
+    return any(c.__name__ == "tqdm_notebook" for c in cls.__mro__)
 
 
 class Transfers:
