@@ -223,8 +223,9 @@ class Controller:
         import torch.distributed as dist
 
         if self._advertise in ("127.0.0.1", "localhost", "::1"):
-            self._store_dir = tempfile.mkdtemp(prefix="mnb-store-")
-            os.chmod(self._store_dir, 0o700)
+            if self._store_dir is None:  # one per controller, a file per generation
+                self._store_dir = tempfile.mkdtemp(prefix="mnb-store-")
+                os.chmod(self._store_dir, 0o700)
             address = "file://" + os.path.join(self._store_dir, f"gen{self.generation}")
         else:
             self._store = dist.TCPStore(
