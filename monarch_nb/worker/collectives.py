@@ -1,5 +1,7 @@
 """Collectives on torch.distributed: the default process group, process groups
-per (mesh, dims, stream), reductions and point-to-point copies.
+per (mesh, dims, stream), the header every collective starts with, the flat
+gather / reduce-scatter helpers, and point-to-point copies (the reductions of
+``Ref.reduce`` themselves are in ``reductions``).
 
 Every collective starts with a small all-gather of a header (status, dtype,
 shape) on its group. It lets each rank see, before the data moves, whether any
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from .cell import DependentOnError
 
 HEADER_DIMS = 8
+HEADER_LEN = 3 + HEADER_DIMS
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -31,6 +34,16 @@ _DTYPES = [
 NOT_A_TENSOR = -1
 TOO_MANY_DIMS = -2
 UNSUPPORTED_DTYPE = -3
+NO_OUT = -4  # the out slot of a collective called without out=
+WRONG_DEVICE = -5
+_STATUS_TEXT = {
+    NOT_A_TENSOR: "not a tensor",
+    TOO_MANY_DIMS: f"more than {HEADER_DIMS} dims",
+    UNSUPPORTED_DTYPE: "an unsupported dtype",
+    NO_OUT: "no out= tensor",
+    WRONG_DEVICE: "a tensor on another device than the input",
+}
+_NO_SLOT = object()
 REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
 
 
@@ -116,8 +129,10 @@ class Comms:
 # ------------------------------------------------------------------ headers
 
 
-def _header(value) -> torch.Tensor:
-    h = torch.zeros(3 + HEADER_DIMS, dtype=torch.int64)
+def _header(value, device: torch.device | None = None) -> torch.Tensor:
+    """[status, dtype index, ndim, *shape] of ``value``; with ``device``, a tensor
+    elsewhere gets WRONG_DEVICE."""
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
     if isinstance(value, DependentOnError):
         h[0] = value.ident
     elif not isinstance(value, torch.Tensor):
@@ -126,6 +141,8 @@ def _header(value) -> torch.Tensor:
         h[0] = TOO_MANY_DIMS
     elif value.dtype not in _DTYPES:
         h[0] = UNSUPPORTED_DTYPE
+    elif device is not None and value.device != device:
+        h[0] = WRONG_DEVICE
     else:
         h[1] = _DTYPES.index(value.dtype)
         h[2] = value.dim()
@@ -133,15 +150,20 @@ def _header(value) -> torch.Tensor:
     return h
 
 
-def _describe(h: torch.Tensor) -> str:
+def describe(h: torch.Tensor) -> str:
+    """A header in words: "torch.float32 (4, 3)", "not a tensor"..."""
     status = int(h[0])
-    if status == NOT_A_TENSOR:
-        return "not a tensor"
-    if status == TOO_MANY_DIMS:
-        return f"more than {HEADER_DIMS} dims"
-    if status == UNSUPPORTED_DTYPE:
-        return "an unsupported dtype"
-    return f"{_DTYPES[int(h[1])]} {tuple(int(x) for x in h[3 : 3 + int(h[2])])}"
+    if status < 0:
+        return _STATUS_TEXT[status]
+    return f"{_DTYPES[int(h[1])]} {header_shape(h)}"
+
+
+def header_shape(h: torch.Tensor) -> tuple:
+    return tuple(int(x) for x in h[3 : 3 + int(h[2])])
+
+
+def header_dtype(h: torch.Tensor) -> torch.dtype:
+    return _DTYPES[int(h[1])]
 
 
 def _device(backend: str | None, value) -> torch.device:
@@ -152,31 +174,46 @@ def _device(backend: str | None, value) -> torch.device:
     return torch.device("cpu")
 
 
-def exchange_headers(pg, members: tuple, value, backend: str | None) -> list:
-    """All-gather every member's header; raise DependentOnError if any input failed,
-    and the same clear error on every rank if inputs are not alike tensors."""
+def exchange_headers(pg, members: tuple, value, backend: str | None, out=_NO_SLOT) -> tuple:
+    """All-gather every member's header (and, when ``out`` is passed, the header
+    of that ``out`` tensor, None for none: one small collective either way). Raises
+    DependentOnError if any input or ``out`` failed, and the same clear error on
+    every rank if inputs are not alike tensors. Returns (input headers, ``out``
+    headers or None), one per member, on the CPU."""
     dev = _device(backend, value)
-    mine = _header(value).to(dev)
-    headers = [torch.empty_like(mine) for _ in members]
-    dist.all_gather(headers, mine, group=pg)
-    headers = [h.cpu() for h in headers]
-    failed = [int(h[0]) for h in headers if int(h[0]) > 0]
+    parts = [_header(value)]
+    if out is not _NO_SLOT:
+        if out is None:
+            parts.append(torch.zeros(HEADER_LEN, dtype=torch.int64))
+            parts[-1][0] = NO_OUT
+        else:
+            parts.append(_header(out, value.device if isinstance(value, torch.Tensor) else None))
+    mine = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(dev)
+    gathered = torch.empty((len(members), mine.numel()), dtype=torch.int64, device=dev)
+    all_gather_into(gathered, mine, pg)
+    rows = gathered.cpu()
+    headers = list(rows[:, :HEADER_LEN])
+    outs = list(rows[:, HEADER_LEN:]) if len(parts) > 1 else None
+    failed = [int(h[0]) for h in headers + (outs or []) if int(h[0]) > 0]
     if failed:
         raise DependentOnError(min(failed))
-    descs = [_describe(h) for h in headers]
+    descs = [describe(h) for h in headers]
     if any(int(h[0]) < 0 for h in headers) or len(set(descs)) > 1:
         detail = ", ".join(f"rank {r}: {d}" for r, d in zip(members, descs))
         raise ValueError(
             f"collective inputs must be tensors of one dtype and shape on every rank ({detail})"
         )
-    return headers
+    return headers, outs
 
 
 # ------------------------------------------------------------------ reductions
 
 
 def run_reduce(msg, comms: Comms, value, out):
-    """A Reduce message's collective on this rank (``value`` may be a DependentOnError)."""
+    """A Reduce message's collective on this rank (``value`` and ``out`` may be
+    DependentOnErrors)."""
+    from .reductions import reduce
+
     pg, members = comms.group(msg.key)
     return reduce(
         value,
@@ -191,73 +228,6 @@ def run_reduce(msg, comms: Comms, value, out):
     )
 
 
-def reduce(
-    value,
-    out,
-    pg,
-    members: tuple,
-    reduction: str,
-    scatter: bool,
-    inplace: bool,
-    dim_sizes: tuple,
-    backend: str | None,
-):
-    """One rank's part of ``Ref.reduce``. ``value`` may be a DependentOnError.
-
-    stack -> all_gather_into_tensor; scatter -> reduce_scatter_tensor; stack +
-    scatter -> all_to_all_single; else all_reduce. On gloo, "avg" is a sum
-    followed by a division (gloo has no AVG), and if the installed gloo lacks
-    all_gather_into_tensor or reduce_scatter_tensor they are composed from
-    all_gather / all_reduce.
-    """
-    exchange_headers(pg, members, value, backend)
-    n = len(members)
-    local = value
-    gloo = backend is None or "nccl" not in backend or local.device.type == "cpu"
-    if scatter and (local.dim() == 0 or local.shape[0] % n):
-        raise ValueError(
-            f"scatter splits dim 0 into {n} parts: shape {tuple(local.shape)} does not divide"
-        )
-    if reduction == "stack":
-        if scatter:
-            output = out if out is not None else torch.empty_like(local)
-            dist.all_to_all_single(output, local.contiguous(), group=pg)
-            if inplace:
-                local.copy_(output)
-                return local
-            return output
-        if inplace:
-            raise ValueError("reduction 'stack' cannot be in place (the result has a new shape)")
-        output = out if out is not None else local.new_empty((n, *local.shape))
-        _all_gather_into(output, local.contiguous(), pg, n)
-        return output.view(*dim_sizes, *local.shape) if len(dim_sizes) > 1 else output
-    avg = reduction == "avg"
-    op = dist.ReduceOp.SUM if avg and gloo else getattr(dist.ReduceOp, reduction.upper())
-    if scatter:
-        if inplace:
-            raise ValueError(
-                "a scattered reduction cannot be in place (the result has a new shape)"
-            )
-        output = (
-            out if out is not None else local.new_empty((local.shape[0] // n, *local.shape[1:]))
-        )
-        _reduce_scatter(output, local.contiguous(), op, pg, n)
-    else:
-        if inplace:
-            output = local
-        elif out is not None:
-            output = out.copy_(local)
-        else:
-            output = local.clone()
-        dist.all_reduce(output, op=op, group=pg)
-    if avg and gloo:
-        if output.is_floating_point() or output.is_complex():
-            output.div_(n)
-        else:
-            output.floor_divide_(n)
-    return output
-
-
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single
 _gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -268,26 +238,29 @@ def _unsupported(e: BaseException) -> bool:
     return "not supported" in text or "unsupported" in text or "not implemented" in text
 
 
-def _all_gather_into(output, local, pg, n):
-    """Gather ``local`` from every member into ``output`` of shape (n, *local.shape)."""
+def all_gather_into(output, local, pg) -> None:
+    """Gather contiguous ``local`` from every member into contiguous ``output``
+    of shape (n, *local.shape), in group-rank order. Flat views: gloo checks
+    dim 0 of a shaped output against world * dim 0 of the input."""
     try:
-        _gather_flat(output.view(-1), local.reshape(-1), group=pg)
+        _gather_flat(output.view(-1), local.view(-1), group=pg)
     except (RuntimeError, NotImplementedError) as e:
         if not _unsupported(e):
             raise
-        dist.all_gather(list(output.unbind(0)), local, group=pg)
+        dist.all_gather(list(output.view(-1, *local.shape).unbind(0)), local, group=pg)
 
 
-def _reduce_scatter(output, local, op, pg, n):
-    """Reduce ``local`` over members; this member keeps its 1/n of dim 0 in ``output``."""
+def reduce_scatter_into(output, local, op, pg, n) -> None:
+    """Reduce contiguous ``local`` (numel n * output.numel()) over members; group
+    rank g keeps chunk g of the flattened result in contiguous ``output``."""
     try:
-        _scatter_flat(output.view(-1), local.reshape(-1), op=op, group=pg)
+        _scatter_flat(output.view(-1), local.view(-1), op=op, group=pg)
     except (RuntimeError, NotImplementedError) as e:
         if not _unsupported(e):
             raise
         full = local.clone()
         dist.all_reduce(full, op=op, group=pg)
-        output.copy_(full.chunk(n)[dist.get_rank(pg)])
+        output.view(-1).copy_(full.view(-1).chunk(n)[dist.get_rank(pg)])
 
 
 # ------------------------------------------------------------------ point to point
@@ -307,17 +280,14 @@ def send_recv(value, pg, rank: int, send_to: int | None, recv_from: int | None, 
     dev = _device(backend, value)
     header_out = _header(value).to(dev) if send_to is not None else None
     header_in = (
-        torch.empty(3 + HEADER_DIMS, dtype=torch.int64, device=dev)
-        if recv_from is not None
-        else None
+        torch.empty(HEADER_LEN, dtype=torch.int64, device=dev) if recv_from is not None else None
     )
     _p2p([(dist.isend, header_out, send_to), (dist.irecv, header_in, recv_from)], pg)
     sending = header_out is not None and int(header_out[0]) == 0
     output = None
     if header_in is not None and int(header_in[0]) == 0:
         h = header_in.cpu()
-        shape = tuple(int(x) for x in h[3 : 3 + int(h[2])])
-        output = torch.empty(shape, dtype=_DTYPES[int(h[1])], device=dev)
+        output = torch.empty(header_shape(h), dtype=header_dtype(h), device=dev)
     _p2p(
         [
             (dist.isend, value.contiguous() if sending else None, send_to),
@@ -331,7 +301,7 @@ def send_recv(value, pg, rank: int, send_to: int | None, recv_from: int | None, 
             raise DependentOnError(status)
         if status < 0:
             raise TypeError(
-                f"to_mesh: rank {recv_from} holds {_describe(header_in.cpu())}, not a tensor"
+                f"to_mesh: rank {recv_from} holds {describe(header_in.cpu())}, not a tensor"
             )
         return output
     # a rank that only sends: its own failure is reported there, once
