@@ -127,11 +127,14 @@ class Ref:
         changes); ``out=`` into another Ref's tensor, which must have the
         result's dtype and shape on every rank; the two exclude each other.
         Impossible combinations raise ValueError here; shape errors arise on the
-        workers, alike on every rank. Stack and scatter over several dims go
-        beyond the reference (which refuses them). On gloo, "avg" is a sum and a
-        division; where gloo lacks all_gather_into_tensor or reduce_scatter_tensor
-        they are composed from all_gather / all_reduce. Returns a new Ref on the
-        same mesh and stream.
+        workers, alike on every rank. If an input fails on some ranks, the
+        result fails everywhere with that failure; an in-place all_reduce may
+        then leave the others' inputs reduced over the ranks that did not fail
+        (as the reference's stand-in zeros do). Stack and scatter over several
+        dims go beyond the reference (which refuses them). On gloo, "avg" is a
+        sum and a division; where gloo lacks all_gather_into_tensor or
+        reduce_scatter_tensor they are composed from all_gather / all_reduce.
+        Returns a new Ref on the same mesh and stream.
         """
         from .worker.collectives import REDUCTIONS
         from .worker.reductions import check_combination

@@ -171,3 +171,59 @@ def test_integer_avg_truncates_like_nccl(mesh):
     x = mnb.remote(lambda: torch.tensor([-3, 3, 4]) + mnb.current_rank())(mesh=mesh)
     got = x.reduce("dp", "avg").fetch(rank=0)  # sums -5, 7, 9 over 2
     assert got.dtype == torch.int64 and got.tolist() == [-2, 3, 4]
+
+
+def fail_on(rank: int, rows: int):
+    if mnb.current_rank() == rank:
+        raise RuntimeError(f"input broke on rank {rank}")
+    return make(rows)
+
+
+def test_after_agreement_a_failure_or_a_change_on_one_rank_is_exact(mesh):
+    """Once a group agreed on an all_reduce input (dtype, shape), ranks with the
+    same again go ahead: a rank that then fails or differs joins with a stand-in,
+    and every rank still gets the exact error; nobody hangs."""
+    agree = mnb.remote(make)(2, mesh=mesh)
+    want = value(0, 2) + value(1, 2)
+    assert torch.equal(agree.reduce("dp").fetch(rank=0), want)
+    broken = mnb.remote(fail_on)(1, 2, mesh=mesh)
+    with pytest.raises(mnb.RemoteError, match="input broke on rank 1") as ei:
+        broken.reduce("dp", "max").fetch(timeout=60)
+    assert set(ei.value.failures) == {1}  # the original failure, not a cascade
+    assert torch.equal(agree.reduce("dp").fetch(rank=1), want)  # agreed again
+    other = mnb.remote(lambda: make(2 + mnb.current_rank()))(mesh=mesh)  # rank 1: (3, 3)
+    with pytest.raises(mnb.RemoteError, match=r"rank 0: torch.float32 \(2, 3\), rank 1: torch"):
+        other.reduce("dp").fetch(timeout=60)
+    assert torch.equal(agree.reduce("dp").fetch(rank=1), want)
+    bad_out = mnb.remote(
+        lambda: torch.zeros(2, 3, dtype=[torch.float32, torch.int32][mnb.current_rank()])
+    )(mesh=mesh)
+    with pytest.raises(mnb.RemoteError, match=r"out= must be .* \(rank 1: torch.int32 \(2, 3\)\)"):
+        agree.reduce("dp", out=bad_out).fetch(timeout=60)
+    assert torch.equal(agree.reduce("dp").fetch(rank=0), want)
+    both = mnb.remote(make)(5, mesh=mesh)  # a new shape on every rank: nobody goes ahead
+    assert torch.equal(both.reduce("dp").fetch(rank=0), value(0, 5) + value(1, 5))
+    # in place, a failure on the other rank: the identity stand-in leaves the input as it was
+    for reduction in ("max", "min", "product", "sum", "avg"):
+        mnb.remote(make)(5, mesh=mesh).reduce("dp", reduction)  # agree on (5, 3)
+        failing = mnb.remote(fail_on)(1, 5, mesh=mesh)
+        with pytest.raises(mnb.RemoteError, match="input broke on rank 1"):
+            failing.reduce("dp", reduction, inplace=True).fetch(timeout=60)
+        assert torch.equal(failing.fetch(rank=0), value(0, 5)), reduction
+
+
+def test_going_ahead_leaves_the_healthy_ranks_reduction_in_place(grid):
+    """On 2x2 after agreement, rank 3 fails: ranks 0-2 went ahead, so their in-place
+    inputs hold the sum over ranks 0-2 (rank 3 contributed zeros); all get the error."""
+    x = mnb.remote(make)(4, mesh=grid)
+    x.reduce(("a", "b"), inplace=True)
+    grid.wait()
+    y = mnb.remote(fail_on)(3, 4, mesh=grid)
+    with pytest.raises(mnb.RemoteError, match="input broke on rank 3") as ei:
+        y.reduce(("a", "b"), inplace=True).fetch(timeout=60)
+    assert set(ei.value.failures) == {3}
+    partial = sum(value(r, 4) for r in range(3))
+    for r in range(3):
+        assert torch.equal(y.fetch(rank=r), partial), r
+    z = mnb.remote(make)(4, mesh=grid)
+    assert torch.equal(z.reduce(("a", "b")).fetch(rank=3), sum(value(r, 4) for r in range(4)))

@@ -4,12 +4,14 @@ gather / reduce-scatter helpers, and point-to-point copies (the reductions of
 ``Ref.reduce`` themselves are in ``reductions``).
 
 Every collective starts with a small all-gather of a header (status, dtype,
-shape) on its group. It lets each rank see, before the data moves, whether any
-rank's input failed (then every rank skips the data collective and its result
-depends on the original failure: no rank hangs, nothing cascades) or whether
-inputs disagree (then every rank raises the same clear error). This replaces
-the reference's "take part with zeros of the right shape" and costs one small
-collective.
+shape; for a reduce also out='s, and a go-ahead flag) on its group. It lets each
+rank see whether any rank's input failed (then every rank skips the data
+collective, or joins it with a stand-in, and its result depends on the original
+failure: no rank hangs, nothing cascades) or whether inputs disagree (then every
+rank raises the same clear error). This replaces the reference's "take part
+with zeros of the right shape" and costs one small collective, which an
+all_reduce of the shape its group agreed on last time runs alongside its data
+(reductions._all_reduce).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Comms:
         self.ready = threading.Event()
         self.init_error: BaseException | None = None
         self.groups: dict[int, Future] = {}
+        self.agreed: dict[int, dict] = {}  # per group: what its last all_reduce agreed on
         self._setup_q: queue.SimpleQueue = queue.SimpleQueue()
         self._setup_thread: threading.Thread | None = None
 
@@ -129,28 +132,28 @@ class Comms:
 # ------------------------------------------------------------------ headers
 
 
-def _header(value, device: torch.device | None = None) -> torch.Tensor:
-    """[status, dtype index, ndim, *shape] of ``value``; with ``device``, a tensor
-    elsewhere gets WRONG_DEVICE."""
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+def header_of(value, device: torch.device | None = None) -> list:
+    """[status, dtype index, ndim, *shape, 0...] of ``value`` (HEADER_LEN ints);
+    with ``device``, a tensor elsewhere gets WRONG_DEVICE."""
     if isinstance(value, DependentOnError):
-        h[0] = value.ident
+        status = value.ident
     elif not isinstance(value, torch.Tensor):
-        h[0] = NOT_A_TENSOR
+        status = NOT_A_TENSOR
     elif value.dim() > HEADER_DIMS:
-        h[0] = TOO_MANY_DIMS
+        status = TOO_MANY_DIMS
     elif value.dtype not in _DTYPES:
-        h[0] = UNSUPPORTED_DTYPE
+        status = UNSUPPORTED_DTYPE
     elif device is not None and value.device != device:
-        h[0] = WRONG_DEVICE
+        status = WRONG_DEVICE
     else:
-        h[1] = _DTYPES.index(value.dtype)
-        h[2] = value.dim()
-        h[3 : 3 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
-    return h
+        shape = list(value.shape)
+        return [0, _DTYPES.index(value.dtype), len(shape), *shape] + [0] * (
+            HEADER_DIMS - len(shape)
+        )
+    return [status] + [0] * (HEADER_LEN - 1)
 
 
-def describe(h: torch.Tensor) -> str:
+def describe(h) -> str:
     """A header in words: "torch.float32 (4, 3)", "not a tensor"..."""
     status = int(h[0])
     if status < 0:
@@ -158,15 +161,15 @@ def describe(h: torch.Tensor) -> str:
     return f"{_DTYPES[int(h[1])]} {header_shape(h)}"
 
 
-def header_shape(h: torch.Tensor) -> tuple:
+def header_shape(h) -> tuple:
     return tuple(int(x) for x in h[3 : 3 + int(h[2])])
 
 
-def header_dtype(h: torch.Tensor) -> torch.dtype:
+def header_dtype(h) -> torch.dtype:
     return _DTYPES[int(h[1])]
 
 
-def _device(backend: str | None, value) -> torch.device:
+def device_for(backend: str | None, value) -> torch.device:
     if isinstance(value, torch.Tensor):
         return value.device
     if backend and "nccl" in backend and torch.cuda.is_available():
@@ -174,26 +177,39 @@ def _device(backend: str | None, value) -> torch.device:
     return torch.device("cpu")
 
 
-def exchange_headers(pg, members: tuple, value, backend: str | None, out=_NO_SLOT) -> tuple:
-    """All-gather every member's header (and, when ``out`` is passed, the header
-    of that ``out`` tensor, None for none: one small collective either way). Raises
-    DependentOnError if any input or ``out`` failed, and the same clear error on
-    every rank if inputs are not alike tensors. Returns (input headers, ``out``
-    headers or None), one per member, on the CPU."""
-    dev = _device(backend, value)
-    parts = [_header(value)]
-    if out is not _NO_SLOT:
-        if out is None:
-            parts.append(torch.zeros(HEADER_LEN, dtype=torch.int64))
-            parts[-1][0] = NO_OUT
-        else:
-            parts.append(_header(out, value.device if isinstance(value, torch.Tensor) else None))
-    mine = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(dev)
-    gathered = torch.empty((len(members), mine.numel()), dtype=torch.int64, device=dev)
-    all_gather_into(gathered, mine, pg)
-    rows = gathered.cpu()
-    headers = list(rows[:, :HEADER_LEN])
-    outs = list(rows[:, HEADER_LEN:]) if len(parts) > 1 else None
+class HeaderExchange:
+    """One collective's header all-gather, started at construction. This rank's
+    row: its input's header, then (for a collective with out=) the out tensor's
+    (NO_OUT for none), then a go-ahead flag: whether this rank has already
+    started the data collective (see reductions). Headers are lists of ints:
+    one tensor per row sent, one ``tolist`` per gather, no small tensor ops."""
+
+    def __init__(self, pg, members: tuple, value, backend, out=_NO_SLOT, ahead: bool = False):
+        self.with_out = out is not _NO_SLOT
+        row = header_of(value)
+        if self.with_out:
+            if out is None:
+                row += [NO_OUT] + [0] * (HEADER_LEN - 1)
+            else:
+                row += header_of(out, value.device if isinstance(value, torch.Tensor) else None)
+        row.append(int(ahead))
+        dev = device_for(backend, value)
+        mine = torch.tensor(row, dtype=torch.int64, device=dev)
+        self._gathered = torch.empty((len(members), len(row)), dtype=torch.int64, device=dev)
+        self._work = all_gather_into(self._gathered, mine, pg, async_op=True)
+
+    def rows(self) -> tuple:
+        """Wait; (input headers, out headers or None, whether any rank went ahead)."""
+        if self._work is not None:
+            self._work.wait()
+        rows = self._gathered.tolist()
+        outs = [r[HEADER_LEN : 2 * HEADER_LEN] for r in rows] if self.with_out else None
+        return [r[:HEADER_LEN] for r in rows], outs, any(r[-1] for r in rows)
+
+
+def check_headers(headers: list, outs: list | None, members: tuple) -> None:
+    """Raise DependentOnError if any input or out failed, and the same clear error
+    on every rank if the inputs are not tensors of one dtype and shape."""
     failed = [int(h[0]) for h in headers + (outs or []) if int(h[0]) > 0]
     if failed:
         raise DependentOnError(min(failed))
@@ -203,6 +219,14 @@ def exchange_headers(pg, members: tuple, value, backend: str | None, out=_NO_SLO
         raise ValueError(
             f"collective inputs must be tensors of one dtype and shape on every rank ({detail})"
         )
+
+
+def exchange_headers(pg, members: tuple, value, backend: str | None, out=_NO_SLOT) -> tuple:
+    """Gather every member's header (and, when ``out`` is passed, the header of
+    that ``out`` tensor, None for none) and check them (check_headers).
+    Returns (input headers, ``out`` headers or None), one per member, on the CPU."""
+    headers, outs, _ = HeaderExchange(pg, members, value, backend, out).rows()
+    check_headers(headers, outs, members)
     return headers, outs
 
 
@@ -225,6 +249,7 @@ def run_reduce(msg, comms: Comms, value, out):
         msg.inplace,
         msg.dim_sizes,
         comms.backend,
+        comms.agreed.setdefault(msg.key, {}),
     )
 
 
@@ -238,16 +263,18 @@ def _unsupported(e: BaseException) -> bool:
     return "not supported" in text or "unsupported" in text or "not implemented" in text
 
 
-def all_gather_into(output, local, pg) -> None:
+def all_gather_into(output, local, pg, async_op: bool = False):
     """Gather contiguous ``local`` from every member into contiguous ``output``
-    of shape (n, *local.shape), in group-rank order. Flat views: gloo checks
-    dim 0 of a shaped output against world * dim 0 of the input."""
+    of shape (n, *local.shape), in group-rank order; the Work if ``async_op``.
+    Flat views: gloo checks dim 0 of a shaped output against world * dim 0 of
+    the input."""
     try:
-        _gather_flat(output.view(-1), local.view(-1), group=pg)
+        return _gather_flat(output.view(-1), local.view(-1), group=pg, async_op=async_op)
     except (RuntimeError, NotImplementedError) as e:
         if not _unsupported(e):
             raise
-        dist.all_gather(list(output.view(-1, *local.shape).unbind(0)), local, group=pg)
+        rows = list(output.view(-1, *local.shape).unbind(0))
+        return dist.all_gather(rows, local, group=pg, async_op=async_op)
 
 
 def reduce_scatter_into(output, local, op, pg, n) -> None:
@@ -277,8 +304,12 @@ def send_recv(value, pg, rank: int, send_to: int | None, recv_from: int | None, 
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"to_mesh needs a tensor, got {type(value).__name__}")
         return value._lazy_clone() if hasattr(value, "_lazy_clone") else value.clone()
-    dev = _device(backend, value)
-    header_out = _header(value).to(dev) if send_to is not None else None
+    dev = device_for(backend, value)
+    header_out = (
+        torch.tensor(header_of(value), dtype=torch.int64, device=dev)
+        if send_to is not None
+        else None
+    )
     header_in = (
         torch.empty(HEADER_LEN, dtype=torch.int64, device=dev) if recv_from is not None else None
     )
@@ -286,7 +317,7 @@ def send_recv(value, pg, rank: int, send_to: int | None, recv_from: int | None, 
     sending = header_out is not None and int(header_out[0]) == 0
     output = None
     if header_in is not None and int(header_in[0]) == 0:
-        h = header_in.cpu()
+        h = header_in.tolist()
         output = torch.empty(header_shape(h), dtype=header_dtype(h), device=dev)
     _p2p(
         [
@@ -301,7 +332,7 @@ def send_recv(value, pg, rank: int, send_to: int | None, recv_from: int | None, 
             raise DependentOnError(status)
         if status < 0:
             raise TypeError(
-                f"to_mesh: rank {recv_from} holds {describe(header_in.cpu())}, not a tensor"
+                f"to_mesh: rank {recv_from} holds {describe(header_in.tolist())}, not a tensor"
             )
         return output
     # a rank that only sends: its own failure is reported there, once

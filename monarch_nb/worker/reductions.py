@@ -33,10 +33,14 @@ import torch
 import torch.distributed as dist
 
 from .collectives import (
+    HeaderExchange,
     all_gather_into,
+    check_headers,
     describe,
+    device_for,
     exchange_headers,
     header_dtype,
+    header_of,
     header_shape,
     reduce_scatter_into,
 )
@@ -52,50 +56,108 @@ def reduce(
     inplace: bool,
     dim_sizes: tuple,
     backend: str | None,
+    memo: dict | None = None,
 ):
     """Reduce ``value`` (a tensor, or the DependentOnError it failed with) over
-    the group; returns the result tensor (the input, ``out`` or a new one)."""
+    the group; returns the result tensor (the input, ``out`` or a new one).
+    ``memo``: this group's state across calls (lets all_reduce go ahead)."""
     check_combination(reduction, scatter, inplace, out is not None)
-    headers, outs = exchange_headers(pg, members, value, backend, out)
-    local, n = value, len(members)
-    shape = header_shape(headers[0])
-    result_shape = _result_shape(reduction, scatter, shape, n, dim_sizes)
-    if out is not None:
-        _check_out(outs, members, header_dtype(headers[0]), result_shape)
-    target = local if inplace else out  # what the caller sees written; None: a new tensor
-    order = _mesh_order(pg, members) if reduction == "stack" or scatter else None
-    if reduction == "stack":
-        src = _rows(local, n, order if scatter else None)
-        buf = _buffer(target, result_shape, local)
-        if scatter:
-            dist.all_to_all_single(buf, src, group=pg)
-        else:
-            all_gather_into(buf, src, pg)
-        return _finish(_rows(buf, n, _inverse(order)), target)
-    gloo = backend is None or "nccl" not in backend or local.device.type == "cpu"
+    gloo = backend is None or "nccl" not in backend or device_for(backend, value).type == "cpu"
     avg = reduction == "avg"
-    op = dist.ReduceOp.SUM if avg and gloo else getattr(dist.ReduceOp, reduction.upper())
-    if scatter:
-        buf = _buffer(target, result_shape, local)
-        reduce_scatter_into(buf, _rows(local, n, order), op, pg, n)
-    elif target is None:
-        buf = local.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(buf, op=op, group=pg)
-    else:  # in place, or into out: a non-contiguous one gets the result copied in
-        buf = (
-            target
-            if target.is_contiguous()
-            else torch.empty_like(local, memory_format=torch.contiguous_format)
+    op = None if reduction == "stack" else getattr(dist.ReduceOp, reduction.upper())
+    if avg and gloo:
+        op = dist.ReduceOp.SUM
+    n = len(members)
+    if reduction != "stack" and not scatter:
+        buf, target = _all_reduce(value, out, pg, members, reduction, op, inplace, backend, memo)
+    else:
+        buf, target = _reshaping(
+            value, out, pg, members, reduction, op, scatter, inplace, dim_sizes, backend
         )
-        if buf is not local:
-            buf.copy_(local)
-        dist.all_reduce(buf, op=op, group=pg)
     if avg and gloo:
         if buf.is_floating_point() or buf.is_complex():
             buf.div_(n)
         else:
             buf.div_(n, rounding_mode="trunc")
     return _finish(buf, target)
+
+
+def _all_reduce(value, out, pg, members, reduction, op, inplace, backend, memo):
+    """all_reduce; returns (buffer holding the result, tensor to write it into).
+
+    Going ahead: when this rank's input has the header the group agreed on last
+    time (``memo``, the same on every rank) and its out= fits, it starts the
+    data all_reduce together with the header exchange, so the header costs no
+    extra wait. A rank that cannot go ahead (its input failed or differs) sees
+    from the headers that others did and joins their all_reduce with a
+    stand-in of the agreed shape holding the op's identity; then every rank
+    raises the same error. So the in-place input (or out=) of a rank that went
+    ahead holds the reduction over the ranks that did not fail (with 2 ranks:
+    its own value, except "avg" on NCCL, which divides)."""
+    memo = {} if memo is None else memo
+    agreed = memo.get("header")
+    target = value if inplace else out
+    ahead = agreed is not None and _fits(value, out, agreed)
+    if ahead:
+        buf = _all_reduce_buffer(value, target)
+        exchange = HeaderExchange(pg, members, value, backend, out, ahead=True)
+        work = dist.all_reduce(buf, op=op, group=pg, async_op=True)
+        headers, outs, _ = exchange.rows()
+        work.wait()
+    else:
+        headers, outs, others_ahead = HeaderExchange(pg, members, value, backend, out).rows()
+        if others_ahead:
+            dtype = header_dtype(agreed)
+            stand_in = torch.full(header_shape(agreed), _identity(reduction, dtype), dtype=dtype)
+            dist.all_reduce(stand_in.to(memo["device"]), op=op, group=pg)
+    if _alike(headers):  # every rank's input is a tensor here
+        memo["header"], memo["device"] = headers[0], value.device
+    else:
+        memo["header"] = None
+    check_headers(headers, outs, members)
+    if out is not None:
+        _check_out(outs, members, header_dtype(headers[0]), header_shape(headers[0]))
+    if not ahead:
+        if others_ahead:  # unreachable: some rank's input or out differed, checks raised
+            raise RuntimeError("reduce: ranks disagree on going ahead")
+        buf = _all_reduce_buffer(value, target)
+        dist.all_reduce(buf, op=op, group=pg)
+    return buf, target
+
+
+def _all_reduce_buffer(local: torch.Tensor, target) -> torch.Tensor:
+    """The contiguous tensor all_reduce runs on: a clone (no target), the target
+    holding a copy of the input, or a contiguous stand-in for the target."""
+    if target is None:
+        return local.clone(memory_format=torch.contiguous_format)
+    if target.is_contiguous():
+        buf = target
+    else:
+        buf = torch.empty_like(local, memory_format=torch.contiguous_format)
+    if buf is not local:
+        buf.copy_(local)
+    return buf
+
+
+def _reshaping(value, out, pg, members, reduction, op, scatter, inplace, dim_sizes, backend):
+    """stack and scatter: returns (buffer holding the result, tensor to write it into)."""
+    headers, outs = exchange_headers(pg, members, value, backend, out)
+    local, n = value, len(members)
+    shape = header_shape(headers[0])
+    result_shape = _result_shape(reduction, scatter, shape, n, dim_sizes)
+    if out is not None:
+        _check_out(outs, members, header_dtype(headers[0]), result_shape)
+    target = local if inplace else out  # None: a new tensor
+    order = _mesh_order(pg, members)
+    buf = _buffer(target, result_shape, local)
+    if reduction != "stack":
+        reduce_scatter_into(buf, _rows(local, n, order), op, pg, n)
+        return buf, target
+    if scatter:
+        dist.all_to_all_single(buf, _rows(local, n, order), group=pg)
+    else:
+        all_gather_into(buf, local.contiguous(), pg)
+    return _rows(buf, n, _inverse(order)), target
 
 
 def check_combination(reduction: str, scatter: bool, inplace: bool, has_out: bool) -> None:
@@ -129,6 +191,35 @@ def _result_shape(reduction: str, scatter: bool, shape: tuple, n: int, dim_sizes
             f"reduction of row i, shape {shape[1:] if shape else '()'}): got shape {shape}"
         )
     return shape[1:]
+
+
+def _fits(value, out, agreed: list) -> bool:
+    """Whether this rank can go ahead: its input has the agreed header and its
+    out= (if any) the input's dtype, shape and device."""
+    if not isinstance(value, torch.Tensor) or header_of(value) != agreed:
+        return False
+    return out is None or (
+        isinstance(out, torch.Tensor)
+        and (out.dtype, out.shape, out.device) == (value.dtype, value.shape, value.device)
+    )
+
+
+def _alike(headers: list) -> bool:
+    return headers[0][0] == 0 and all(h == headers[0] for h in headers[1:])
+
+
+def _identity(reduction: str, dtype: torch.dtype):
+    """x op identity == x: the stand-in a rank that did not go ahead contributes."""
+    if reduction in ("sum", "avg") or dtype.is_complex:
+        return 0
+    if reduction == "product":
+        return 1
+    if dtype == torch.bool:
+        return reduction == "min"
+    if dtype.is_floating_point:
+        return float("-inf") if reduction == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if reduction == "max" else info.max
 
 
 def _check_out(outs: list, members: tuple, dtype: torch.dtype, shape: tuple) -> None:
