@@ -111,18 +111,33 @@ class Ref:
         inplace: bool = False,
         out: Ref | None = None,
     ) -> Ref:
-        """Reduce over mesh dims (a name or several) with torch.distributed.
+        """Reduce over mesh dims (a name or several) with torch.distributed, as
+        the reference worker does. With n members in the group and input shape S:
 
-        ``reduction``: "sum", "avg", "max", "min", "product" (all_reduce), or
-        "stack" (all_gather: a new leading dim of the group size; over several
-        dims, one leading dim per reduced dim, in mesh order). ``scatter=True``
-        splits dim 0 among the group: reduce_scatter, or all_to_all with
-        "stack". ``inplace`` writes into this value; ``out`` into another Ref's
-        tensor. On gloo, "avg" is a sum and a division; where gloo lacks
-        all_gather_into_tensor or reduce_scatter_tensor they are composed from
-        all_gather / all_reduce. Returns a new Ref on the same mesh and stream.
+        * "sum", "avg", "max", "min", "product": all_reduce, result shape S;
+          ``scatter=True``: reduce_scatter, dim 0 of S must be n and member i
+          gets the reduction of row i (shape S[1:]).
+        * "stack": all_gather, shape (n, *S) (over several dims, one leading
+          dim per reduced dim, in mesh order); ``scatter=True``: all_to_all,
+          shape S, dim 0 split into n chunks, chunk j of member i's result
+          being chunk i of member j's input.
+
+        Members are in mesh order. ``inplace=True`` writes the result into this
+        value (all_reduce and stack with scatter only: elsewhere the shape
+        changes); ``out=`` into another Ref's tensor, which must have the
+        result's dtype and shape on every rank; the two exclude each other.
+        Impossible combinations raise ValueError here; shape errors arise on the
+        workers, alike on every rank. If an input fails on some ranks, the
+        result fails everywhere with that failure; an in-place all_reduce may
+        then leave the others' inputs reduced over the ranks that did not fail
+        (as the reference's stand-in zeros do). Stack and scatter over several
+        dims go beyond the reference (which refuses them). On gloo, "avg" is a
+        sum and a division; where gloo lacks all_gather_into_tensor or
+        reduce_scatter_tensor they are composed from all_gather / all_reduce.
+        Returns a new Ref on the same mesh and stream.
         """
         from .worker.collectives import REDUCTIONS
+        from .worker.reductions import check_combination
 
         self._check()
         mesh, stream = self.mesh, self.stream
@@ -137,10 +152,7 @@ class Ref:
             raise ValueError(
                 f"unknown reduction {reduction!r}: expected one of {', '.join(REDUCTIONS)}"
             )
-        if inplace and (reduction == "stack" and not scatter or scatter and reduction != "stack"):
-            raise ValueError(
-                f"reduction {reduction!r} with scatter={scatter} cannot be in place: the result has a new shape"
-            )
+        check_combination(reduction, scatter, inplace, out is not None)
         check_refs([self] if out is None else [self, out], mesh, stream)
         ctrl = mesh._controller
         ctrl.check_usable()

@@ -1,13 +1,17 @@
 """Collectives on torch.distributed: the default process group, process groups
-per (mesh, dims, stream), reductions and point-to-point copies.
+per (mesh, dims, stream), the header every collective starts with, the flat
+gather / reduce-scatter helpers, and point-to-point copies (the reductions of
+``Ref.reduce`` themselves are in ``reductions``).
 
 Every collective starts with a small all-gather of a header (status, dtype,
-shape) on its group. It lets each rank see, before the data moves, whether any
-rank's input failed (then every rank skips the data collective and its result
-depends on the original failure: no rank hangs, nothing cascades) or whether
-inputs disagree (then every rank raises the same clear error). This replaces
-the reference's "take part with zeros of the right shape" and costs one small
-collective.
+shape; for a reduce also out='s, and a go-ahead flag) on its group. It lets each
+rank see whether any rank's input failed (then every rank skips the data
+collective, or joins it with a stand-in, and its result depends on the original
+failure: no rank hangs, nothing cascades) or whether inputs disagree (then every
+rank raises the same clear error). This replaces the reference's "take part
+with zeros of the right shape" and costs one small collective, which an
+all_reduce of the shape its group agreed on last time runs alongside its data
+(reductions._all_reduce).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from .cell import DependentOnError
 
 HEADER_DIMS = 8
+HEADER_LEN = 3 + HEADER_DIMS
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -31,6 +36,16 @@ _DTYPES = [
 NOT_A_TENSOR = -1
 TOO_MANY_DIMS = -2
 UNSUPPORTED_DTYPE = -3
+NO_OUT = -4  # the out slot of a collective called without out=
+WRONG_DEVICE = -5
+_STATUS_TEXT = {
+    NOT_A_TENSOR: "not a tensor",
+    TOO_MANY_DIMS: f"more than {HEADER_DIMS} dims",
+    UNSUPPORTED_DTYPE: "an unsupported dtype",
+    NO_OUT: "no out= tensor",
+    WRONG_DEVICE: "a tensor on another device than the input",
+}
+_NO_SLOT = object()
 REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
 
 
@@ -48,6 +63,7 @@ class Comms:
         self.ready = threading.Event()
         self.init_error: BaseException | None = None
         self.groups: dict[int, Future] = {}
+        self.agreed: dict[int, dict] = {}  # per group: what its last all_reduce agreed on
         self._setup_q: queue.SimpleQueue = queue.SimpleQueue()
         self._setup_thread: threading.Thread | None = None
 
@@ -116,35 +132,44 @@ class Comms:
 # ------------------------------------------------------------------ headers
 
 
-def _header(value) -> torch.Tensor:
-    h = torch.zeros(3 + HEADER_DIMS, dtype=torch.int64)
+def header_of(value, device: torch.device | None = None) -> list:
+    """[status, dtype index, ndim, *shape, 0...] of ``value`` (HEADER_LEN ints);
+    with ``device``, a tensor elsewhere gets WRONG_DEVICE."""
     if isinstance(value, DependentOnError):
-        h[0] = value.ident
+        status = value.ident
     elif not isinstance(value, torch.Tensor):
-        h[0] = NOT_A_TENSOR
+        status = NOT_A_TENSOR
     elif value.dim() > HEADER_DIMS:
-        h[0] = TOO_MANY_DIMS
+        status = TOO_MANY_DIMS
     elif value.dtype not in _DTYPES:
-        h[0] = UNSUPPORTED_DTYPE
+        status = UNSUPPORTED_DTYPE
+    elif device is not None and value.device != device:
+        status = WRONG_DEVICE
     else:
-        h[1] = _DTYPES.index(value.dtype)
-        h[2] = value.dim()
-        h[3 : 3 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
-    return h
+        shape = list(value.shape)
+        return [0, _DTYPES.index(value.dtype), len(shape), *shape] + [0] * (
+            HEADER_DIMS - len(shape)
+        )
+    return [status] + [0] * (HEADER_LEN - 1)
 
 
-def _describe(h: torch.Tensor) -> str:
+def describe(h) -> str:
+    """A header in words: "torch.float32 (4, 3)", "not a tensor"..."""
     status = int(h[0])
-    if status == NOT_A_TENSOR:
-        return "not a tensor"
-    if status == TOO_MANY_DIMS:
-        return f"more than {HEADER_DIMS} dims"
-    if status == UNSUPPORTED_DTYPE:
-        return "an unsupported dtype"
-    return f"{_DTYPES[int(h[1])]} {tuple(int(x) for x in h[3 : 3 + int(h[2])])}"
+    if status < 0:
+        return _STATUS_TEXT[status]
+    return f"{_DTYPES[int(h[1])]} {header_shape(h)}"
 
 
-def _device(backend: str | None, value) -> torch.device:
+def header_shape(h) -> tuple:
+    return tuple(int(x) for x in h[3 : 3 + int(h[2])])
+
+
+def header_dtype(h) -> torch.dtype:
+    return _DTYPES[int(h[1])]
+
+
+def device_for(backend: str | None, value) -> torch.device:
     if isinstance(value, torch.Tensor):
         return value.device
     if backend and "nccl" in backend and torch.cuda.is_available():
@@ -152,31 +177,67 @@ def _device(backend: str | None, value) -> torch.device:
     return torch.device("cpu")
 
 
-def exchange_headers(pg, members: tuple, value, backend: str | None) -> list:
-    """All-gather every member's header; raise DependentOnError if any input failed,
-    and the same clear error on every rank if inputs are not alike tensors."""
-    dev = _device(backend, value)
-    mine = _header(value).to(dev)
-    headers = [torch.empty_like(mine) for _ in members]
-    dist.all_gather(headers, mine, group=pg)
-    headers = [h.cpu() for h in headers]
-    failed = [int(h[0]) for h in headers if int(h[0]) > 0]
+class HeaderExchange:
+    """One collective's header all-gather, started at construction. This rank's
+    row: its input's header, then (for a collective with out=) the out tensor's
+    (NO_OUT for none), then a go-ahead flag: whether this rank has already
+    started the data collective (see reductions). Headers are lists of ints:
+    one tensor per row sent, one ``tolist`` per gather, no small tensor ops."""
+
+    def __init__(self, pg, members: tuple, value, backend, out=_NO_SLOT, ahead: bool = False):
+        self.with_out = out is not _NO_SLOT
+        row = header_of(value)
+        if self.with_out:
+            if out is None:
+                row += [NO_OUT] + [0] * (HEADER_LEN - 1)
+            else:
+                row += header_of(out, value.device if isinstance(value, torch.Tensor) else None)
+        row.append(int(ahead))
+        dev = device_for(backend, value)
+        mine = torch.tensor(row, dtype=torch.int64, device=dev)
+        self._gathered = torch.empty((len(members), len(row)), dtype=torch.int64, device=dev)
+        self._work = all_gather_into(self._gathered, mine, pg, async_op=True)
+
+    def rows(self) -> tuple:
+        """Wait; (input headers, out headers or None, whether any rank went ahead)."""
+        if self._work is not None:
+            self._work.wait()
+        rows = self._gathered.tolist()
+        outs = [r[HEADER_LEN : 2 * HEADER_LEN] for r in rows] if self.with_out else None
+        return [r[:HEADER_LEN] for r in rows], outs, any(r[-1] for r in rows)
+
+
+def check_headers(headers: list, outs: list | None, members: tuple) -> None:
+    """Raise DependentOnError if any input or out failed, and the same clear error
+    on every rank if the inputs are not tensors of one dtype and shape."""
+    failed = [int(h[0]) for h in headers + (outs or []) if int(h[0]) > 0]
     if failed:
         raise DependentOnError(min(failed))
-    descs = [_describe(h) for h in headers]
+    descs = [describe(h) for h in headers]
     if any(int(h[0]) < 0 for h in headers) or len(set(descs)) > 1:
         detail = ", ".join(f"rank {r}: {d}" for r, d in zip(members, descs))
         raise ValueError(
             f"collective inputs must be tensors of one dtype and shape on every rank ({detail})"
         )
-    return headers
+
+
+def exchange_headers(pg, members: tuple, value, backend: str | None, out=_NO_SLOT) -> tuple:
+    """Gather every member's header (and, when ``out`` is passed, the header of
+    that ``out`` tensor, None for none) and check them (check_headers).
+    Returns (input headers, ``out`` headers or None), one per member, on the CPU."""
+    headers, outs, _ = HeaderExchange(pg, members, value, backend, out).rows()
+    check_headers(headers, outs, members)
+    return headers, outs
 
 
 # ------------------------------------------------------------------ reductions
 
 
 def run_reduce(msg, comms: Comms, value, out):
-    """A Reduce message's collective on this rank (``value`` may be a DependentOnError)."""
+    """A Reduce message's collective on this rank (``value`` and ``out`` may be
+    DependentOnErrors)."""
+    from .reductions import reduce
+
     pg, members = comms.group(msg.key)
     return reduce(
         value,
@@ -188,74 +249,8 @@ def run_reduce(msg, comms: Comms, value, out):
         msg.inplace,
         msg.dim_sizes,
         comms.backend,
+        comms.agreed.setdefault(msg.key, {}),
     )
-
-
-def reduce(
-    value,
-    out,
-    pg,
-    members: tuple,
-    reduction: str,
-    scatter: bool,
-    inplace: bool,
-    dim_sizes: tuple,
-    backend: str | None,
-):
-    """One rank's part of ``Ref.reduce``. ``value`` may be a DependentOnError.
-
-    stack -> all_gather_into_tensor; scatter -> reduce_scatter_tensor; stack +
-    scatter -> all_to_all_single; else all_reduce. On gloo, "avg" is a sum
-    followed by a division (gloo has no AVG), and if the installed gloo lacks
-    all_gather_into_tensor or reduce_scatter_tensor they are composed from
-    all_gather / all_reduce.
-    """
-    exchange_headers(pg, members, value, backend)
-    n = len(members)
-    local = value
-    gloo = backend is None or "nccl" not in backend or local.device.type == "cpu"
-    if scatter and (local.dim() == 0 or local.shape[0] % n):
-        raise ValueError(
-            f"scatter splits dim 0 into {n} parts: shape {tuple(local.shape)} does not divide"
-        )
-    if reduction == "stack":
-        if scatter:
-            output = out if out is not None else torch.empty_like(local)
-            dist.all_to_all_single(output, local.contiguous(), group=pg)
-            if inplace:
-                local.copy_(output)
-                return local
-            return output
-        if inplace:
-            raise ValueError("reduction 'stack' cannot be in place (the result has a new shape)")
-        output = out if out is not None else local.new_empty((n, *local.shape))
-        _all_gather_into(output, local.contiguous(), pg, n)
-        return output.view(*dim_sizes, *local.shape) if len(dim_sizes) > 1 else output
-    avg = reduction == "avg"
-    op = dist.ReduceOp.SUM if avg and gloo else getattr(dist.ReduceOp, reduction.upper())
-    if scatter:
-        if inplace:
-            raise ValueError(
-                "a scattered reduction cannot be in place (the result has a new shape)"
-            )
-        output = (
-            out if out is not None else local.new_empty((local.shape[0] // n, *local.shape[1:]))
-        )
-        _reduce_scatter(output, local.contiguous(), op, pg, n)
-    else:
-        if inplace:
-            output = local
-        elif out is not None:
-            output = out.copy_(local)
-        else:
-            output = local.clone()
-        dist.all_reduce(output, op=op, group=pg)
-    if avg and gloo:
-        if output.is_floating_point() or output.is_complex():
-            output.div_(n)
-        else:
-            output.floor_divide_(n)
-    return output
 
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single
@@ -268,26 +263,31 @@ def _unsupported(e: BaseException) -> bool:
     return "not supported" in text or "unsupported" in text or "not implemented" in text
 
 
-def _all_gather_into(output, local, pg, n):
-    """Gather ``local`` from every member into ``output`` of shape (n, *local.shape)."""
+def all_gather_into(output, local, pg, async_op: bool = False):
+    """Gather contiguous ``local`` from every member into contiguous ``output``
+    of shape (n, *local.shape), in group-rank order; the Work if ``async_op``.
+    Flat views: gloo checks dim 0 of a shaped output against world * dim 0 of
+    the input."""
     try:
-        _gather_flat(output.view(-1), local.reshape(-1), group=pg)
+        return _gather_flat(output.view(-1), local.view(-1), group=pg, async_op=async_op)
     except (RuntimeError, NotImplementedError) as e:
         if not _unsupported(e):
             raise
-        dist.all_gather(list(output.unbind(0)), local, group=pg)
+        rows = list(output.view(-1, *local.shape).unbind(0))
+        return dist.all_gather(rows, local, group=pg, async_op=async_op)
 
 
-def _reduce_scatter(output, local, op, pg, n):
-    """Reduce ``local`` over members; this member keeps its 1/n of dim 0 in ``output``."""
+def reduce_scatter_into(output, local, op, pg, n) -> None:
+    """Reduce contiguous ``local`` (numel n * output.numel()) over members; group
+    rank g keeps chunk g of the flattened result in contiguous ``output``."""
     try:
-        _scatter_flat(output.view(-1), local.reshape(-1), op=op, group=pg)
+        _scatter_flat(output.view(-1), local.view(-1), op=op, group=pg)
     except (RuntimeError, NotImplementedError) as e:
         if not _unsupported(e):
             raise
         full = local.clone()
         dist.all_reduce(full, op=op, group=pg)
-        output.copy_(full.chunk(n)[dist.get_rank(pg)])
+        output.view(-1).copy_(full.view(-1).chunk(n)[dist.get_rank(pg)])
 
 
 # ------------------------------------------------------------------ point to point
@@ -304,20 +304,21 @@ def send_recv(value, pg, rank: int, send_to: int | None, recv_from: int | None, 
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"to_mesh needs a tensor, got {type(value).__name__}")
         return value._lazy_clone() if hasattr(value, "_lazy_clone") else value.clone()
-    dev = _device(backend, value)
-    header_out = _header(value).to(dev) if send_to is not None else None
-    header_in = (
-        torch.empty(3 + HEADER_DIMS, dtype=torch.int64, device=dev)
-        if recv_from is not None
+    dev = device_for(backend, value)
+    header_out = (
+        torch.tensor(header_of(value), dtype=torch.int64, device=dev)
+        if send_to is not None
         else None
+    )
+    header_in = (
+        torch.empty(HEADER_LEN, dtype=torch.int64, device=dev) if recv_from is not None else None
     )
     _p2p([(dist.isend, header_out, send_to), (dist.irecv, header_in, recv_from)], pg)
     sending = header_out is not None and int(header_out[0]) == 0
     output = None
     if header_in is not None and int(header_in[0]) == 0:
-        h = header_in.cpu()
-        shape = tuple(int(x) for x in h[3 : 3 + int(h[2])])
-        output = torch.empty(shape, dtype=_DTYPES[int(h[1])], device=dev)
+        h = header_in.tolist()
+        output = torch.empty(header_shape(h), dtype=header_dtype(h), device=dev)
     _p2p(
         [
             (dist.isend, value.contiguous() if sending else None, send_to),
@@ -331,7 +332,7 @@ def send_recv(value, pg, rank: int, send_to: int | None, recv_from: int | None, 
             raise DependentOnError(status)
         if status < 0:
             raise TypeError(
-                f"to_mesh: rank {recv_from} holds {_describe(header_in.cpu())}, not a tensor"
+                f"to_mesh: rank {recv_from} holds {describe(header_in.tolist())}, not a tensor"
             )
         return output
     # a rank that only sends: its own failure is reported there, once
