@@ -227,3 +227,20 @@ def test_going_ahead_leaves_the_healthy_ranks_reduction_in_place(grid):
         assert torch.equal(y.fetch(rank=r), partial), r
     z = mnb.remote(make)(4, mesh=grid)
     assert torch.equal(z.reduce(("a", "b")).fetch(rank=3), sum(value(r, 4) for r in range(4)))
+
+
+def _zeros_or_fail(rows: int):
+    if mnb.current_rank() == 1:
+        raise ValueError("no out tensor on rank 1")
+    return torch.zeros(rows, 3)
+
+
+def test_an_out_that_failed_on_one_rank_fails_every_rank_without_a_hang(mesh):
+    x = mnb.remote(make)(4, mesh=mesh)
+    out = mnb.remote(_zeros_or_fail)(4, mesh=mesh)
+    r = x.reduce("dp", out=out)
+    # the collective's own timeout is minutes: a rank left waiting in it would show here
+    with pytest.raises(mnb.RemoteError) as ei:
+        r.fetch(timeout=60)
+    assert "no out tensor on rank 1" in str(ei.value)
+    assert torch.equal(x.reduce("dp").fetch(rank=0, timeout=60), value(0, 4) + value(1, 4))

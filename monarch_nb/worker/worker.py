@@ -535,7 +535,7 @@ class Worker:
 
         def work():
             return collectives.run_reduce(
-                msg, comms, _raw(src), None if out is None else _get_value(out)
+                msg, comms, _raw(src), None if out is None else _raw(out)
             )
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
