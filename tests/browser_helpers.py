@@ -181,6 +181,9 @@ class Server:
                 "--allow-root",
                 f"--IdentityProvider.token={self.token}",
                 f"--ServerApp.root_dir={self.nb}",
+                # kernels over IPC sockets in the runtime dir: no "running over TCP
+                # without encryption" warning from ipykernel
+                "--KernelManager.transport=ipc",
                 *options,
             ],
             env=env,
