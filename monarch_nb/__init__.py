@@ -10,7 +10,13 @@ The notebook kernel (or any Python process) is the single controller::
 In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 """
 
-from .controller.errors import InterruptTimeout, MeshClosedError, RemoteError, WorkerCrashed
+from .controller.errors import (
+    InterruptTimeout,
+    MeshClosedError,
+    RemoteError,
+    WorkerCrashed,
+    WorkerUnresponsive,
+)
 from .mesh import DeviceMesh, Stream, connect_mesh, get_mesh, local_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
@@ -33,6 +39,7 @@ __all__ = [
     "RemoteFunction",
     "Stream",
     "WorkerCrashed",
+    "WorkerUnresponsive",
     "connect_mesh",
     "current_coords",
     "current_rank",

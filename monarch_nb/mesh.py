@@ -8,7 +8,7 @@ import itertools
 import threading
 from typing import Any
 
-from .controller import Controller
+from .controller import HEARTBEAT_TIMEOUT, Controller
 from .controller.errors import MeshClosedError
 from .protocol import messages as m
 from .protocol.ndslice import NDSlice
@@ -486,13 +486,19 @@ def local_mesh(
     name: str | None = None,
     backend: str | None = None,
     interface: str = "127.0.0.1",
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    liveness_timeout: float | None = None,
     **dims: int,
 ) -> DeviceMesh:
     """Spawn ``prod(dims)`` local workers (one per GPU when there are GPUs) on the
     named dims, in the order given: ``local_mesh(dp=2)``, ``local_mesh(hosts=1, gpus=4)``.
 
-    ``name``, ``backend`` and ``interface`` are reserved words, not dims. The new
-    mesh becomes the active one."""
+    A worker silent for ``heartbeat_timeout`` s is ``unresponsive`` in
+    ``status()`` (announced in the notebook, and again when it answers); after
+    ``liveness_timeout`` s (None: never, the default for local workers) it is
+    presumed lost and pending calls raise WorkerUnresponsive. ``name``,
+    ``backend``, ``interface`` and the two timeouts are reserved words, not dims.
+    The new mesh becomes the active one."""
     if not dims:
         raise ValueError("local_mesh() needs at least one named dim, e.g. local_mesh(dp=2)")
     _check_dims(dims)
@@ -501,7 +507,14 @@ def local_mesh(
     world = 1
     for v in dims.values():
         world *= v
-    ctrl = Controller(name, dims, backend or _default_backend(world), interface=interface)
+    ctrl = Controller(
+        name,
+        dims,
+        backend or _default_backend(world),
+        interface=interface,
+        heartbeat_timeout=heartbeat_timeout,
+        liveness_timeout=liveness_timeout,
+    )
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     _meshes[name] = mesh
     _default[0] = mesh
@@ -516,6 +529,8 @@ def connect_mesh(
     backend: str | None = None,
     interface: str = "127.0.0.1",
     advertise: str | None = None,
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    liveness_timeout: float | None = HEARTBEAT_TIMEOUT,
     **dims: int,
 ) -> DeviceMesh:
     """Wait for ``world`` workers started by another launcher (torchrun, srun, ...)
@@ -528,7 +543,9 @@ def connect_mesh(
     and srun command lines, and waits with a progress bar. After ``timeout``
     seconds a TimeoutError lists the missing ranks. ``dims`` name the ranks
     (default ``world=N``); their product must be ``world``. Late, duplicate and
-    wrong-key workers are refused with a logged reason."""
+    wrong-key workers are refused with a logged reason. A joined worker silent
+    for ``liveness_timeout`` s (default: the heartbeat timeout, 10 s) is presumed
+    lost: pending calls raise WorkerUnresponsive."""
     from .controller import ExternalLauncher
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -551,6 +568,8 @@ def connect_mesh(
         launcher=launcher,
         startup_timeout=timeout,
         advertise=advertise,
+        heartbeat_timeout=heartbeat_timeout,
+        liveness_timeout=liveness_timeout,
     )
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     mesh.connection_file = launcher.connection_file

@@ -226,3 +226,31 @@ print("metrics after the bar")
     assert ranks_saying(shown, "bar finished" + "#" * 87) == {0, 1}, shown[-500:]
     assert ranks_saying(out, "metrics after the bar") == {0, 1}
     serves(k)
+
+
+def test_a_silent_worker_is_announced_once_and_its_return_too(k):
+    import os
+    import signal
+
+    k.ok("lv = mnb.local_mesh(dp=2, name='lv', heartbeat_timeout=1.5)", timeout=120)
+    try:
+        monarch(k, "rank", "--mesh lv")
+        pid = k.value("lv.status()['ranks'][1]['pid']")
+        everything = lambda g: "".join(stream(v, "stderr") for v in g.values())  # noqa: E731
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            got = k.collect(lambda g: "has not been heard of" in everything(g), timeout=30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        more = k.collect(lambda g: "answers again" in everything(g), timeout=30)
+        said = everything(got) + everything(more)
+        assert said.count("has not been heard of") == 1, said
+        assert re.search(
+            rf"\[rank 1\] monarch_nb: worker rank 1 of mesh 'lv' \(pid {pid} on [^)]+\) "
+            r"has not been heard of for \d+ s: unresponsive",
+            said,
+        ), said
+        assert "[rank 1] monarch_nb: worker rank 1 of mesh 'lv'" in said.split("unresponsive")[-1]
+        assert k.value("lv.status()['ranks'][1]['unresponsive']") is False
+    finally:
+        k.ok("lv.shutdown()")

@@ -1,11 +1,12 @@
 """The controller side: Controller (socket + IO thread + futures), MeshState, launchers."""
 
-from .controller import Controller
+from .controller import HEARTBEAT_TIMEOUT, Controller
 from .errors import (
     InterruptTimeout,
     MeshClosedError,
     RemoteError,
     WorkerCrashed,
+    WorkerUnresponsive,
     fold_by_rank,
     format_ranks,
 )
@@ -13,6 +14,7 @@ from .launcher import ExternalLauncher, LocalLauncher
 from .state import MeshState
 
 __all__ = [
+    "HEARTBEAT_TIMEOUT",
     "Controller",
     "ExternalLauncher",
     "InterruptTimeout",
@@ -21,6 +23,7 @@ __all__ = [
     "MeshState",
     "RemoteError",
     "WorkerCrashed",
+    "WorkerUnresponsive",
     "fold_by_rank",
     "format_ranks",
 ]

@@ -36,6 +36,7 @@ from .errors import (
     MeshClosedError,
     RemoteError,
     WorkerCrashed,
+    WorkerUnresponsive,
     broken_again,
     format_ranks,
 )
@@ -49,9 +50,8 @@ BIG_SEND = 1 << 20
 RECV_HWM = 256  # messages queued per worker socket before ZeroMQ stops reading it
 TICK = 0.1  # seconds between process checks and housekeeping
 DEPENDENT_GRACE = 2.0
-HEARTBEAT_TIMEOUT = float(
-    os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10")
-)  # how long a dependent fetch waits for its original failure to arrive
+# seconds a worker may be silent before it is unresponsive (joined ones: presumed lost)
+HEARTBEAT_TIMEOUT = float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10"))
 MAX_FAILURES_KEPT = 10_000
 INTERRUPT_WAIT = 5.0  # seconds interrupted commands get to stop before their ranks count as stuck
 
@@ -117,8 +117,17 @@ class Controller:
         launcher=None,
         startup_timeout: float = 180.0,
         advertise: str | None = None,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        liveness_timeout: float | None = None,
     ):
         self.name = name
+        if not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be > 0 s, got {heartbeat_timeout!r}")
+        if liveness_timeout is not None and not liveness_timeout > 0:
+            raise ValueError(f"liveness_timeout must be > 0 s or None, got {liveness_timeout!r}")
+        self.heartbeat_timeout = float(heartbeat_timeout)  # then: unresponsive in status()
+        self.liveness_timeout = liveness_timeout  # then: presumed lost, calls fail
+        self.liveness_listeners: list = []  # callables(event, info) on the IO thread
         self.dims = dict(dims)
         self.world = 1
         for s in self.dims.values():
@@ -722,8 +731,10 @@ class Controller:
     def _tick(self) -> None:
         for p in list(self._procs.values()):
             self._check_process(p)
-        if self._launcher.external and self._identities and not (self._closing or self._closed):
-            self._watch_external()
+        if not (self._closing or self._closed):
+            if self._launcher.external and self._identities:
+                self._ping()
+            self._watch_liveness()
         if self._awaiting_failure:
             now = time.monotonic()
             for orig, waiting in list(self._awaiting_failure.items()):
@@ -736,27 +747,44 @@ class Controller:
                 else:
                     self._awaiting_failure.pop(orig, None)
 
-    def _watch_external(self) -> None:
-        """Workers that are not our children: ping them (they exit when pings stop)
-        and presume dead one that has not been heard of for HEARTBEAT_TIMEOUT."""
+    def _ping(self) -> None:
+        """Workers that are not our children hear from us every second (they exit
+        when the pings stop)."""
         now = time.monotonic()
         if now >= self._next_ping:
             self._next_ping = now + 1.0
             frames = encode(m.Ping(), self.signer)
             for ident in self._identities.values():
                 self._router.send_multipart([ident, *frames])
+
+    def _watch_liveness(self) -> None:
+        """Every worker reports at least once a second. One silent for longer than
+        ``heartbeat_timeout`` is unresponsive (announced once, and again when it
+        answers again); past ``liveness_timeout`` it is presumed lost and every
+        pending call fails with WorkerUnresponsive."""
         wall = time.time()
         for rank, w in list(self.state.workers.items()):
-            if w.alive and w.last_seen and wall - w.last_seen > HEARTBEAT_TIMEOUT:
+            if not (w.alive and w.last_seen):
+                continue
+            silent = wall - w.last_seen
+            if self.liveness_timeout is not None and silent > self.liveness_timeout:
                 self.state.worker_exited(rank, None)
-                err = WorkerCrashed(
-                    rank,
-                    None,
-                    f"(rank {rank}, pid {w.pid} on {w.host}, stopped answering "
-                    f"{wall - w.last_seen:.0f} s ago)",
-                    self.name,
+                self._break(WorkerUnresponsive(rank, w.host, w.pid, silent, self.name))
+                continue
+            quiet = silent > self.heartbeat_timeout
+            if quiet != w.unresponsive:
+                w.unresponsive = quiet
+                event = "unresponsive" if quiet else "recovered"
+                info = {"rank": rank, "host": w.host, "pid": w.pid, "silent_for": silent}
+                (logger.warning if quiet else logger.info)(
+                    "mesh %r: worker rank %d (pid %s on %s) %s", self.name, rank, w.pid,
+                    w.host, f"silent for {silent:.0f} s" if quiet else "answers again",
                 )
-                self._break(err)
+                for fn in list(self.liveness_listeners):
+                    try:
+                        fn(event, info)
+                    except Exception:
+                        logger.exception("liveness listener failed")
 
     def _check_process(self, p: LocalProcess, wait: float = 0.0) -> None:
         code = p.popen.poll()

@@ -228,6 +228,60 @@ class WorkerCrashed(RemoteError):
         return (type(self), (self.rank, self.exit_code, self.stderr_tail, self.mesh, self.earlier))
 
 
+class WorkerUnresponsive(WorkerCrashed):
+    """A worker not heard of for longer than its mesh's ``liveness_timeout``
+    (stopped, stuck in native code that holds the GIL, its host cut off): it is
+    presumed lost, and every pending call fails with this. Names the rank, host,
+    pid and how long it has been silent."""
+
+    def __init__(
+        self,
+        rank: int,
+        host: str | None,
+        pid: int | None,
+        silent_for: float,
+        mesh: str = "",
+        earlier: bool = False,
+    ):
+        self.host = host
+        self.pid = pid
+        self.silent_for = silent_for
+        self.rank = rank
+        self.exit_code = None
+        self.stderr_tail = ""
+        self.mesh = mesh
+        self.earlier = earlier
+        text = (
+            f"worker rank {rank}{f' of mesh {mesh!r}' if mesh else ''} is unresponsive "
+            f"({self.how})"
+        )
+        RemoteError.__init__(self, {rank: ("WorkerUnresponsive", text, text)}, None, text, earlier)
+
+    @property
+    def how(self) -> str:
+        return f"pid {self.pid} on {self.host}, not heard of for {self.silent_for:.0f} s"
+
+    def head(self) -> str:
+        where = f"mesh {self.mesh!r}" if self.mesh else "the mesh"
+        if self.earlier:
+            return (
+                f"{where} needs a restart: its worker rank {self.rank} stopped answering "
+                f"earlier ({self.how}); {RESTART}"
+            )
+        return f"{self.context}; {RESTART}"
+
+    def again(self) -> WorkerUnresponsive:
+        return WorkerUnresponsive(
+            self.rank, self.host, self.pid, self.silent_for, self.mesh, True
+        )
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (self.rank, self.host, self.pid, self.silent_for, self.mesh, self.earlier),
+        )
+
+
 def broken_again(err: BaseException) -> BaseException:
     """What a call on a broken mesh raises: a new, short error (no old traceback)."""
     if isinstance(err, WorkerCrashed):

@@ -26,6 +26,7 @@ class WorkerState:
     cpu: float | None = None
     gpu: dict | None = None
     last_seen: float = 0.0
+    unresponsive: bool = False  # silent for longer than the heartbeat timeout
     bad_messages: int = 0
     env_size: int | None = None
     # stream id -> [last started ident, last finished ident, commands done]
@@ -163,6 +164,7 @@ class MeshState:
                     "cpu": w.cpu,
                     "gpu": w.gpu,
                     "heartbeat_age": (now - w.last_seen) if w.last_seen else None,
+                    "unresponsive": w.unresponsive and w.alive,
                     "bad_messages": w.bad_messages,
                     "env_size": w.env_size,
                     "streams": streams,

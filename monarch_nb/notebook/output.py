@@ -52,6 +52,7 @@ class OutputRouter:
         self._ended: OrderedDict = OrderedDict()  # ident -> parent of cells that ended
         self._late: OrderedDict = OrderedDict()  # ident -> sink of their late output
         controller.debugger.listeners.append(self.on_debugger)
+        controller.liveness_listeners.append(self.on_liveness)
 
     def on_output(self, msg) -> None:
         sink = self.sinks.get(msg.ident) if msg.ident is not None else None
@@ -102,6 +103,29 @@ class OutputRouter:
                 once = CellSink(self.hub.publisher, parent, None)
                 once.add(session.rank, "stderr", line)
                 once.finish()
+
+        self.hub.ticker.call_soon(tell)
+
+    def on_liveness(self, event: str, info: dict) -> None:
+        """A worker gone silent, or back: one line under the cell that runs now."""
+        parent = self.hub.publisher.current_parent()
+        who = (
+            f"worker rank {info['rank']} of mesh {self.controller.name!r} "
+            f"(pid {info['pid']} on {info['host']})"
+        )
+        if event == "unresponsive":
+            line = (
+                f"monarch_nb: {who} has not been heard of for {info['silent_for']:.0f} s: "
+                f"unresponsive (stopped, or in native code that holds the GIL?); "
+                f"%monarch_mesh --restart gives fresh workers\n"
+            )
+        else:
+            line = f"monarch_nb: {who} answers again\n"
+
+        def tell() -> None:
+            once = CellSink(self.hub.publisher, parent, None)
+            once.add(info["rank"], "stderr", line)
+            once.finish()
 
         self.hub.ticker.call_soon(tell)
 

@@ -143,6 +143,8 @@ def heartbeat(worker: dict) -> tuple[str, bool]:
         return "never", True
     if age < 2.0:
         return "<2 s", False
+    if worker.get("unresponsive"):
+        return f"unresponsive {int(age)} s", True
     return f"{int(age)} s", age >= HEARTBEAT_STALE
 
 

@@ -1,0 +1,87 @@
+"""Liveness of local workers: a SIGSTOPped worker is noticed (``unresponsive`` in
+status(), and again when it answers), and with a ``liveness_timeout`` the calls
+waiting on it fail with WorkerUnresponsive instead of waiting forever. Real
+worker processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+
+import pytest
+import torch
+from reliability_helpers import wait_for
+
+import monarch_nb as mnb
+from monarch_nb.ui import render
+
+
+def _rank_status(mesh, rank):
+    return mesh.status()["ranks"][rank]
+
+
+@pytest.fixture(scope="module")
+def watched():
+    m = mnb.local_mesh(dp=2, name="watched", heartbeat_timeout=2.0)
+    yield m
+    m.shutdown()
+
+
+def test_a_stopped_worker_is_unresponsive_then_recovers(watched):
+    pid = _rank_status(watched, 1)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _rank_status(watched, 1)["unresponsive"], 20, "rank 1 unresponsive")
+        st = watched.status()["ranks"]
+        assert st[0]["unresponsive"] is False and st[1]["alive"] is True
+        text, red = render.heartbeat(st[1])
+        assert red and text.startswith("unresponsive "), text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: not _rank_status(watched, 1)["unresponsive"], 20, "rank 1 answering again")
+    # no liveness_timeout on a local mesh by default: nothing failed, the mesh serves
+    assert mnb.remote(torch.ones)(2, mesh=watched).fetch(timeout=60)[1].tolist() == [1.0, 1.0]
+
+
+def test_past_the_liveness_timeout_pending_calls_fail_naming_the_worker():
+    m = mnb.local_mesh(dp=2, name="lost", heartbeat_timeout=1.0, liveness_timeout=3.0)
+    try:
+        st = _rank_status(m, 1)
+        pid, host = st["pid"], st["host"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            ref = mnb.remote(torch.ones)(2, mesh=m)
+            with pytest.raises(mnb.WorkerUnresponsive) as ei:
+                ref.fetch(timeout=60)  # before: waited forever for the stopped rank
+            e = ei.value
+            assert isinstance(e, mnb.WorkerCrashed) and isinstance(e, mnb.RemoteError)
+            assert (e.rank, e.pid, e.host) == (1, pid, host) and e.silent_for > 3.0
+            msg = str(e)
+            assert f"worker rank 1 of mesh 'lost' is unresponsive (pid {pid} on {host}" in msg
+            assert "mesh.restart()" in msg
+            again = pickle.loads(pickle.dumps(e))
+            assert type(again) is mnb.WorkerUnresponsive and again.pid == pid
+            with pytest.raises(mnb.WorkerUnresponsive, match="needs a restart"):
+                mnb.remote(torch.ones)(2, mesh=m).fetch(timeout=60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        m.restart()
+        assert mnb.remote(torch.ones)(2, mesh=m).fetch(timeout=60)[0].tolist() == [1.0, 1.0]
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(heartbeat_timeout=0), "heartbeat_timeout must be > 0 s, got 0"),
+        (dict(liveness_timeout=-1), "liveness_timeout must be > 0 s or None, got -1"),
+    ],
+)
+def test_bad_timeouts_are_refused_before_any_worker_starts(kwargs, message, worker_children):
+    before = len(worker_children())
+    with pytest.raises(ValueError, match=message):
+        mnb.local_mesh(dp=1, name="bad-timeouts", **kwargs)
+    assert len(worker_children()) == before
+    assert "bad-timeouts" not in mnb.mesh.all_meshes()
