@@ -6,6 +6,8 @@ import contextlib
 import hashlib
 import itertools
 import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from .controller import HEARTBEAT_TIMEOUT, Controller
@@ -345,6 +347,28 @@ class DeviceMesh:
     def status(self) -> dict:
         """Plain data: workers, streams, errors and debugger sessions (MeshState)."""
         return self._controller.state.snapshot()
+
+    def stacks(self, timeout: float = 5.0) -> dict:
+        """Where every rank is, to find a hang: rank -> {stream name: {"running":
+        what the stream runs or None, "stack": its Python frames (the worker's own
+        hidden; "" when idle)}}. A rank that does not answer within ``timeout`` s
+        (stopped, or in native code that holds the GIL) maps to None."""
+        ctrl = self._controller
+        ctrl.check_usable()
+        asked = {}
+        for r in self.ranks:
+            ident = ctrl.next_ident()
+            asked[r] = (ident, ctrl.expect(ident, [r], single=True, what="stacks"))
+            ctrl.send(m.RequestStacks(ident), [r])
+        deadline = time.monotonic() + timeout
+        out = {}
+        for r, (ident, fut) in asked.items():
+            try:
+                out[r] = fut.result(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                ctrl.forget(ident)
+                out[r] = None
+        return out
 
     def dashboard(self):
         """The ipywidgets dashboard of this mesh."""

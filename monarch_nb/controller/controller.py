@@ -357,6 +357,10 @@ class Controller:
         self._pending[ident] = p
         return p.future
 
+    def forget(self, ident: int) -> None:
+        """Stop waiting for the replies of ``ident`` (a caller gave up on them)."""
+        self._pending.pop(ident, None)
+
     def expect_status(self, ident: int, ranks) -> Future:
         expected = [(r, sid) for r in ranks for sid in self.streams.values()]
         p = _Pending(ident, expected, None, False, "wait")

@@ -106,6 +106,13 @@ class RequestStatus(NamedTuple):
     ident: int
 
 
+class RequestStacks(NamedTuple):
+    """Answer at once (from the receiver thread) with a FetchResult whose value maps
+    each stream's name to {"running": what or None, "stack": its user frames}."""
+
+    ident: int
+
+
 class DeleteRefs(NamedTuple):
     refs: tuple
 

@@ -27,6 +27,19 @@ def format_user_traceback(e: BaseException) -> str:
     return "".join(te.format())
 
 
+def format_user_stack(frame) -> str:
+    """Where ``frame``'s thread is, without the worker's own frames ("" when it only
+    runs the worker's machinery: an idle stream)."""
+    if frame is None:
+        return ""
+    frames = [
+        f
+        for f in traceback.extract_stack(frame)
+        if not (is_machinery(f.filename) or f.filename.startswith("<frozen runpy>"))
+    ]
+    return "".join(traceback.format_list(frames))
+
+
 def _chain(te):
     seen = set()
     while te is not None and id(te) not in seen:

@@ -27,7 +27,7 @@ from . import capture, context, debugger
 from .borrow import Borrow
 from .cell import Cell, DependentOnError
 from .code import run_source
-from .failure import describe
+from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
 from .health import HealthSampler
 from .stream import Stream, interruptible_sleep
@@ -406,6 +406,17 @@ class Worker:
                     m.Status(rank, s.id, msg.ident, (s.started, s.finished, s.done))
                 )
             )
+
+    def RequestStacks(self, msg: m.RequestStacks) -> None:
+        frames = sys._current_frames()
+        stacks = {
+            s.name: {
+                "running": None if s.running is None else s.running[1],
+                "stack": format_user_stack(frames.get(s.thread_id or -1)),
+            }
+            for s in list(self.streams.values())
+        }
+        self._send(m.FetchResult(msg.ident, self.rank, stacks, None))
 
     def DeleteRefs(self, msg: m.DeleteRefs) -> None:
         env = self.env

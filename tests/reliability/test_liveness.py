@@ -85,3 +85,41 @@ def test_bad_timeouts_are_refused_before_any_worker_starts(kwargs, message, work
         mnb.local_mesh(dp=1, name="bad-timeouts", **kwargs)
     assert len(worker_children()) == before
     assert "bad-timeouts" not in mnb.mesh.all_meshes()
+
+
+def _spin_here_until(path: str):
+    import os as _os
+    import time as _time
+
+    while not _os.path.exists(path):  # the frame mesh.stacks() must find
+        _time.sleep(0.01)
+    return "released"
+
+
+def test_stacks_show_where_each_rank_is_and_a_silent_rank_as_none(watched, tmp_path):
+    flag = str(tmp_path / "release")
+    ref = mnb.remote(_spin_here_until)(flag, mesh=watched)
+    stacks = wait_for(
+        lambda: (s := watched.stacks(timeout=10))
+        and all("_spin_here_until" in s[r]["default"]["stack"] for r in (0, 1))
+        and s,
+        30,
+        "both ranks in _spin_here_until",
+    )
+    for r in (0, 1):
+        default = stacks[r]["default"]
+        assert default["running"] and "test_liveness.py" in default["stack"]
+        assert default["stack"].startswith('  File "')
+        assert "monarch_nb/worker" not in default["stack"]  # the worker's own frames hidden
+        assert "<frozen runpy>" not in default["stack"]
+    pid = _rank_status(watched, 1)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        silent = watched.stacks(timeout=1.0)
+        assert silent[1] is None and "_spin_here_until" in silent[0]["default"]["stack"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    open(flag, "w").close()
+    assert ref.fetch(timeout=60) == ["released", "released"]
+    idle = watched.stacks(timeout=10)
+    assert idle[0]["default"] == {"running": None, "stack": ""}
