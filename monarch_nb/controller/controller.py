@@ -708,6 +708,9 @@ class Controller:
     def _on_Progress(self, msg: m.Progress) -> None:
         self.state.progress(msg.rank, msg.streams)
 
+    def _on_Stalled(self, msg: m.Stalled) -> None:
+        self.state.stalled(msg.rank, msg.stream, msg.ident, msg.what, msg.seconds, msg.stack)
+
     def _on_Health(self, msg: m.Health) -> None:
         self.state.health(msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size)
 

@@ -32,6 +32,7 @@ class WorkerState:
     # stream id -> [last started ident, last finished ident, commands done]
     progress: dict = field(default_factory=dict)
     paused: dict = field(default_factory=dict)  # stream id -> {"file", "line", "function"}
+    stalled: dict = field(default_factory=dict)  # stream id -> {"ident", "what", "stack", ...}
 
 
 class MeshState:
@@ -91,7 +92,18 @@ class MeshState:
                 old = w.progress.get(sid)
                 # reports travel on several sockets: never go backwards
                 w.progress[sid] = list(v) if old is None else [max(a, b) for a, b in zip(old, v)]
+                st = w.stalled.get(sid)
+                if st is not None and w.progress[sid][1] >= st["ident"]:
+                    del w.stalled[sid]  # the stalled command finished
             self._prune()
+
+    def stalled(self, rank: int, sid: int, ident: int, what: str, seconds: float, stack: str):
+        with self.lock:
+            w = self.workers.get(rank)
+            if w is not None and w.progress.get(sid, (0, 0, 0))[1] < ident:
+                w.stalled[sid] = {
+                    "ident": ident, "what": what, "since": time.time() - seconds, "stack": stack
+                }
 
     def health(self, rank: int, rss: int, cpu: float, gpu, bad: int, env_size: int) -> None:
         w = self.workers[rank]
@@ -153,6 +165,7 @@ class MeshState:
                         "done": w.progress.get(sid, (0, 0, 0))[2],
                         "last": finished,  # ident of the last finished command
                         "paused": w.paused.get(sid),
+                        "stalled": _stall(w.stalled.get(sid), now),
                     }
                 ranks[r] = {
                     "pid": w.pid,
@@ -202,3 +215,15 @@ class MeshState:
         for g in out:
             g["ranks"].sort()
         return out
+
+
+def _stall(info: dict | None, now: float) -> dict | None:
+    """A stalled command as status() shows it: what, for how long, where."""
+    if info is None:
+        return None
+    return {
+        "ident": info["ident"],
+        "what": info["what"],
+        "for": now - info["since"],
+        "stack": info["stack"],
+    }

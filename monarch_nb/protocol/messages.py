@@ -331,6 +331,17 @@ class Output(NamedTuple):
     text: str
 
 
+class Stalled(NamedTuple):
+    """A stream has run one command for longer than the stall threshold: where it is."""
+
+    rank: int
+    stream: int
+    ident: int
+    what: str
+    seconds: float
+    stack: str  # its Python frames, the worker's own hidden
+
+
 class Health(NamedTuple):
     rank: int
     pid: int

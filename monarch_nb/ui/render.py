@@ -221,6 +221,14 @@ def queues_html(status: dict) -> str:
                 lines.append(f"▶ {_esc(what)} · {_secs(run['elapsed'])}")
             else:
                 lines.append("dead" if state == "dead" else state)
+            stall = info.get("stalled")
+            if stall and state != "dead":
+                where = stall["stack"] or "(in the worker's own code)"
+                lines.append(
+                    f"<details class='mnb-stall'><summary>stalled {_secs(stall['for'])}: "
+                    f"where</summary><pre style='text-align:left;white-space:pre-wrap'>"
+                    f"{_esc(where)}</pre></details>"
+                )
             lines.append(
                 f"<span class='mnb-q'>{info['queued']} queued</span> · "
                 f"<span class='mnb-done'>{info['done']} done</span>"

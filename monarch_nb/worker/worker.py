@@ -254,7 +254,8 @@ class Worker:
                 self._lost_at = None
 
     def _check_stalls(self) -> None:
-        """Log what a stream has been doing once a command runs longer than STALL_AFTER."""
+        """Once a command runs longer than STALL_AFTER: log where its stream is and
+        tell the controller (the dashboard shows it)."""
         now = time.time()
         for s in list(self.streams.values()):
             running = s.running
@@ -262,9 +263,7 @@ class Worker:
                 continue
             s.stall_logged = running[0]
             frame = sys._current_frames().get(s.thread_id or -1)
-            where = (
-                "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(no stack)"
-            )
+            where = format_user_stack(frame) or "(in the worker's own code)"
             logger.warning(
                 "possible stall: stream %r has run command %d (%s) for %.0f s; it is at:\n%s",
                 s.name,
@@ -273,6 +272,7 @@ class Worker:
                 now - running[2],
                 where,
             )
+            self._send(m.Stalled(self.rank, s.id, running[0], running[1], now - running[2], where))
 
     # ------------------------------------------------------------ helpers
 

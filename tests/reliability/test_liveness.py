@@ -123,3 +123,26 @@ def test_stacks_show_where_each_rank_is_and_a_silent_rank_as_none(watched, tmp_p
     assert ref.fetch(timeout=60) == ["released", "released"]
     idle = watched.stacks(timeout=10)
     assert idle[0]["default"] == {"running": None, "stack": ""}
+
+
+def test_a_stalled_stream_shows_where_it_is_in_status_and_the_dashboard(monkeypatch, tmp_path):
+    monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "1")  # read by the workers at start
+    m = mnb.local_mesh(dp=1, name="stalling")
+    try:
+        flag = str(tmp_path / "release")
+        ref = mnb.remote(_spin_here_until)(flag, mesh=m)
+
+        def stall():
+            return m.status()["ranks"][0]["streams"]["default"]["stalled"]
+
+        st = wait_for(stall, 30, "a stall report from rank 0")
+        assert "_spin_here_until" in st["stack"] and "monarch_nb/worker" not in st["stack"]
+        assert st["what"] == "_spin_here_until" and st["for"] >= 1.0
+        html = render.queues_html(m.status())
+        assert "mnb-stall" in html and "_spin_here_until" in html
+        open(flag, "w").close()
+        assert ref.fetch(timeout=60) == ["released"]
+        wait_for(lambda: stall() is None, 30, "the stall cleared once the command finished")
+        assert "mnb-stall" not in render.queues_html(m.status())
+    finally:
+        m.shutdown()
