@@ -23,6 +23,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import zmq
 
@@ -245,7 +246,26 @@ class Controller:
                 timeout=datetime.timedelta(seconds=300),
             )
             address = f"tcp://{self._advertise}:{self._store.port}"
-        self.send(m.InitBackend(address, self.state.backend), None)
+        ident = self.next_ident()
+        joined = self.expect(ident, range(self.world), what="torch.distributed start")
+        self.send(m.InitBackend(address, self.state.backend, ident), None)
+        try:
+            joined.result(timeout=self._startup_timeout)
+        except FutureTimeout:
+            self.forget(ident)
+            raise TimeoutError(
+                f"mesh {self.name!r}: torch.distributed ({self.state.backend}) did not start "
+                f"within {self._startup_timeout:.0f} s"
+            ) from None
+        except RemoteError as e:
+            if isinstance(e, WorkerCrashed):
+                raise
+            raise RemoteError(
+                e.failures,
+                None,
+                f"mesh {self.name!r}: torch.distributed ({self.state.backend}) failed to start "
+                f"on {format_ranks(e.failures)}",
+            ) from None
 
     @property
     def root_slice(self) -> NDSlice:
@@ -887,7 +907,15 @@ class Controller:
             # on the IO thread: a check of an old worker's exit that is under way there
             # must not see the new generation's state (and fail its start-up)
             self.call_in_io(self._begin_generation).result(timeout=30)
-        self._start_workers()
+        try:
+            self._start_workers()
+        except BaseException as e:
+            # broken with the reason until the next restart, never usable-looking
+            why = e if isinstance(e, RemoteError) else RemoteError(
+                {}, None, f"mesh {self.name!r}: the restart failed: {type(e).__name__}: {e}"
+            )
+            self.call_in_io(lambda: self._break(why)).result(timeout=30)
+            raise
         for name, sid in streams.items():
             self.send(m.CreateStream(sid, name, False), None)
             self.streams[name] = sid

@@ -194,10 +194,12 @@ class DebuggerMessage(NamedTuple):
 class InitBackend(NamedTuple):
     """Join the default torch.distributed process group through the store at
     ``store``: ``file:///path`` (a local mesh: no socket) or ``tcp://host:port``
-    (the controller's TCPStore, for workers on other hosts)."""
+    (the controller's TCPStore, for workers on other hosts). Answered with a
+    FetchResult of ``ident``: None, or why joining failed."""
 
     store: str
     backend: str
+    ident: int = 0
 
 
 class Ping(NamedTuple):

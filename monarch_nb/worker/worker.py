@@ -530,9 +530,18 @@ class Worker:
 
     def InitBackend(self, msg: m.InitBackend) -> None:
         comms = self.comms
-        self.streams[DEFAULT_STREAM].call_soon(
-            lambda: _log_failure(comms.init_backend, msg.store, msg.backend)
-        )
+        stream, rank = self.streams[DEFAULT_STREAM], self.rank
+
+        def init() -> None:
+            try:
+                comms.init_backend(msg.store, msg.backend)
+                failure = None
+            except BaseException as e:  # noqa: B036 - the controller fails the start with it
+                logger.exception("torch.distributed failed to start")
+                failure = describe(e)
+            stream.outbox.send(m.FetchResult(msg.ident, rank, None, failure))
+
+        stream.call_soon(init)
 
     def CreateProcessGroup(self, msg: m.CreateProcessGroup) -> None:
         self.comms.create_groups(msg.key, msg.groups)
@@ -602,13 +611,6 @@ def _internal(e: BaseException, where: str) -> m.RemoteFailure:
     """A failure of the worker's own machinery: its frames are the point, keep them."""
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     return m.RemoteFailure(type(e).__name__, f"in the worker's {where}: {e}", tb)
-
-
-def _log_failure(fn, *args) -> None:
-    try:
-        fn(*args)
-    except Exception:
-        logger.exception("%s failed", getattr(fn, "__name__", fn))
 
 
 class _MissingRef(Exception):
