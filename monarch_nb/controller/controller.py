@@ -147,6 +147,8 @@ class Controller:
         self._store_dir: str | None = None
         self._next_ping = 0.0
         self._ctx = zmq.Context()
+        self._sockets_lock = threading.Lock()
+        self._sockets_closed = False
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 0)
         # per worker socket: a flood (a 1 GB print) waits in the worker, whose
@@ -510,7 +512,25 @@ class Controller:
                     self._tick()
             except Exception:
                 logger.exception("controller IO thread error (continuing)")
-        self._drain_outq()
+        try:
+            self._drain_outq()
+        finally:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        """Close the router, the context and the wake pipe: on the IO thread, their
+        only user, once its loop is over (or by shutdown when that thread is gone)."""
+        with self._sockets_lock:
+            if self._sockets_closed:
+                return
+            self._sockets_closed = True
+            self._router.close(linger=0)
+            self._ctx.term()
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def _drain_outq(self) -> None:
         """Send what user threads handed over, in order. Small messages bound for
@@ -937,16 +957,13 @@ class Controller:
                     pass
                 if threading.current_thread() is not self._io:
                     self._io.join(timeout=5)
-                self._router.close(linger=0)
-                self._ctx.term()
+                if self._io.is_alive():  # stuck in a handler: it closes them when it ends
+                    logger.warning("mesh %r: the IO thread is still busy at shutdown", self.name)
+                else:
+                    self._close_sockets()
                 self._store = None
                 if self._store_dir is not None:
                     shutil.rmtree(self._store_dir, ignore_errors=True)
-                for fd in (self._wake_r, self._wake_w):
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
                 _live.discard(self)
 
     def worker_pids(self) -> dict[int, int]:

@@ -47,3 +47,27 @@ def test_a_restart_that_fails_leaves_the_mesh_broken_with_the_reason(monkeypatch
         assert m.status()["ranks"][1]["alive"]
     finally:
         m.shutdown()
+
+
+def test_shutdown_leaves_the_sockets_to_a_busy_io_thread(caplog):
+    import threading
+
+    from reliability_helpers import wait_for
+
+    m = mnb.local_mesh(dp=1, name="busy-io")
+    ctrl = m._controller
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_hook(msg):  # an output hook that does not return for a while
+        entered.set()
+        release.wait(60)
+
+    ctrl.on_output = stuck_hook
+    m.exec("print('hello')")
+    assert entered.wait(30), "the output never reached the hook"
+    ctrl.shutdown(timeout=1.0)  # the IO thread is inside the hook, using nothing else
+    assert ctrl._io.is_alive() and not ctrl._sockets_closed
+    release.set()
+    wait_for(lambda: not ctrl._io.is_alive(), 30, "the IO thread to end")
+    assert ctrl._sockets_closed
+    assert "controller IO thread error" not in caplog.text
