@@ -64,7 +64,8 @@ class DebugSessions:
                     event = "paused"
                 w = state.workers.get(msg.rank)
                 if w is not None:
-                    w.paused[msg.stream] = dict(s.location)
+                    with state.lock:  # status() reads it under that lock
+                        w.paused[msg.stream] = dict(s.location)
             elif kind == "output":
                 s.output.append(payload)
             elif kind == "prompt":
@@ -77,14 +78,16 @@ class DebugSessions:
                 s.prompt = None
                 w = state.workers.get(msg.rank)
                 if w is not None:
-                    w.paused.pop(msg.stream, None)
+                    with state.lock:
+                        w.paused.pop(msg.stream, None)
             elif kind == "resumed" and s is not None:
                 s.ended = True
                 s.prompt = None
                 del self._sessions[key]
                 w = state.workers.get(msg.rank)
                 if w is not None:
-                    w.paused.pop(msg.stream, None)
+                    with state.lock:
+                        w.paused.pop(msg.stream, None)
                 event = "resumed" if s.announced else None
             self._cond.notify_all()
         if event is not None:

@@ -146,3 +146,31 @@ def test_a_stalled_stream_shows_where_it_is_in_status_and_the_dashboard(monkeypa
         assert "mnb-stall" not in render.queues_html(m.status())
     finally:
         m.shutdown()
+
+
+def test_status_never_raises_while_sessions_pause_and_resume(watched):
+    import threading
+
+    errors, stop = [], threading.Event()
+
+    def hammer():  # status() read all the time, while the IO thread updates the pauses
+        while not stop.is_set():
+            try:
+                watched.status()
+            except Exception as e:  # noqa: BLE001 - any failure is the finding
+                errors.append(e)
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    try:
+        r = watched.exec("hits = 0\nfor i in range(15):\n    breakpoint()\n    hits += 1\nhits")
+        dbg = watched.debugger
+        for _ in range(15):
+            assert dbg.wait_any(30, count=2), "both ranks paused again"
+            dbg.continue_all()
+            wait_for(lambda: not dbg.waiting() or len(dbg.waiting()) == 2, 30, "a pause settled")
+        assert r.fetch(timeout=60) == [15, 15]
+    finally:
+        stop.set()
+        t.join(30)
+    assert errors == []
