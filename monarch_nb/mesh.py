@@ -340,9 +340,9 @@ class DeviceMesh:
         outside Python code (a collective whose peer is gone, a long native call)
         raise ``mnb.InterruptTimeout`` naming them: ``mesh.restart()`` frees them."""
         if timeout is None:
-            self._controller.interrupt()
+            self._controller.interrupt(ranks=self.ranks)
         else:
-            self._controller.interrupt_and_wait(timeout=timeout)
+            self._controller.interrupt_and_wait(timeout=timeout, ranks=self.ranks)
 
     def status(self) -> dict:
         """Plain data: workers, streams, errors and debugger sessions (MeshState)."""
@@ -378,12 +378,24 @@ class DeviceMesh:
 
     # ------------------------------------------------------------ life cycle
 
+    def _whole(self, what: str) -> None:
+        """Life-cycle calls act on whole meshes: a slice says so instead of acting."""
+        if self.id != 0:
+            raise ValueError(
+                f"{what} acts on the whole mesh {self.name!r}, and this is a slice of it "
+                f"(ranks {list(self.ranks)}): call it on mnb.get_mesh({self.name!r})"
+            )
+
     def restart(self) -> None:
-        """Fresh workers on every rank; Refs of the old generation become invalid."""
+        """Fresh workers on every rank; Refs of the old generation become invalid.
+        (A slice refuses: its workers are its mesh's.)"""
+        self._whole("restart()")
         self._controller.restart()
 
     def shutdown(self) -> None:
-        """Stop every worker of this mesh. Nothing is left running."""
+        """Stop every worker of this mesh. Nothing is left running. (A slice refuses:
+        its workers are its mesh's.)"""
+        self._whole("shutdown()")
         self._controller.shutdown()
         if (
             _meshes.get(self.name) is not None
@@ -398,6 +410,7 @@ class DeviceMesh:
         return self._controller.usable
 
     def __enter__(self) -> DeviceMesh:
+        self._whole("'with mesh:' (a shutdown at its end)")
         return self
 
     def __exit__(self, *exc) -> None:

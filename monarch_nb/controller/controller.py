@@ -389,31 +389,39 @@ class Controller:
         self._pending[ident] = p
         return p.future
 
-    def interrupt(self, streams=()) -> None:
+    def interrupt(self, streams=(), ranks=None) -> None:
         """Raise KeyboardInterrupt in the running commands of these streams (all by
-        default). The live workers of a broken mesh are interrupted too."""
+        default) on ``ranks`` (all by default). The live workers of a broken mesh
+        are interrupted too."""
         if not (self._closed or self._closing):
-            alive = [r for r, w in self.state.workers.items() if w.alive]
+            alive = [
+                r
+                for r, w in self.state.workers.items()
+                if w.alive and (ranks is None or r in ranks)
+            ]
             self.send(m.Interrupt(tuple(streams)), alive, check=False)
 
-    def _running(self, streams=()) -> dict:
+    def _running(self, streams=(), ranks=None) -> dict:
         """(rank, stream id) -> (ident, what) of the commands running now, as reported."""
         out = {}
         with self.state.lock:
             for r, w in self.state.workers.items():
-                if not w.alive:
+                if not w.alive or (ranks is not None and r not in ranks):
                     continue
                 for sid, (started, finished, _) in w.progress.items():
                     if started > finished and (not streams or sid in streams):
                         out[(r, sid)] = started
         return {k: (i, self._what_of(k[1], i)) for k, i in out.items()}
 
-    def interrupt_and_wait(self, streams=(), timeout: float = INTERRUPT_WAIT) -> None:
-        """Interrupt, then wait up to ``timeout`` s for the commands that were running
-        to end; raise InterruptTimeout naming the ranks (and commands) that did not:
-        they are stuck outside Python code and only ``restart()`` frees them."""
-        running = self._running(streams)
-        self.interrupt(streams)
+    def interrupt_and_wait(
+        self, streams=(), timeout: float = INTERRUPT_WAIT, ranks=None
+    ) -> None:
+        """Interrupt (on ``ranks``, all by default), then wait up to ``timeout`` s for
+        the commands that were running to end; raise InterruptTimeout naming the
+        ranks (and commands) that did not: they are stuck outside Python code and
+        only ``restart()`` frees them."""
+        running = self._running(streams, ranks)
+        self.interrupt(streams, ranks)
         deadline = time.monotonic() + timeout
         while running:
             with self.state.lock:

@@ -1,0 +1,45 @@
+"""A slice of a mesh acts on its own ranks: its interrupt stops only them, and the
+life-cycle calls that would act on the whole mesh (shutdown, restart, ``with``)
+say so instead of stopping the other ranks' workers. Real workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reliability_helpers import wait_for
+
+import monarch_nb as mnb
+
+LOOP = "import time\nfor i in range(3000):\n    time.sleep(0.01)\n'finished'"
+
+
+def _running(mesh, rank):
+    return mesh.status()["ranks"][rank]["streams"]["default"]["running"]
+
+
+def test_a_slice_interrupts_only_its_ranks(mesh):
+    r = mesh.exec(LOOP)
+    wait_for(lambda: _running(mesh, 0) and _running(mesh, 1), 30, "both ranks looping")
+    mesh.slice(dp=1).interrupt(timeout=10)
+    wait_for(lambda: not _running(mesh, 1), 30, "rank 1 stopped")
+    assert _running(mesh, 0), "rank 0, outside the slice, was interrupted too"
+    mesh.interrupt(timeout=10)
+    with pytest.raises(mnb.RemoteError) as ei:
+        r.fetch(timeout=30)
+    assert sorted(ei.value.failures) == [0, 1]
+    assert all(f[0] == "KeyboardInterrupt" for f in ei.value.failures.values())
+    assert mnb.remote(torch.ones)(1, mesh=mesh).fetch(timeout=30)[1].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("call", ["shutdown", "restart", "with"])
+def test_life_cycle_calls_on_a_slice_say_they_act_on_the_whole_mesh(mesh, call):
+    sub = mesh.slice(dp=0)
+    pids = mesh._controller.worker_pids()
+    with pytest.raises(ValueError, match=rf"acts on the whole mesh {mesh.name!r}.*ranks \[0\]"):
+        if call == "with":
+            with sub:
+                pass
+        else:
+            getattr(sub, call)()
+    assert mesh._controller.worker_pids() == pids and mesh.alive
+    assert mnb.remote(torch.ones)(1, mesh=sub).fetch(timeout=30) == [torch.ones(1)]
