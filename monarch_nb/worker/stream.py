@@ -102,8 +102,9 @@ class Outbox:
             pending.pop(0)
         self._pending_bytes = 0
 
-    def _send_locked(self, msg, block: bool = True) -> bool:
-        frames = encode(msg, self._worker.signer)
+    def _send_locked(self, msg, block: bool = True, frames=None) -> bool:
+        if frames is None:
+            frames = encode(msg, self._worker.signer)
         sock = self._socket()
         nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
         if nbytes > PROGRESS_BYTES and type(msg) is FetchResult:
@@ -123,12 +124,13 @@ class Outbox:
                 return False
         return True
 
-    def send(self, msg) -> None:
-        """Send ``msg`` after any output written before it."""
+    def send(self, msg, frames=None) -> None:
+        """Send ``msg`` (``frames``: as ``encode`` made it already) after any output
+        written before it."""
         with self.lock:
             if self._pending:
                 self._flush_locked()
-            self._send_locked(msg)
+            self._send_locked(msg, frames=frames)
 
     def flush(self) -> None:
         if self._pending:
@@ -300,6 +302,13 @@ class Stream:
                     ctypes.c_ulong(self.thread_id), ctypes.py_object(KeyboardInterrupt)
                 )
             return True
+
+    def leave_user_code(self) -> None:
+        """The running command's user part is over (what is left is the worker's own:
+        sending its reply): an interrupt no longer lands in it."""
+        with self._lock:
+            self.in_user_code = False
+        self._settle_interrupt()
 
     def _settle_interrupt(self) -> None:
         with self._lock:

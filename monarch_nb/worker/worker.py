@@ -378,23 +378,22 @@ class Worker:
     def _reply_value(self, ident: int, stream_id: int, compute, what: str) -> None:
         """On the stream: send ``compute()`` (or why it failed) as a FetchResult."""
         stream = self._stream(stream_id)
-        rank = self.rank
+        rank, signer = self.rank, self.signer
 
         def work():
+            # user code: computing the value and pickling it (its __reduce__ runs)
+            pickling = False
             try:
                 reply = m.FetchResult(ident, rank, compute(), None)
-            except DependentOnError as e:
-                reply = m.FetchResult(ident, rank, None, m.DependentOn(e.ident))
+                pickling = True
+                frames = encode(reply, signer)
             except BaseException as e:  # noqa: B036 - reported to the fetcher
-                reply = m.FetchResult(ident, rank, None, describe(e))
-            try:
-                stream.outbox.send(reply)
-            except Exception as e:  # unpicklable, too deep, a failing __reduce__...
-                why = str(e) if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
-                failure = m.RemoteFailure(
-                    type(e).__name__, f"cannot send the value back: {why}", ""
-                )
-                stream.outbox.send(m.FetchResult(ident, rank, None, failure))
+                stream.leave_user_code()  # a second interrupt must not lose the reply
+                failure = _fetch_failure(e, pickling)
+                reply, frames = m.FetchResult(ident, rank, None, failure), None
+            # the worker's own part: an interrupt landing here would lose the reply
+            stream.leave_user_code()
+            stream.outbox.send(reply, frames)
 
         stream.schedule(ident, what, work, report=False)
 
@@ -605,6 +604,18 @@ def _raw(cell: Cell):
     if isinstance(v, _MissingRef):
         raise v
     return v
+
+
+def _fetch_failure(e: BaseException, pickling: bool):
+    """Why a fetched value does not come: it depends on a failure, computing it
+    failed, or (``pickling``) it cannot be sent: unpicklable, too deep, a failing
+    __reduce__ (an interrupt while pickling is an interrupt)."""
+    if isinstance(e, DependentOnError):
+        return m.DependentOn(e.ident)
+    if pickling and isinstance(e, Exception):
+        why = str(e) if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
+        return m.RemoteFailure(type(e).__name__, f"cannot send the value back: {why}", "")
+    return describe(e)
 
 
 def _internal(e: BaseException, where: str) -> m.RemoteFailure:

@@ -43,3 +43,49 @@ def test_life_cycle_calls_on_a_slice_say_they_act_on_the_whole_mesh(mesh, call):
             getattr(sub, call)()
     assert mesh._controller.worker_pids() == pids and mesh.alive
     assert mnb.remote(torch.ones)(1, mesh=sub).fetch(timeout=30) == [torch.ones(1)]
+
+
+class SlowToPickle:
+    """A value whose pickling takes a while: the window an interrupt must not lose."""
+
+    def __reduce__(self):
+        import time
+
+        time.sleep(0.3)
+        return (SlowToPickle, ())
+
+
+def make_slow_to_pickle():
+    return SlowToPickle()
+
+
+def test_an_interrupt_while_a_reply_is_made_never_loses_it(mesh):
+    """Interrupts fired while values are pickled and sent: each fetch gets its value
+    or the interrupt's KeyboardInterrupt, never silence (an interrupt landing inside
+    the worker's own send of the reply used to lose it: the fetch waited forever)."""
+    import threading
+
+    side = mesh.stream("sender")
+    slow = mnb.remote(make_slow_to_pickle)(mesh=mesh, stream=side)
+    slow.fetch(rank=1, timeout=30)  # made, and it pickles
+    stop = threading.Event()
+
+    def storm():
+        while not stop.is_set():
+            mesh.interrupt()
+
+    t = threading.Thread(target=storm)
+    t.start()
+    outcomes = []
+    try:
+        for _ in range(4):
+            try:
+                outcomes.append(type(slow.fetch(rank=1, timeout=30)).__name__)
+            except mnb.RemoteError as e:
+                assert "KeyboardInterrupt" in str(e), e
+                outcomes.append("interrupted")
+    finally:
+        stop.set()
+        t.join()
+    assert len(outcomes) == 4 and "interrupted" in outcomes, outcomes
+    assert mnb.remote(torch.ones)(1, mesh=mesh, stream=side).fetch(timeout=30)[0].tolist() == [1.0]
