@@ -7,7 +7,7 @@ import os
 import re
 import time
 
-import psutil
+from wait_helpers import pids_gone as wait_gone  # noqa: F401 - the kernel tests' name for it
 
 from monarch_nb.headless import ipc_config, start_kernel
 
@@ -176,21 +176,3 @@ def errors(msgs) -> list[dict]:
 
 def errors_text(msgs) -> str:
     return "\n".join(ANSI.sub("", "\n".join(e["traceback"])) for e in errors(msgs))
-
-
-def wait_gone(pids, timeout: float = 15) -> list[int]:
-    """The pids still alive after ``timeout`` seconds (zombies count as gone)."""
-    deadline = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if _alive(p)]
-        if left:
-            time.sleep(0.1)
-    return left
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -128,19 +128,29 @@ def test_streams_overlap_without_timing(mesh):
     assert waiter.fetch() == [True, True]
 
 
+MEET = """
+import threading, time
+started = {"default": threading.Event(), "meet": threading.Event()}
+def meet(me, other):
+    begin = time.monotonic()
+    started[me].set()
+    met = started[other].wait(20)
+    return met, begin, time.monotonic()
+"""
+
+
 def test_two_streams_overlap_in_time(mesh):
-    side = mesh.stream("sleepy")
-    mesh.wait()
-    t0 = time.monotonic()
-    slow = mnb.remote(time.sleep)(1.0, mesh=mesh, stream=side)
-    fast = mnb.remote(torch.ones)(1, mesh=mesh)
-    fast.fetch()
-    t_fast = time.monotonic() - t0
-    slow.fetch()
-    t_slow = time.monotonic() - t0
-    assert (
-        t_fast < t_slow
-    )  # an ordering, not a speed: the default stream did not wait for the sleep
+    """A rendezvous: each stream's command starts, then waits for the other's to
+    start. Run one after the other, the first would give up waiting; run at the
+    same time, both meet and their intervals on the worker's clock overlap."""
+    side = mesh.stream("meet")
+    mesh.exec(MEET)
+    mesh.wait()  # the side stream reads what the default stream defined
+    a = mesh.exec("meet('meet', 'default')", stream=side)
+    b = mesh.exec("meet('default', 'meet')")
+    for (met_a, a0, a1), (met_b, b0, b1) in zip(a.fetch(timeout=60), b.fetch(timeout=60)):
+        assert met_a and met_b, "one stream's command ran while the other's was not running"
+        assert a0 < b1 and b0 < a1  # the intervals overlap: timestamps of one process
 
 
 def test_borrow_prevents_a_race(mesh):

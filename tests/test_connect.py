@@ -9,12 +9,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 
 import psutil
 import pytest
 import torch
+from wait_helpers import wait_for
 
 import monarch_nb as mnb
 
@@ -48,10 +48,7 @@ class Waiting:
 
 
 def wait_file(path, timeout=30):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+    wait_for(lambda: os.path.exists(path), timeout, f"{path} to appear")
 
 
 # joined workers import what their own environment has: this test module too

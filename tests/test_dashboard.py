@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+from wait_helpers import wait_for
 
 import monarch_nb as mnb
 from monarch_nb.notebook import waiting
@@ -196,18 +197,26 @@ def test_dashboard_follows_queues_errors_and_the_debugger(mesh2):
     try:
         side = mesh2.stream("side")
         mesh2.exec("import time\ntime.sleep(30)", stream=side)
-        d.redraw()
+
+        def shows(part: str, text: str) -> bool:
+            d.redraw()
+            return text in html.unescape(getattr(d, part).value)
+
         # the side stream shows its running command (the worker reports when it starts)
-        deadline = time.monotonic() + 30
-        while "▶ exec: import time" not in html.unescape(d.main.value):
-            assert time.monotonic() < deadline, d.main.value
-            time.sleep(0.05)
-            d.redraw()
-        while "KeyboardInterrupt" not in d.errors.value:  # until it lands in the sleep
-            assert time.monotonic() < deadline, d.errors.value
-            mesh2.interrupt()
-            time.sleep(0.1)
-            d.redraw()
+        wait_for(
+            lambda: shows("main", "▶ exec: import time"),
+            30,
+            "the running command",
+            show=lambda: d.main.value,
+        )
+        # the interrupt lands once the command is in its sleep: send it until it did
+        wait_for(
+            lambda: mesh2.interrupt() or shows("errors", "KeyboardInterrupt"),
+            30,
+            "the interrupt to land",
+            0.1,
+            show=lambda: d.errors.value,
+        )
         mesh2.exec("y = 1 / rank")  # rank 0 fails
         with pytest.raises(mnb.RemoteError):
             mesh2.wait(timeout=60)
@@ -255,10 +264,7 @@ def test_redraw_loop_bounds_the_rate_and_stops_when_shut_down():
         d.redraw()
         assert int(re.search(r"(\d+) done", d.main.value).group(1)) >= 1500
     # shut down: the last redraw says so, the controls are off, the loop lets it go
-    deadline = time.monotonic() + 10
-    while d.live:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: not d.live, 10, "the dashboard to stop")
     assert "shut down" in d.main.value and d.b_interrupt.disabled and d.input.disabled
     assert d not in LOOP.dashboards()
 
@@ -268,22 +274,19 @@ def test_heartbeat_of_a_stopped_worker_turns_red(mesh2):
     import signal
 
     d = Dashboard(mesh2, live=False)
+
+    def stale() -> bool:
+        d.redraw()
+        return "mnb-stale" in d.main.value
+
     pid = mesh2.status()["ranks"][1]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 30
-        while "mnb-stale" not in d.main.value:
-            assert time.monotonic() < deadline, d.main.value
-            time.sleep(0.2)
-            d.redraw()
+        wait_for(stale, 30, "a red beat", 0.2, lambda: d.main.value)
         beats = re.findall(r"class='mnb-beat( mnb-stale)?'[^>]*>([^<]*)<", d.main.value)
         assert beats[0] == ("", "&lt;2 s") and beats[1][0] == " mnb-stale"
         assert int(beats[1][1].split()[0]) >= render.HEARTBEAT_STALE
     finally:
         os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + 30
-    while "mnb-stale" in d.main.value:  # it answers again
-        assert time.monotonic() < deadline, d.main.value
-        time.sleep(0.2)
-        d.redraw()
+    wait_for(lambda: not stale(), 30, "it to answer", 0.2, lambda: d.main.value)
     d.close()

@@ -10,6 +10,7 @@ import time
 
 import pytest
 from kernel_helpers import Kernel, errors_text, idle, plain, stream
+from wait_helpers import gated_code
 from widget_helpers import Widgets
 
 pytestmark = pytest.mark.kernel
@@ -85,13 +86,17 @@ def test_mesh_magic_shows_the_dashboard(kw):
     assert not [m for m in msgs if m["msg_type"] in ("comm_open", "display_data")]
 
 
-def test_queues_on_two_streams_and_grouped_errors(kw):
+def test_queues_on_two_streams_and_grouped_errors(kw, tmp_path):
     k, w = kw
-    run(k, w, "%%monarch --noblock --stream side\nimport time\ntime.sleep(3)")
-    run(k, w, "%%monarch --noblock\nimport time\ntime.sleep(2)")
-    run(k, w, "%%monarch --noblock\nimport time\ntime.sleep(0.1)")
-    main = w.wait_text("mnb-dash-main", "1 queued")
-    assert "mnb-busy" in main and "data-stream='side'" in main and "▶ %%monarch" in main
+    gate = tmp_path / "gate"  # holds the side stream's cell and the default stream's first
+    run(k, w, "%%monarch --noblock --stream side\n" + gated_code(gate, "side", "side done"))
+    run(k, w, "%%monarch --noblock\n" + gated_code(gate, "default", "default done"))
+    run(k, w, "%%monarch --noblock\npass")  # queued behind the held one
+    try:
+        main = w.wait_text("mnb-dash-main", "1 queued")
+        assert "mnb-busy" in main and "data-stream='side'" in main and "▶ %%monarch" in main
+    finally:
+        gate.touch()
     reply, msgs = run(k, w, "%%monarch\nx = 1\n1 / (x - rank)", ok=False)  # rank 1 divides by zero
     assert reply["content"]["status"] == "error"
     errors = w.wait_text("mnb-dash-errors", "ZeroDivisionError")

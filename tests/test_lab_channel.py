@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 from kernel_helpers import Kernel
+from wait_helpers import wait_for
 
 from monarch_nb.ui import render
 
@@ -172,9 +173,7 @@ def test_the_channel_serves_status_dashboard_and_debugger(kern):
     second.status(lambda s: True)
     second.close()
     live = "len(__import__('monarch_nb.notebook').notebook._loaded[id(get_ipython())].lab._comms)"
-    deadline = time.monotonic() + 10
-    while kern.value(live) != 1:
-        assert time.monotonic() < deadline, "the closed comm was not forgotten"
+    wait_for(lambda: kern.value(live) == 1, 10, "the closed comm to be forgotten", 0.1)
     msgs = kern.ok("%unload_ext monarch_nb")
     closed = {m["content"]["comm_id"] for m in msgs if m["msg_type"] == "comm_close"}
     assert {front.comm_id, beacon} <= closed

@@ -19,6 +19,7 @@ from kernel_helpers import (
     stream,
     wait_gone,
 )
+from wait_helpers import gated_code
 
 pytestmark = pytest.mark.kernel
 
@@ -106,10 +107,18 @@ def test_output_prefixed_and_folded(k):
     assert sorted(err) == ["[rank 0] oops 0", "[rank 1] oops 1"]
 
 
-def test_output_is_live_while_the_cell_runs(k):
-    reply, msgs = monarch(k, "import time\nprint('first')\ntime.sleep(1.5)\nprint('second')")
+def test_output_is_live_while_the_cell_runs(k, tmp_path):
+    """'first' reaches the notebook while the cell still waits for the test to open
+    its gate: output held until the cell's end would time the wait out."""
+    gate = tmp_path / "gate"
+    msg_id = k.kc.execute("%%monarch\n" + gated_code(gate, "first", "second"))
+    try:
+        early = k.drain(msg_id, lambda ms: "first" in stream(ms), timeout=30)
+        assert not idle(early) and "second" not in stream(early)
+    finally:
+        gate.touch()
+    msgs = early + k.drain(msg_id, idle, timeout=60)
     chunks = [m["content"]["text"] for m in msgs if m["msg_type"] == "stream"]
-    # published while the cell ran, not all at its end
     assert chunks == ["[ranks 0-1] first\n", "[ranks 0-1] second\n"], chunks
 
 
@@ -286,14 +295,16 @@ def test_notebook_functions_and_classes_reach_the_workers(k):
 # ------------------------------------------------------------------ --noblock
 
 
-def test_noblock_output_lands_under_its_own_cell(k):
-    code = (
-        "%%monarch --noblock\nimport time\nprint('started')\ntime.sleep(1.0)\n"
-        "print('finished')\nrank + 100"
+def test_noblock_output_lands_under_its_own_cell(k, tmp_path):
+    gate = tmp_path / "gate"
+    first = k.kc.execute(
+        "%%monarch --noblock\n" + gated_code(gate, "started", "finished") + "rank + 100"
     )
-    first = k.kc.execute(code)
-    # another cell runs meanwhile: none of the background output may land there
-    second = k.kc.execute("import time\ntime.sleep(0.5)\n'other'")
+    # the next cell lets the background one go on and waits until it has finished: the
+    # background output comes while it runs, yet none of it may land there
+    second = k.kc.execute(
+        f"open({str(gate)!r}, 'w').close()\nmnb.get_mesh().wait(timeout=60)\n'other'"
+    )
     by = k.collect(
         lambda g: idle(g.get(second, [])) and len(plain(g.get(first, []))) >= 2, timeout=30
     )
@@ -302,13 +313,14 @@ def test_noblock_output_lands_under_its_own_cell(k):
     assert "[ranks 0-1] started" in text and "[ranks 0-1] finished" in text
     assert plain(by[first]) == ["[rank 0] 100", "[rank 1] 101"]
     assert plain(by[second]) == ["'other'"] and stream(by[second]) == ""
-    # the noblock cell's idle status came before its late output
+    # the noblock cell's idle status came before its late output (the gate opened after it)
     kinds = [m["msg_type"] for m in by[first]]
     assert kinds.index("status", 1) < max(i for i, t in enumerate(kinds) if t == "display_data")
     # a failure of a background cell is shown under it too
     reply, msgs = k.run("%%monarch --noblock\nimport time\ntime.sleep(0.3)\n1 / 0")
-    late = k.drain(reply["parent_header"]["msg_id"], lambda ms: errors(ms), timeout=30)
-    assert "[ranks 0-1] ZeroDivisionError" in errors_text(late)
+    if not errors(msgs):  # it comes after the cell's reply (unless the workers were quicker)
+        msgs += k.drain(reply["parent_header"]["msg_id"], errors, timeout=30)
+    assert "[ranks 0-1] ZeroDivisionError" in errors_text(msgs)
 
 
 # ------------------------------------------------------------------ interrupt

@@ -1,10 +1,10 @@
 """Pipes: side processes per rank that feed values to the workers."""
 
 import os
-import time
 
 import psutil
 import pytest
+from wait_helpers import pids_gone, wait_for
 
 import monarch_nb as mnb
 
@@ -27,10 +27,13 @@ def crashing(pipe):
 
 
 def flood(pipe, path):
+    """Send as fast as the pipe lets; after each value, say how many went."""
+    path = f"{path}-{pipe.ranks['dp']}"
     for i in range(1000):
         pipe.send(i)
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.write(str(i + 1))
+        os.replace(path + ".tmp", path)  # a reader never sees a half-written count
 
 
 def test_pipe_feeds_values_per_rank(mesh):
@@ -41,10 +44,7 @@ def test_pipe_feeds_values_per_rank(mesh):
         assert got == [[0, 1], [10, 11], [20, 21]]
         with pytest.raises(mnb.RemoteError, match="returned"):
             p.recv().fetch(timeout=30)
-    deadline = time.time() + 10
-    while any(psutil.pid_exists(x) and psutil.Process(x).status() != "zombie" for x in pids):
-        assert time.time() < deadline, "pipe processes outlived close()"
-        time.sleep(0.1)
+    assert pids_gone(pids, 10) == [], "pipe processes outlived close()"
 
 
 def test_pipe_exception_and_crash_reach_the_user(mesh):
@@ -62,14 +62,30 @@ def test_pipe_exception_and_crash_reach_the_user(mesh):
 
 
 def test_pipe_back_pressure(mesh, tmp_path):
+    """The producer runs ahead of the receiver by exactly max_messages values: after
+    each receive it sends up to that bound, and the first count seen at or past the
+    bound is the bound. Without back pressure the counts would race on to 1000."""
     path = tmp_path / "sent"
     p = mesh.pipe(flood, str(path), max_messages=4)
-    first = p.recv().fetch(rank=0, timeout=30)
-    assert first == 0
-    time.sleep(1.5)  # the producer runs ahead only as far as the high-water marks allow
-    sent = int(path.read_text())
-    assert sent < 100, sent
-    p.close()
+
+    def sent() -> list:  # per rank: how many values its producer has sent
+        return [int(c.read_text()) if c.exists() else 0 for c in counts]
+
+    counts = [tmp_path / f"sent-{r}" for r in (0, 1)]
+
+    try:
+        for received in range(1, 4):
+            assert p.recv().fetch(timeout=30) == [received - 1] * 2
+            bound = received + 4
+
+            def reached(bound=bound):
+                now = sent()
+                return now if min(now) >= bound else None
+
+            got = wait_for(reached, 30, f"both producers to send {bound} values", show=sent)
+            assert got == [bound, bound]
+    finally:
+        p.close()
 
 
 def test_pipe_bad_input(mesh):
@@ -86,10 +102,7 @@ def test_pipes_end_with_their_mesh():
     pid = p.recv().fetch(rank=0)
     assert psutil.pid_exists(pid)
     m1.shutdown()
-    deadline = time.time() + 10
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
-        assert time.time() < deadline, "a pipe process outlived its mesh"
-        time.sleep(0.1)
+    assert pids_gone([pid], 10) == [], "a pipe process outlived its mesh"
 
 
 def counter(pipe, n):

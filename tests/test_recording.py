@@ -1,7 +1,10 @@
 """mnb.compile: commands recorded once, replayed per call with new inputs."""
 
+import gc
+
 import pytest
 import torch
+from worker_probes import env_sizes
 
 import monarch_nb as mnb
 
@@ -92,14 +95,10 @@ def test_replayed_internals_do_not_grow_the_env(mesh):
         return x
 
     x = mnb.remote(torch.zeros)(1, mesh=mesh)
-    chain(x).fetch()
-    mesh.wait()
-    import time
-
-    time.sleep(1.2)
-    base = mesh.status()["ranks"][0]["env_size"]
+    chain(x).fetch()  # recorded (and run) once
+    gc.collect()  # Refs of earlier tests go now, not in the middle of this one
+    base = env_sizes(mesh)
     results = [chain(x) for _ in range(5)]
     assert results[-1].fetch(rank=0).tolist() == [20.0]
-    mesh.wait()
-    time.sleep(1.2)
-    assert mesh.status()["ranks"][0]["env_size"] <= base + 5
+    # only the five results stay: each replay's 19 intermediate values went with it
+    assert env_sizes(mesh) == [b + 5 for b in base]

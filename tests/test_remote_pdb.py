@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from kernel_helpers import errors, errors_text, mesh_kernel, stream, text
+from wait_helpers import wait_for
 
 pytestmark = pytest.mark.kernel
 
@@ -115,19 +116,19 @@ def test_kernel_without_stdin(k):
     reply, msgs = k.run("%monarch_debug cast 0 p q")
     assert "[rank 0] 99" in stream(msgs)
     k.ok("%monarch_debug continue")
-    k.ok("import time; time.sleep(0.5)")
-    reply, msgs = k.run("%monarch_debug list")
-    assert "no paused debugger sessions" in stream(msgs)
+
+    def listed() -> str:
+        return stream(k.run("%monarch_debug list")[1])
+
+    wait_for(lambda: "no paused debugger sessions" in listed(), 30, "rank 0 to go on", 0.1, listed)
 
 
 def test_interrupt_while_paused(k):
-    import threading
-
-    def interrupt_soon(msg):
-        threading.Timer(0.2, k.km.interrupt_kernel).start()
+    def interrupt(msg):  # the prompt is there: the rank is paused
+        k.km.interrupt_kernel()
 
     reply, msgs = k.run(
-        "%%monarch\nbreakpoint()\npass", timeout=60, allow_stdin=True, stdin_hook=interrupt_soon
+        "%%monarch\nbreakpoint()\npass", timeout=60, allow_stdin=True, stdin_hook=interrupt
     )
     assert reply["content"]["status"] == "error"
     k.ok("%%monarch\nprint('alive', rank)")

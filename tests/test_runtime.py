@@ -10,6 +10,8 @@ import time
 import psutil
 import pytest
 import torch
+from wait_helpers import file_appears, wait_for, wait_running
+from worker_probes import env_sizes
 
 import monarch_nb as mnb
 from monarch_nb.protocol import Signer, encode, new_secret
@@ -99,23 +101,37 @@ def test_dependent_value_names_original_failure_once(mesh):
 def test_output_is_forwarded_with_rank_prefix(mesh, capfd):
     mesh.exec("print('hello', rank)\nimport sys; print('warn', rank, file=sys.stderr)")
     mesh.wait()
-    time.sleep(0.2)
-    out, err = capfd.readouterr()
-    assert "[rank 0] hello 0" in out and "[rank 1] hello 1" in out
-    assert "[rank 1] warn 1" in err
+    seen = ["", ""]
+
+    def printed():
+        out, err = capfd.readouterr()
+        seen[0] += out
+        seen[1] += err
+        out, err = seen
+        return "[rank 0] hello 0" in out and "[rank 1] hello 1" in out and "[rank 1] warn 1" in err
+
+    wait_for(printed, 30, "both ranks' output with their prefixes", show=lambda: seen)
 
 
-def test_streams_run_independently(mesh):
+def test_streams_run_independently(mesh, tmp_path):
+    """The default stream does its work while the side stream's command is held on a
+    gate only the test opens: had the default stream waited for it, the fetches
+    here would time out (the gate stays shut for 60 s)."""
+    gate = tmp_path / "gate"
     side = mesh.stream("side")
-    slow = mnb.remote(time.sleep)(1.5, mesh=mesh, stream=side)
-    t0 = time.monotonic()
-    fast = mnb.remote(torch.zeros)(2, mesh=mesh)
-    fast.fetch(rank=0)
-    fast_elapsed = time.monotonic() - t0
-    slow.fetch(rank=0)
-    assert fast_elapsed < 1.0  # ordering check with a wide margin: the default stream did not wait
+    held = mnb.remote(file_appears)(str(gate), 60, mesh=mesh, stream=side)
+    try:
+        wait_running(mesh, [0, 1], "side")
+        x = mnb.remote(torch.zeros)(2, mesh=mesh)
+        for _ in range(3):
+            x = mnb.remote(add)(x, 1, mesh=mesh)
+        assert [t.tolist() for t in x.fetch(timeout=30)] == [[3.0, 3.0]] * 2
+        assert mesh.exec("rank").fetch(timeout=30) == [0, 1]
+    finally:
+        gate.touch()
+    assert held.fetch(timeout=30) == [True, True]  # it saw the gate open, not its bound
     with pytest.raises(mnb.RefUseError, match="borrow"):
-        mnb.remote(add)(slow, 1, mesh=mesh)
+        mnb.remote(add)(held, 1, mesh=mesh)
 
 
 def test_status_shape(mesh):
@@ -130,19 +146,28 @@ def test_status_shape(mesh):
     json.dumps(st)
 
 
-def test_interrupt_from_the_api(mesh):
-    looping = mesh.exec("while True: pass")
-    sleeping = mnb.remote(time.sleep)(1000, mesh=mesh, stream=mesh.stream("side"))
-    time.sleep(0.5)
+def mark_then_sleep(path: str, seconds: float) -> None:
+    open(f"{path}-{mnb.current_rank()}", "w").close()
+    time.sleep(seconds)
+
+
+def test_interrupt_from_the_api(mesh, tmp_path):
+    """One interrupt stops what runs on every stream of every rank; it is sent once
+    the commands are in user code (each leaves a marker file first)."""
+    loop_mark, sleep_mark = tmp_path / "loop", tmp_path / "sleep"
+    side = mesh.stream("side")
+    looping = mesh.exec(f"open(f'{loop_mark}-{{rank}}', 'w').close()\nwhile True: pass")
+    sleeping = mnb.remote(mark_then_sleep)(str(sleep_mark), 1000, mesh=mesh, stream=side)
+    marks = [f"{m}-{r}" for m in (loop_mark, sleep_mark) for r in (0, 1)]
+    wait_for(lambda: all(os.path.exists(p) for p in marks), 30, "both commands to start")
     mesh.interrupt()
-    with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt"):
-        looping.fetch(rank=0, timeout=10)
-    mesh.interrupt()
-    with pytest.raises(mnb.RemoteError):
-        mesh.wait(timeout=30)
+    for ref in (looping, sleeping):
+        with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt") as ei:
+            ref.fetch(timeout=30)
+        assert set(ei.value.failures) == {0, 1}
     # both streams keep serving
     assert mesh.exec("1 + 1").fetch(timeout=10) == [2, 2]
-    del sleeping
+    assert mnb.remote(add)(1, 1, mesh=mesh, stream=side).fetch(timeout=10) == [2, 2]
 
 
 # ------------------------------------------------------------------ bad input
@@ -204,10 +229,10 @@ def test_wrong_key_message_is_not_executed(mesh, tmp_path):
     frames = encode(evil, Signer(new_secret()))
     ctrl._enqueue(("msg", [0], frames, None))
     assert mnb.remote(add)(1, 1, mesh=mesh).fetch(rank=0) == 2  # the worker keeps serving
-    deadline = time.time() + 5
-    while mesh.status()["ranks"][0]["bad_messages"] == before and time.time() < deadline:
-        time.sleep(0.1)
-    assert mesh.status()["ranks"][0]["bad_messages"] == before + 1
+    bad = wait_for(
+        lambda: mesh.status()["ranks"][0]["bad_messages"] - before, 10, "the worker's count"
+    )
+    assert bad == 1
     assert not marker.exists()
 
 
@@ -229,9 +254,7 @@ def test_controller_drops_forged_messages(mesh, tmp_path):
     s.send_multipart([b"\0" * 32, pickle.dumps(Evil())])
     s.send_multipart([b"garbage"])
     s.close(linger=1000)
-    deadline = time.time() + 5
-    while mesh.status()["bad_messages"] < before + 2 and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: mesh.status()["bad_messages"] >= before + 2, 10, "both drops counted")
     assert mesh.status()["bad_messages"] == before + 2
     assert not marker.exists()
     assert mesh.exec("2").fetch() == [2, 2]
@@ -250,7 +273,7 @@ def test_sigkill_during_long_command_then_new_mesh(worker_children):
     try:
         r = mnb.remote(time.sleep)(60, mesh=m1)
         fut = r.fetch_async(rank=0)
-        time.sleep(0.3)
+        wait_running(m1, [0, 1])  # killed in the middle of the command
         victim = m1._controller.worker_pids()[1]
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(mnb.WorkerCrashed) as ei:
@@ -334,42 +357,24 @@ def test_fetching_2gb_does_not_grow_memory(mesh):
         assert a <= b * 1.10, (base, after)
 
 
-def _env_sizes(mesh, want=None, timeout=10.0):
-    """Worker env sizes from status (health samples come once a second)."""
-    deadline = time.time() + timeout
-    while True:
-        sizes = [mesh.status()["ranks"][r]["env_size"] for r in mesh.ranks]
-        if want is None and None not in sizes or sizes == want or time.time() > deadline:
-            return sizes
-        time.sleep(0.1)
-
-
 def test_del_ref_frees_worker_memory(mesh):
     import gc
 
     gc.collect()  # Refs of earlier tests go now, not in the middle of this one
-    mesh.wait()
-    time.sleep(1.2)  # a fresh health sample
-    base = _env_sizes(mesh)
+    base = env_sizes(mesh)
     refs = [mnb.remote(torch.ones)(1000, mesh=mesh) for _ in range(50)]
-    mesh.wait()
-    grown = _env_sizes(mesh, [b + 50 for b in base])
-    assert grown == [b + 50 for b in base]
+    assert env_sizes(mesh) == [b + 50 for b in base]
     del refs
-    mesh.wait()
-    assert _env_sizes(mesh, base) == base
+    assert env_sizes(mesh) == base
 
 
 def test_stall_monitor_logs_a_long_command(tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "1")
     with mnb.local_mesh(dp=1, name="stally") as m1:
         m1.exec("import time\ntime.sleep(3)").fetch(timeout=30)
-        deadline = time.time() + 5
-        tail = ""
-        while time.time() < deadline and "possible stall" not in tail:
-            tail = m1._controller._procs[0].tail_text()
-            time.sleep(0.1)
-        assert "possible stall" in tail and "time.sleep(3)" in tail
+        tail = m1._controller._procs[0].tail_text
+        wait_for(lambda: "possible stall" in tail(), 10, "the stall log", show=tail)
+        assert "time.sleep(3)" in tail()
 
 
 def test_progress_bars_for_startup_and_large_transfers(capfd, monkeypatch):

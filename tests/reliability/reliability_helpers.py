@@ -4,55 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import psutil
-
-
-def wait_for(cond, timeout: float, what: str, poll: float = 0.02):
-    """Poll ``cond()`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)
-
-
-def running(mesh, rank: int, stream: str = "default"):
-    """What ``rank`` runs on ``stream`` now, per mesh.status() (None when idle)."""
-    return mesh.status()["ranks"][rank]["streams"].get(stream, {}).get("running")
-
-
-def wait_running(mesh, ranks, stream: str = "default", what: str | None = None, timeout=30.0):
-    def ok():
-        for r in ranks:
-            cur = running(mesh, r, stream)
-            if cur is None or (what is not None and not cur["what"].startswith(what)):
-                return False
-        return True
-
-    wait_for(ok, timeout, f"ranks {list(ranks)} to run {what or 'a command'} on {stream!r}")
-
-
-def pids_gone(pids, timeout: float) -> list[int]:
-    """The pids still alive after ``timeout`` s (a zombie is dead: it runs nothing)."""
-    deadline = time.monotonic() + timeout
-    left = list(pids)
-    while True:
-        left = [p for p in left if alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+from wait_helpers import alive, pids_gone, running, wait_for, wait_running  # noqa: F401 - their name
 
 
 class PeakRss:

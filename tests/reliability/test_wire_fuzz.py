@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import pickle
-import time
 from collections import Counter
 from concurrent.futures import Future
 
@@ -306,7 +305,8 @@ def test_the_secret_appears_in_no_log_repr_or_status(tmp_path, caplog, monkeypat
         ctrl.send(m.BorrowFirstUse(12345), None)
         with pytest.raises(mnb.RemoteError, match="is broken"):
             mnb.remote(torch.ones)(1, mesh=mesh).fetch(timeout=30)
-        time.sleep(0.5)
+        tail = ctrl._procs[0].tail_text  # the worker's log of that failure, to its last line
+        wait_for(lambda: "KeyError: 12345" in tail(), 10, "the worker's log", show=tail)
         worker = psutil.Process(ctrl.worker_pids()[0])
         texts = {
             "logs": caplog.text,

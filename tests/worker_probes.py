@@ -1,0 +1,25 @@
+"""Remote functions that read a worker's own state, exactly and at once (status()
+has it only as of the last health sample)."""
+
+from __future__ import annotations
+
+
+def env_size() -> int:
+    """The number of values the worker holds for Refs, not counting this call's result.
+
+    Deletes of dropped Refs travel after the commands already sent: call
+    ``mesh.wait()`` first so that this one comes after them."""
+    import gc
+
+    from monarch_nb.worker.worker import Worker
+
+    (worker,) = [o for o in gc.get_objects() if isinstance(o, Worker)]
+    return len(worker.env) - 1
+
+
+def env_sizes(mesh) -> list[int]:
+    """``env_size()`` on every rank of ``mesh``, after everything sent so far."""
+    import monarch_nb as mnb
+
+    mesh.wait()
+    return mnb.remote(env_size)(mesh=mesh).fetch(timeout=60)
