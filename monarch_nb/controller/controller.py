@@ -37,11 +37,11 @@ from .errors import (
     MeshClosedError,
     RemoteError,
     WorkerCrashed,
-    WorkerUnresponsive,
     broken_again,
     format_ranks,
 )
 from .launcher import LocalLauncher, LocalProcess
+from .liveness import Liveness
 from .progress import PROGRESS_BYTES, Transfers, bar
 from .state import MeshState
 
@@ -122,18 +122,12 @@ class Controller:
         liveness_timeout: float | None = None,
     ):
         self.name = name
-        if not heartbeat_timeout > 0:
-            raise ValueError(f"heartbeat_timeout must be > 0 s, got {heartbeat_timeout!r}")
-        if liveness_timeout is not None and not liveness_timeout > 0:
-            raise ValueError(f"liveness_timeout must be > 0 s or None, got {liveness_timeout!r}")
-        self.heartbeat_timeout = float(heartbeat_timeout)  # then: unresponsive in status()
-        self.liveness_timeout = liveness_timeout  # then: presumed lost, calls fail
-        self.liveness_listeners: list = []  # callables(event, info) on the IO thread
         self.dims = dict(dims)
         self.world = 1
         for s in self.dims.values():
             self.world *= s
         self.state = MeshState(name, self.dims, backend)
+        self.liveness = Liveness(name, self.state, self._break, heartbeat_timeout, liveness_timeout)
         self._secret = new_secret()
         self.signer = Signer(self._secret)
         self._launcher = launcher or LocalLauncher()
@@ -789,7 +783,7 @@ class Controller:
         if not (self._closing or self._closed):
             if self._launcher.external and self._identities:
                 self._ping()
-            self._watch_liveness()
+            self.liveness.check()
         if self._awaiting_failure:
             now = time.monotonic()
             for orig, waiting in list(self._awaiting_failure.items()):
@@ -811,35 +805,6 @@ class Controller:
             frames = encode(m.Ping(), self.signer)
             for ident in self._identities.values():
                 self._router.send_multipart([ident, *frames])
-
-    def _watch_liveness(self) -> None:
-        """Every worker reports at least once a second. One silent for longer than
-        ``heartbeat_timeout`` is unresponsive (announced once, and again when it
-        answers again); past ``liveness_timeout`` it is presumed lost and every
-        pending call fails with WorkerUnresponsive."""
-        wall = time.time()
-        for rank, w in list(self.state.workers.items()):
-            if not (w.alive and w.last_seen):
-                continue
-            silent = wall - w.last_seen
-            if self.liveness_timeout is not None and silent > self.liveness_timeout:
-                self.state.worker_exited(rank, None)
-                self._break(WorkerUnresponsive(rank, w.host, w.pid, silent, self.name))
-                continue
-            quiet = silent > self.heartbeat_timeout
-            if quiet != w.unresponsive:
-                w.unresponsive = quiet
-                event = "unresponsive" if quiet else "recovered"
-                info = {"rank": rank, "host": w.host, "pid": w.pid, "silent_for": silent}
-                (logger.warning if quiet else logger.info)(
-                    "mesh %r: worker rank %d (pid %s on %s) %s", self.name, rank, w.pid,
-                    w.host, f"silent for {silent:.0f} s" if quiet else "answers again",
-                )
-                for fn in list(self.liveness_listeners):
-                    try:
-                        fn(event, info)
-                    except Exception:
-                        logger.exception("liveness listener failed")
 
     def _check_process(self, p: LocalProcess, wait: float = 0.0) -> None:
         code = p.popen.poll()

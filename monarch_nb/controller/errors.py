@@ -201,6 +201,8 @@ class WorkerCrashed(RemoteError):
         tb = text + (f"\nlast lines of its stderr:\n{tail}" if tail else "\n(no stderr output)")
         super().__init__({rank: ("WorkerCrashed", text, tb)}, None, text, earlier)
 
+    gone = "died"  # what happened to the worker, as a later call says it
+
     @property
     def how(self) -> str:
         return describe_exit(self.exit_code)
@@ -209,7 +211,7 @@ class WorkerCrashed(RemoteError):
         where = f"mesh {self.mesh!r}" if self.mesh else "the mesh"
         if self.earlier:
             return (
-                f"{where} needs a restart: its worker rank {self.rank} died earlier "
+                f"{where} needs a restart: its worker rank {self.rank} {self.gone} earlier "
                 f"({self.how}); {RESTART}"
             )
         return f"{self.context}; {RESTART}"
@@ -257,18 +259,11 @@ class WorkerUnresponsive(WorkerCrashed):
         )
         RemoteError.__init__(self, {rank: ("WorkerUnresponsive", text, text)}, None, text, earlier)
 
+    gone = "stopped answering"
+
     @property
     def how(self) -> str:
         return f"pid {self.pid} on {self.host}, not heard of for {self.silent_for:.0f} s"
-
-    def head(self) -> str:
-        where = f"mesh {self.mesh!r}" if self.mesh else "the mesh"
-        if self.earlier:
-            return (
-                f"{where} needs a restart: its worker rank {self.rank} stopped answering "
-                f"earlier ({self.how}); {RESTART}"
-            )
-        return f"{self.context}; {RESTART}"
 
     def again(self) -> WorkerUnresponsive:
         return WorkerUnresponsive(

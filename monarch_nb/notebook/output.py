@@ -52,7 +52,7 @@ class OutputRouter:
         self._ended: OrderedDict = OrderedDict()  # ident -> parent of cells that ended
         self._late: OrderedDict = OrderedDict()  # ident -> sink of their late output
         controller.debugger.listeners.append(self.on_debugger)
-        controller.liveness_listeners.append(self.on_liveness)
+        controller.liveness.listeners.append(self.on_liveness)
 
     def on_output(self, msg) -> None:
         sink = self.sinks.get(msg.ident) if msg.ident is not None else None
