@@ -19,6 +19,7 @@ import os
 import select
 import struct
 import threading
+import time
 
 logger = logging.getLogger("monarch_nb.worker")
 
@@ -50,12 +51,19 @@ class ChildChannel:
 
 
 class ChildOutputReader:
-    """The worker's end: a daemon thread routing children's frames to outboxes."""
+    """The worker's end: a daemon thread routing children's frames to outboxes.
+
+    Text is passed on by whole lines per child (a line still being written goes
+    after PARTIAL_AGE), so two DataLoader workers printing at once never mix
+    inside a line."""
+
+    PARTIAL_AGE = 0.05
 
     def __init__(self, fd: int, route):
         self.fd = fd
         self._route = route  # (stream id, ident or None, name, text) -> None
         self._decoders: dict = {}
+        self._partial: dict = {}  # (pid, name) -> [since, stream id, ident, text]
         self.thread = threading.Thread(target=self._run, name="monarch-child-output", daemon=True)
         self.thread.start()
 
@@ -63,15 +71,47 @@ class ChildOutputReader:
         buf = b""
         while True:
             try:
-                data = os.read(self.fd, 1 << 16)
+                ready, _, _ = select.select([self.fd], [], [], self.PARTIAL_AGE)
+                data = os.read(self.fd, 1 << 16) if ready else None
             except InterruptedError:
                 continue
             except OSError:
                 return
-            if not data:
+            if data == b"":
                 return
-            buf += data
-            buf = self._frames(buf)
+            if data:
+                buf += data
+                buf = self._frames(buf)
+            self._flush_stale()
+
+    def _flush_stale(self) -> None:
+        if not self._partial:
+            return
+        now = time.monotonic()
+        for key, (since, stream_id, ident, text) in list(self._partial.items()):
+            if now - since >= self.PARTIAL_AGE:
+                del self._partial[key]
+                self._send(stream_id, ident, key[1], text)
+
+    def _send(self, stream_id: int, ident, name: int, text: str) -> None:
+        try:
+            self._route(stream_id, ident, _NAMES[name], text)
+        except Exception:
+            logger.exception("routing a forked child's output failed")
+
+    def _take(self, pid: int, stream_id: int, ident, name: int, text: str) -> None:
+        """Pass on the whole lines of this child's text; keep the rest a moment."""
+        key = (pid, name)
+        part = self._partial.pop(key, None)
+        if part is not None:
+            text = part[3] + text
+        cut = text.rfind("\n") + 1
+        if cut:
+            self._send(stream_id, ident, name, text[:cut])
+            text = text[cut:]
+        if text:
+            since = part[0] if part is not None and not cut else time.monotonic()
+            self._partial[key] = [since, stream_id, ident, text]
 
     def _frames(self, buf: bytes) -> bytes:
         at, n = 0, len(buf)
@@ -91,8 +131,5 @@ class ChildOutputReader:
                 dec = self._decoders[key] = codecs.getincrementaldecoder("utf-8")("replace")
             text = dec.decode(payload)
             if text:
-                try:
-                    self._route(stream_id, None if ident < 0 else ident, _NAMES[name], text)
-                except Exception:
-                    logger.exception("routing a forked child's output failed")
+                self._take(pid, stream_id, None if ident < 0 else ident, name, text)
         return buf[at:]
