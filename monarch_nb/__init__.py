@@ -17,7 +17,8 @@ from .controller.errors import (
     WorkerCrashed,
     WorkerUnresponsive,
 )
-from .mesh import DeviceMesh, Stream, connect_mesh, get_mesh, local_mesh
+from .launch import connect_mesh, local_mesh
+from .mesh import DeviceMesh, Stream, get_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
 from .remote import ProcessGroup, Ref, RemoteFunction, remote

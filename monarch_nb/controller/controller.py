@@ -9,15 +9,11 @@ resolves futures, updates MeshState and watches the worker processes.
 from __future__ import annotations
 
 import atexit
-import datetime
 import itertools
 import logging
 import os
-import shutil
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -43,6 +39,8 @@ from .errors import (
 from .launcher import LocalLauncher, LocalProcess
 from .liveness import Liveness
 from .progress import PROGRESS_BYTES, Transfers, bar
+from .rendezvous import Rendezvous, advertised_host
+from .requests import Pending
 from .state import MeshState
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -73,37 +71,6 @@ def _shutdown_all() -> None:
             c.shutdown(timeout=2.0)
         except Exception:
             pass
-
-
-class _Pending:
-    """Replies that one user call waits for."""
-
-    __slots__ = (
-        "ident",
-        "order",
-        "expected",
-        "values",
-        "failures",
-        "dependent",
-        "future",
-        "single",
-        "what",
-        "source",
-    )
-
-    def __init__(
-        self, ident: int, expected, order, single: bool, what: str, source: int | None = None
-    ):
-        self.source = source
-        self.ident = ident
-        self.order = order
-        self.expected = set(expected)
-        self.values: dict = {}
-        self.failures: dict = {}
-        self.dependent: dict = {}
-        self.future: Future = Future()
-        self.single = single
-        self.what = what
 
 
 class Controller:
@@ -137,8 +104,8 @@ class Controller:
         self._lifecycle = threading.Lock()
         self._lifecycle_groups = threading.Lock()
         self._interface = interface
-        self._advertise = advertise or _advertised_host(interface)
-        self._store_dir: str | None = None
+        self._advertise = advertise or advertised_host(interface)
+        self._rendezvous = Rendezvous(self._advertise)
         self._next_ping = 0.0
         self._ctx = zmq.Context()
         self._sockets_lock = threading.Lock()
@@ -179,7 +146,7 @@ class Controller:
         self._identities: dict[int, bytes] = {}
         self._worker_cuda: dict[int, bool] = {}
         self._procs: dict[int, LocalProcess] = {}
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._failures: dict[int, dict] = {}
         self._failure_what: dict[int, str] = {}
         self._awaiting_failure: dict[int, list] = {}
@@ -191,7 +158,7 @@ class Controller:
         self._closed = False
         self.streams: dict[str, int] = {"default": 0}
         self._groups: dict = {}  # (NDSlice, reduced dim indices, stream) -> process group key
-        self._store = None
+        self._rendezvous.new_generation()
 
     def _start_workers(self) -> None:
         procs = self.call_in_io(
@@ -220,28 +187,10 @@ class Controller:
         self._start_backend()
 
     def _start_backend(self) -> None:
-        """The rendezvous store of this generation; every worker joins the default
-        process group through it (on its default stream, before user commands).
-
-        On one host it is a FileStore in a private (0700) directory: no socket at
-        all. Workers on other hosts need the controller's TCPStore, which listens
-        on every interface and is not authenticated: use it on trusted networks."""
-        import torch.distributed as dist
-
-        if self._advertise in ("127.0.0.1", "localhost", "::1"):
-            if self._store_dir is None:  # one per controller, a file per generation
-                self._store_dir = tempfile.mkdtemp(prefix="mnb-store-")
-                os.chmod(self._store_dir, 0o700)
-            address = "file://" + os.path.join(self._store_dir, f"gen{self.generation}")
-        else:
-            self._store = dist.TCPStore(
-                self._advertise,
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=300),
-            )
-            address = f"tcp://{self._advertise}:{self._store.port}"
+        """Every worker joins the default process group through this generation's
+        rendezvous (on its default stream, before user commands); the start fails
+        with a rank's own error when one cannot."""
+        address = self._rendezvous.address(self.generation)
         ident = self.next_ident()
         joined = self.expect(ident, range(self.world), what="torch.distributed start")
         self.send(m.InitBackend(address, self.state.backend, ident), None)
@@ -369,7 +318,7 @@ class Controller:
     ) -> Future:
         """Register interest in the FetchResults of command ``ident`` before sending it
         (``source``: the command that produced the fetched value)."""
-        p = _Pending(ident, ranks, list(ranks), single, what, source)
+        p = Pending(ident, ranks, list(ranks), single, what, source)
         self._pending[ident] = p
         return p.future
 
@@ -379,7 +328,7 @@ class Controller:
 
     def expect_status(self, ident: int, ranks) -> Future:
         expected = [(r, sid) for r in ranks for sid in self.streams.values()]
-        p = _Pending(ident, expected, None, False, "wait")
+        p = Pending(ident, expected, None, False, "wait")
         self._pending[ident] = p
         return p.future
 
@@ -682,7 +631,7 @@ class Controller:
         if not p.expected:
             self._finish(p)
 
-    def _finish(self, p: _Pending, deadline_passed: bool = False) -> None:
+    def _finish(self, p: Pending, deadline_passed: bool = False) -> None:
         if p.failures:
             self._pending.pop(p.ident, None)
             p.future.set_exception(
@@ -934,9 +883,7 @@ class Controller:
                     logger.warning("mesh %r: the IO thread is still busy at shutdown", self.name)
                 else:
                     self._close_sockets()
-                self._store = None
-                if self._store_dir is not None:
-                    shutil.rmtree(self._store_dir, ignore_errors=True)
+                self._rendezvous.close()
                 _live.discard(self)
 
     def worker_pids(self) -> dict[int, int]:
@@ -944,16 +891,6 @@ class Controller:
 
     def __repr__(self) -> str:  # never shows the secret
         return f"<Controller {self.name!r} {self.address} world={self.world}>"
-
-
-def _advertised_host(interface: str) -> str:
-    """The address workers reach this controller at, for a bind address."""
-    if interface in ("0.0.0.0", "*", ""):
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            return socket.gethostname()
-    return interface
 
 
 def print_output(msg: m.Output) -> None:

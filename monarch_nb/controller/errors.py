@@ -196,12 +196,14 @@ class WorkerCrashed(RemoteError):
         self.stderr_tail = stderr_tail
         self.mesh = mesh
         self.earlier = earlier
-        text = f"worker rank {rank}{f' of mesh {mesh!r}' if mesh else ''} died ({self.how})"
+        text = f"worker rank {rank}{f' of mesh {mesh!r}' if mesh else ''} {self.state} ({self.how})"
         tail = stderr_tail.rstrip()
-        tb = text + (f"\nlast lines of its stderr:\n{tail}" if tail else "\n(no stderr output)")
-        super().__init__({rank: ("WorkerCrashed", text, tb)}, None, text, earlier)
+        tb = text + (f"\nlast lines of its stderr:\n{tail}" if tail else self.no_tail)
+        super().__init__({rank: (type(self).__name__, text, tb)}, None, text, earlier)
 
+    state = "died"  # what the worker is, as the error says it
     gone = "died"  # what happened to the worker, as a later call says it
+    no_tail = "\n(no stderr output)"
 
     @property
     def how(self) -> str:
@@ -248,17 +250,10 @@ class WorkerUnresponsive(WorkerCrashed):
         self.host = host
         self.pid = pid
         self.silent_for = silent_for
-        self.rank = rank
-        self.exit_code = None
-        self.stderr_tail = ""
-        self.mesh = mesh
-        self.earlier = earlier
-        text = (
-            f"worker rank {rank}{f' of mesh {mesh!r}' if mesh else ''} is unresponsive "
-            f"({self.how})"
-        )
-        RemoteError.__init__(self, {rank: ("WorkerUnresponsive", text, text)}, None, text, earlier)
+        super().__init__(rank, None, "", mesh, earlier)
 
+    state = "is unresponsive"
+    no_tail = ""
     gone = "stopped answering"
 
     @property

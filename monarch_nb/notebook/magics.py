@@ -5,6 +5,7 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from .. import launch
 from .. import mesh as mesh_mod
 from . import waiting
 from .args import (
@@ -109,7 +110,7 @@ class MonarchMagics(Magics):
         if old is not None:
             self._shutdown(old)
         try:
-            mesh = mesh_mod.local_mesh(name=name, backend=a.backend, **dims)
+            mesh = launch.local_mesh(name=name, backend=a.backend, **dims)
         except ValueError as e:
             raise UsageError(f"%monarch_mesh: {e}") from None
         self.hub.router(mesh._controller)
@@ -126,7 +127,7 @@ class MonarchMagics(Magics):
         if old is not None:
             self._shutdown(old)
         try:
-            mesh = mesh_mod.connect_mesh(
+            mesh = launch.connect_mesh(
                 world=a.world,
                 connection_file=a.connection_file,
                 timeout=a.timeout,

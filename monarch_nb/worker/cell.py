@@ -42,3 +42,23 @@ class Cell:
 
     def __repr__(self) -> str:
         return "<Cell>"
+
+
+class MissingRef(Exception):
+    def __init__(self, rid: int):
+        super().__init__(f"Ref {rid} is not defined on this worker (it was deleted)")
+
+
+def get_value(cell: Cell):
+    v = cell.value
+    if isinstance(v, MissingRef):
+        raise v
+    return cell.get()
+
+
+def raw(cell: Cell):
+    """A cell's value, or the DependentOnError it holds (collectives take part either way)."""
+    v = cell.value
+    if isinstance(v, MissingRef):
+        raise v
+    return v

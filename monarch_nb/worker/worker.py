@@ -24,9 +24,9 @@ from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
 from ..protocol.wire import recv_ready, resolve_function, split_batch, unpack_args
 from . import capture, context, debugger
-from .borrow import Borrow
-from .cell import Cell, DependentOnError
+from .cell import Cell, DependentOnError, MissingRef, get_value, raw
 from .code import run_source
+from .comm_handlers import CommHandlers
 from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
 from .health import HealthSampler
@@ -42,7 +42,7 @@ STALL_AFTER = float(os.environ.get("MONARCH_NB_STALL_SECONDS", "30"))
 DEFAULT_STREAM = 0
 
 
-class Worker:
+class Worker(CommHandlers):
     def __init__(
         self,
         address: str,
@@ -287,9 +287,9 @@ class Worker:
         for rid in args.refs:
             c = self.env.get(rid)
             if c is None:
-                c = Cell(_MissingRef(rid))
+                c = Cell(MissingRef(rid))
             cells[rid] = c
-        return lambda rid: _get_value(cells[rid])
+        return lambda rid: get_value(cells[rid])
 
     @property
     def comms(self):
@@ -305,7 +305,7 @@ class Worker:
         if ref_id is None:
             return None
         c = self.env.get(ref_id)
-        return c if c is not None else Cell(_MissingRef(ref_id))
+        return c if c is not None else Cell(MissingRef(ref_id))
 
     def _stream(self, stream_id: int) -> Stream:
         s = self.streams.get(stream_id)
@@ -467,7 +467,7 @@ class Worker:
             produced = [rid for rid in outputs if rid in rec.produces[sid]]
 
             def work(sid=sid, produced=produced):
-                values = {rid: _raw(c) for rid, c in inputs.items()}
+                values = {rid: raw(c) for rid, c in inputs.items()}
                 try:
                     rec.replay(self, sid, msg.ident, values)
                 finally:
@@ -525,85 +525,6 @@ class Worker:
             if not msg.streams or s.id in msg.streams:
                 s.last_failure = None
 
-    # ------------------------------------------------------------ collectives
-
-    def InitBackend(self, msg: m.InitBackend) -> None:
-        comms = self.comms
-        stream, rank = self.streams[DEFAULT_STREAM], self.rank
-
-        def init() -> None:
-            try:
-                comms.init_backend(msg.store, msg.backend)
-                failure = None
-            except BaseException as e:  # noqa: B036 - the controller fails the start with it
-                logger.exception("torch.distributed failed to start")
-                failure = describe(e)
-            stream.outbox.send(m.FetchResult(msg.ident, rank, None, failure))
-
-        stream.call_soon(init)
-
-    def CreateProcessGroup(self, msg: m.CreateProcessGroup) -> None:
-        self.comms.create_groups(msg.key, msg.groups)
-
-    def Reduce(self, msg: m.Reduce) -> None:
-        from . import collectives
-
-        src, out = self._cell(msg.source), self._cell(msg.out)
-        result = self.env[msg.result] = Cell()
-        comms = self.comms
-
-        def work():
-            return collectives.run_reduce(
-                msg, comms, _raw(src), None if out is None else _raw(out)
-            )
-
-        self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
-
-    def SendTensor(self, msg: m.SendTensor) -> None:
-        from . import collectives
-
-        rank = self.rank
-        send_to = next((t for f, t in msg.pairs if f == rank), None)
-        recv_from = next((f for f, t in msg.pairs if t == rank), None)
-        src = self._cell(msg.source) if send_to is not None else None
-        results = ()
-        if recv_from is not None:
-            results = (Cell(),)
-            self.env[msg.result] = results[0]
-        comms = self.comms
-
-        def work():
-            pg, _ = comms.group(msg.key)
-            value = None if src is None else _raw(src)
-            return collectives.send_recv(value, pg, rank, send_to, recv_from, comms.backend)
-
-        self._stream(msg.stream).schedule(msg.ident, "to_mesh", work, results)
-
-    def BorrowCreate(self, msg: m.BorrowCreate) -> None:
-        lender, borrower = self._stream(msg.from_stream), self._stream(msg.to_stream)
-        borrow = Borrow(lender, borrower)
-        result = self.env[msg.result] = Cell()
-        self.borrows[msg.borrow] = (borrow, result)
-        source = self._cell(msg.source)
-        lender.call_soon(lambda: borrow.create(source))
-
-    def BorrowFirstUse(self, msg: m.BorrowFirstUse) -> None:
-        borrow, result = self.borrows[msg.borrow]
-        borrow.borrower.call_soon(lambda: borrow.first_use(result))
-
-    def BorrowDrop(self, msg: m.BorrowDrop) -> None:
-        borrow, _ = self.borrows.pop(msg.borrow)
-        self.env.pop(msg.result, None)
-        borrow.borrower.call_soon(borrow.last_use)
-        borrow.lender.call_soon(borrow.drop)
-
-
-def _raw(cell: Cell):
-    """A cell's value, or the DependentOnError it holds (collectives take part either way)."""
-    v = cell.value
-    if isinstance(v, _MissingRef):
-        raise v
-    return v
 
 
 def _fetch_failure(e: BaseException, pickling: bool):
@@ -622,18 +543,6 @@ def _internal(e: BaseException, where: str) -> m.RemoteFailure:
     """A failure of the worker's own machinery: its frames are the point, keep them."""
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     return m.RemoteFailure(type(e).__name__, f"in the worker's {where}: {e}", tb)
-
-
-class _MissingRef(Exception):
-    def __init__(self, rid: int):
-        super().__init__(f"Ref {rid} is not defined on this worker (it was deleted)")
-
-
-def _get_value(cell: Cell):
-    v = cell.value
-    if isinstance(v, _MissingRef):
-        raise v
-    return cell.get()
 
 
 def _no_refs(rid):

@@ -1,0 +1,144 @@
+"""Making a mesh: ``local_mesh`` spawns workers here, ``connect_mesh`` waits for
+workers another launcher started. Both register the mesh by name (``mesh.py``)."""
+
+from __future__ import annotations
+
+from .controller import HEARTBEAT_TIMEOUT, Controller
+from .mesh import DeviceMesh, _default, _meshes, _names
+from .protocol.ndslice import NDSlice
+
+
+def _default_backend(world: int) -> str:
+    """nccl when every rank gets a GPU of its own (NCCL refuses two ranks on one
+    GPU), else gloo."""
+    try:
+        import torch
+
+        return (
+            "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+        )
+    except Exception:
+        return "gloo"
+
+
+def _check_dims(dims: dict) -> None:
+    for k, v in dims.items():
+        if not k.isidentifier():
+            raise ValueError(f"dim name {k!r} is not an identifier")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"dim {k!r} must be a positive int, got {v!r}")
+
+
+def _check_backend(backend) -> None:
+    if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc"):
+        raise ValueError(f"unknown backend {backend!r}: expected 'gloo' or 'nccl'")
+
+
+def _new_name(name: str | None) -> str:
+    if name is None:
+        name = f"mesh{next(_names)}"
+        while name in _meshes:
+            name = f"mesh{next(_names)}"
+    elif not isinstance(name, str) or not name:
+        raise ValueError("a mesh name must be a non-empty string")
+    elif name in _meshes and _meshes[name].alive:
+        raise ValueError(
+            f"a mesh named {name!r} already exists: shut it down first or pick another name"
+        )
+    return name
+
+
+def local_mesh(
+    name: str | None = None,
+    backend: str | None = None,
+    interface: str = "127.0.0.1",
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    liveness_timeout: float | None = None,
+    **dims: int,
+) -> DeviceMesh:
+    """Spawn ``prod(dims)`` local workers (one per GPU when there are GPUs) on the
+    named dims, in the order given: ``local_mesh(dp=2)``, ``local_mesh(hosts=1, gpus=4)``.
+
+    A worker silent for ``heartbeat_timeout`` s is ``unresponsive`` in
+    ``status()`` (announced in the notebook, and again when it answers); after
+    ``liveness_timeout`` s (None: never, the default for local workers) it is
+    presumed lost and pending calls raise WorkerUnresponsive. ``name``,
+    ``backend``, ``interface`` and the two timeouts are reserved words, not dims.
+    The new mesh becomes the active one."""
+    if not dims:
+        raise ValueError("local_mesh() needs at least one named dim, e.g. local_mesh(dp=2)")
+    _check_dims(dims)
+    _check_backend(backend)
+    name = _new_name(name)
+    world = 1
+    for v in dims.values():
+        world *= v
+    ctrl = Controller(
+        name,
+        dims,
+        backend or _default_backend(world),
+        interface=interface,
+        heartbeat_timeout=heartbeat_timeout,
+        liveness_timeout=liveness_timeout,
+    )
+    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
+    _meshes[name] = mesh
+    _default[0] = mesh
+    return mesh
+
+
+def connect_mesh(
+    world: int,
+    connection_file: str | None = None,
+    timeout: float = 600.0,
+    name: str | None = None,
+    backend: str | None = None,
+    interface: str = "127.0.0.1",
+    advertise: str | None = None,
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    liveness_timeout: float | None = HEARTBEAT_TIMEOUT,
+    **dims: int,
+) -> DeviceMesh:
+    """Wait for ``world`` workers started by another launcher (torchrun, srun, ...)
+    running ``monarch-nb-worker --connection-file F``.
+
+    Binds on ``interface`` (loopback unless you name another: "0.0.0.0" or an
+    address, for workers on other hosts; ``advertise`` is the address they use
+    then), writes the connection file (address and secret, mode 0600; at
+    ``connection_file``, else in the Jupyter runtime dir), prints the torchrun
+    and srun command lines, and waits with a progress bar. After ``timeout``
+    seconds a TimeoutError lists the missing ranks. ``dims`` name the ranks
+    (default ``world=N``); their product must be ``world``. Late, duplicate and
+    wrong-key workers are refused with a logged reason. A joined worker silent
+    for ``liveness_timeout`` s (default: the heartbeat timeout, 10 s) is presumed
+    lost: pending calls raise WorkerUnresponsive."""
+    from .controller import ExternalLauncher
+
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    dims = dims or {"world": world}
+    _check_dims(dims)
+    _check_backend(backend)
+    product = 1
+    for v in dims.values():
+        product *= v
+    if product != world:
+        raise ValueError(f"the dims {dims} hold {product} ranks, not world={world}")
+    name = _new_name(name)
+    launcher = ExternalLauncher(name, dims, connection_file)
+    ctrl = Controller(
+        name,
+        dims,
+        backend,
+        interface=interface,
+        launcher=launcher,
+        startup_timeout=timeout,
+        advertise=advertise,
+        heartbeat_timeout=heartbeat_timeout,
+        liveness_timeout=liveness_timeout,
+    )
+    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
+    mesh.connection_file = launcher.connection_file
+    _meshes[name] = mesh
+    _default[0] = mesh
+    return mesh
