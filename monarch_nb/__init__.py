@@ -10,8 +10,10 @@ The notebook kernel (or any Python process) is the single controller::
 In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 """
 
+from .controller.async_result import AsyncResult
 from .controller.errors import (
     InterruptTimeout,
+    IOThreadError,
     MeshClosedError,
     RemoteError,
     WorkerCrashed,
@@ -27,11 +29,13 @@ from .worker.context import current_coords, current_rank, current_size
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncResult",
     "Compiled",
     "DeviceMesh",
     "RecordingError",
     "compile",
     "InterruptTimeout",
+    "IOThreadError",
     "MeshClosedError",
     "ProcessGroup",
     "Ref",

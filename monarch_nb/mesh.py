@@ -6,8 +6,6 @@ import contextlib
 import hashlib
 import itertools
 import threading
-import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from .controller import Controller
@@ -260,6 +258,56 @@ class DeviceMesh:
         )
         return Ref(result, self, stream, ident)
 
+    def run_cell(
+        self,
+        source: str,
+        *,
+        stream: Stream | None = None,
+        ranks=None,
+        names: dict | None = None,
+        auto: dict | None = None,
+        filename: str | None = None,
+        what: str | None = None,
+        timeout: float | None = None,
+        before_send=None,
+    ):
+        """Run notebook-cell ``source`` on every rank (or on ``ranks``, some of this
+        mesh's) as one command, binding ``names`` first (Refs become their per-rank
+        values; ``auto``: bound unless worker code defined that name). Returns an
+        AsyncResult of the per-rank ``{"data": mimebundle of the last expression or
+        None, "figures": [...]}``; when the cell failed on a rank it raises the
+        RemoteError, whose ``results`` still hold every rank's figures.
+        ``before_send(ident)`` is called with the command's number before it leaves
+        (the notebook routes the cell's output by it)."""
+        if not isinstance(source, str):
+            raise TypeError(f"run_cell() needs source text, got {type(source).__name__}")
+        _, stream = resolve_target(self, stream)
+        ctrl = self._controller
+        ctrl.check_usable()
+        targets = self.targets if ranks is None else tuple(ranks)
+        outside = [r for r in targets if r not in self.targets]
+        if outside:
+            raise ValueError(f"run_cell(): rank {outside[0]} is not in mesh {self.name!r}")
+        args, refs = pack_args((), {"names": names or {}, "auto": auto or {}})
+        if refs:
+            check_refs(refs, self, stream)
+        if what is None:
+            first = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
+            what = f"cell: {first[:40]}"
+        ident = ctrl.next_ident()
+        filename = filename or _exec_filename(source)
+        if before_send is not None:
+            before_send(ident)
+        return ctrl.request(
+            m.RunCell(ident, source, filename, args, stream.id, what),
+            targets,
+            what,
+            stream=stream.id,
+            label=what,
+            timeout=timeout,
+            failed_by=ident,
+        )
+
     def push(self, **names) -> None:
         """Bind ``names`` in every worker's namespace (Refs become their per-rank values)."""
         ctrl = self._controller
@@ -277,21 +325,26 @@ class DeviceMesh:
         ranks = self.ranks if rank is None else [self._global_rank(rank)]
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"pull() needs a variable name, got {name!r}")
-        ident = ctrl.next_ident()
-        fut = ctrl.expect(ident, ranks, single=rank is not None, what=f"pull of {name!r}")
-        ctrl.send(m.Pull(ident, name, 0), ranks, 0, f"pull {name}")
-        return ctrl.wait_result(fut, timeout)
+        result = ctrl.request(
+            m.Pull(ctrl.next_ident(), name, 0),
+            ranks,
+            f"pull of {name!r}",
+            stream=0,
+            label=f"pull {name}",
+            single=rank is not None,
+            timeout=timeout,
+        )
+        return result.result()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every command sent so far has finished on every stream; raise
         a RemoteError for failures not raised yet."""
         ctrl = self._controller
         ctrl.check_usable()
-        ident = ctrl.next_ident()
-        fut = ctrl.expect_status(ident, self.ranks)
-        ctrl.send(m.RequestStatus(ident), self.ranks)
-        ctrl.wait_result(fut, timeout)
-        err = ctrl.take_unreported()
+        ctrl.request(
+            m.RequestStatus(ctrl.next_ident()), self.ranks, "wait", statuses=True, timeout=timeout
+        ).result()
+        err = ctrl.failures.take_unreported()
         if err is not None:
             raise err
 
@@ -342,7 +395,7 @@ class DeviceMesh:
         if timeout is None:
             self._controller.interrupt(ranks=self.ranks)
         else:
-            self._controller.interrupt_and_wait(timeout=timeout, ranks=self.ranks)
+            self._controller.interrupts.interrupt_and_wait(timeout=timeout, ranks=self.ranks)
 
     def status(self) -> dict:
         """Plain data: workers, streams, errors and debugger sessions (MeshState)."""
@@ -355,18 +408,17 @@ class DeviceMesh:
         (stopped, or in native code that holds the GIL) maps to None."""
         ctrl = self._controller
         ctrl.check_usable()
-        asked = {}
-        for r in self.ranks:
-            ident = ctrl.next_ident()
-            asked[r] = (ident, ctrl.expect(ident, [r], single=True, what="stacks"))
-            ctrl.send(m.RequestStacks(ident), [r])
-        deadline = time.monotonic() + timeout
+        asked = {
+            r: ctrl.request(
+                m.RequestStacks(ctrl.next_ident()), [r], "stacks", single=True, timeout=timeout
+            )
+            for r in self.ranks
+        }
         out = {}
-        for r, (ident, fut) in asked.items():
+        for r, result in asked.items():
             try:
-                out[r] = fut.result(max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                ctrl.forget(ident)
+                out[r] = result.result()
+            except TimeoutError:
                 out[r] = None
         return out
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from .controller import AsyncResult
 from .controller.controller import recording_trace
 from .protocol import messages as m
 from .protocol.wire import (
@@ -68,8 +68,10 @@ class Ref:
         self._check()
         return self.id
 
-    def fetch_async(self, rank: int | None = None) -> Future:
-        """A Future of the value on ``rank``, or of the list of per-rank values."""
+    def fetch_async(self, rank: int | None = None, timeout: float | None = None) -> AsyncResult:
+        """The AsyncResult of the value on ``rank``, or of the list of per-rank
+        values (``await`` it, or ``.result()``). ``timeout``: a deadline in seconds,
+        after which it fails with TimeoutError and the fetch is cancelled."""
         self._check()
         mesh = self.mesh
         ctrl = mesh._controller
@@ -77,17 +79,21 @@ class Ref:
         self._first_use()
         ranks = mesh.targets if rank is None else (mesh._global_rank(rank),)
         args, _ = pack_args((self,), {})
-        ident = ctrl.next_ident()
-        fut = ctrl.expect(
-            ident, ranks, single=rank is not None, what=f"fetch of Ref {self.id}", source=self.ident
+        return ctrl.request(
+            m.SendValue(ctrl.next_ident(), None, args, self.stream.id),
+            ranks,
+            f"fetch of Ref {self.id}",
+            stream=self.stream.id,
+            label="fetch",
+            single=rank is not None,
+            source=self.ident,
+            timeout=timeout,
         )
-        ctrl.send(m.SendValue(ident, None, args, self.stream.id), ranks, self.stream.id, "fetch")
-        return fut
 
     def fetch(self, rank: int | None = None, timeout: float | None = None) -> Any:
-        """The value on ``rank`` (blocking), or the list of per-rank values in rank order."""
-        fut = self.fetch_async(rank)
-        return self.mesh._controller.wait_result(fut, timeout)
+        """The value on ``rank`` (blocking), or the list of per-rank values in rank
+        order. After ``timeout`` s: TimeoutError, and the fetch is cancelled."""
+        return self.fetch_async(rank, timeout).result()
 
     def delete(self) -> None:
         """Free the value on the workers now (a borrow: give it back to its stream)."""

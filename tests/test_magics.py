@@ -432,3 +432,16 @@ def test_unload_and_reload_the_extension(k):
     reply, msgs = monarch(k, "print('back')\nrank")
     assert stream(msgs) == "[ranks 0-1] back\n"
     assert plain(msgs) == ["[rank 0] 0", "[rank 1] 1"]
+
+
+def test_output_option_binds_the_cells_async_result(k, tmp_path):
+    gate = tmp_path / "gate-o"
+    reply, _ = monarch(k, gated_code(gate, "started", "ended"), "--noblock -o held")
+    assert reply["content"]["status"] == "ok"
+    assert k.value("(held.done(), held.ranks_pending)") == (False, [0, 1])
+    gate.touch()
+    assert k.value("[r['data'] for r in held.result(timeout=60)]") == [None, None]
+    k.ok("%%monarch -o six\n6 * 7")
+    assert k.value("[r['data']['text/plain'] for r in six.result()]") == ["42", "42"]
+    assert k.value("(await six)[1]['data']['text/plain']") == "42"
+    assert "-o needs a variable name, got '1x'" in usage_error(k, "%%monarch -o 1x\n1")

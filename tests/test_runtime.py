@@ -227,7 +227,7 @@ def test_wrong_key_message_is_not_executed(mesh, tmp_path):
         ctrl.next_ident(), ctrl.next_id(), f"open({str(marker)!r}, 'w')", "<x>", 0, 0, "x"
     )
     frames = encode(evil, Signer(new_secret()))
-    ctrl._enqueue(("msg", [0], frames, None))
+    ctrl.io.submit(("msg", [0], frames, None))
     assert mnb.remote(add)(1, 1, mesh=mesh).fetch(rank=0) == 2  # the worker keeps serving
     bad = wait_for(
         lambda: mesh.status()["ranks"][0]["bad_messages"] - before, 10, "the worker's count"
@@ -372,7 +372,7 @@ def test_stall_monitor_logs_a_long_command(tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "1")
     with mnb.local_mesh(dp=1, name="stally") as m1:
         m1.exec("import time\ntime.sleep(3)").fetch(timeout=30)
-        tail = m1._controller._procs[0].tail_text
+        tail = m1._controller.workers.procs[0].tail_text
         wait_for(lambda: "possible stall" in tail(), 10, "the stall log", show=tail)
         assert "time.sleep(3)" in tail()
 

@@ -1,8 +1,10 @@
 """The controller side: Controller (socket + IO thread + futures), MeshState, launchers."""
 
+from .async_result import AsyncResult
 from .controller import HEARTBEAT_TIMEOUT, Controller
 from .errors import (
     InterruptTimeout,
+    IOThreadError,
     MeshClosedError,
     RemoteError,
     WorkerCrashed,
@@ -15,8 +17,10 @@ from .state import MeshState
 
 __all__ = [
     "HEARTBEAT_TIMEOUT",
+    "AsyncResult",
     "Controller",
     "ExternalLauncher",
+    "IOThreadError",
     "InterruptTimeout",
     "LocalLauncher",
     "MeshClosedError",

@@ -199,16 +199,22 @@ class DebugSessions:
 
     def post_mortem(self, rank: int, stream: int = 0):
         """Open pdb at the frame of the last failure on ``stream`` of ``rank``;
-        returns the Future of that command (it ends when the session does)."""
+        returns the AsyncResult of that command (it ends when the session does)."""
         ctrl = self._ctrl
         ctrl.check_usable()
         ident = ctrl.next_ident()
         with self._cond:
             self._requested.add(ident)  # its caller serves it: no pause notice
-        fut = ctrl.expect(ident, [rank], single=True, what=f"post-mortem on rank {rank}")
-        fut.add_done_callback(lambda _f: self._forget_request(ident))
-        ctrl.send(m.PostMortem(ident, stream), [rank], stream, "post-mortem")
-        return fut
+        result = ctrl.request(
+            m.PostMortem(ident, stream),
+            [rank],
+            f"post-mortem on rank {rank}",
+            stream=stream,
+            label="post-mortem",
+            single=True,
+        )
+        result.add_done_callback(lambda _r: self._forget_request(ident))
+        return result
 
     def _forget_request(self, ident: int) -> None:
         with self._cond:

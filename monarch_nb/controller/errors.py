@@ -261,9 +261,7 @@ class WorkerUnresponsive(WorkerCrashed):
         return f"pid {self.pid} on {self.host}, not heard of for {self.silent_for:.0f} s"
 
     def again(self) -> WorkerUnresponsive:
-        return WorkerUnresponsive(
-            self.rank, self.host, self.pid, self.silent_for, self.mesh, True
-        )
+        return WorkerUnresponsive(self.rank, self.host, self.pid, self.silent_for, self.mesh, True)
 
     def __reduce__(self):
         return (
@@ -304,6 +302,11 @@ class InterruptTimeout(TimeoutError):
 
     def __reduce__(self):
         return (type(self), (self.stuck, self.timeout, self.mesh))
+
+
+class IOThreadError(RuntimeError):
+    """The controller's IO thread failed handling a reply: the request it answers
+    fails with that traceback instead of waiting forever."""
 
 
 class MeshClosedError(RuntimeError):

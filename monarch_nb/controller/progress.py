@@ -67,3 +67,19 @@ class Transfers:
             bars, self._bars = list(self._bars.values()), {}
         for b in bars:
             b.close()
+
+
+def wait_sent(done, nbytes: int, what: str) -> None:
+    """Block until ZeroMQ has sent a big zero-copy message (``done``: the Future of
+    its tracker), with a bar when it is over PROGRESS_BYTES."""
+    progress = None
+    if nbytes > PROGRESS_BYTES:
+        progress = bar(
+            total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"sending {what}"
+        )
+    tracker = done.result()
+    if tracker is not None:
+        tracker.wait()
+    if progress is not None:
+        progress.update(nbytes)
+        progress.close()

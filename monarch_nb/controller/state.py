@@ -49,6 +49,7 @@ class MeshState:
         self.bad_messages = 0  # dropped by the controller
         self.internal_errors: list[dict] = []
         self.generation = 0
+        self.open_requests = 0  # entries in the controller's request table
 
     # -------------------------------------------------------------- updates
 
@@ -68,6 +69,14 @@ class MeshState:
     def record_sent(self, ident: int, sid: int, ranks, what: str) -> None:
         with self.lock:
             self.sent[sid].append((ident, ranks, what, time.time()))
+
+    def what_of(self, sid: int, ident: int) -> str:
+        """What command ``ident`` of stream ``sid`` is, while it is remembered."""
+        with self.lock:
+            for i, _, what, _ in self.sent.get(sid, ()):
+                if i == ident:
+                    return what
+        return "?"
 
     def worker_ready(self, rank: int, pid: int, host: str) -> None:
         with self.lock:
@@ -102,7 +111,10 @@ class MeshState:
             w = self.workers.get(rank)
             if w is not None and w.progress.get(sid, (0, 0, 0))[1] < ident:
                 w.stalled[sid] = {
-                    "ident": ident, "what": what, "since": time.time() - seconds, "stack": stack
+                    "ident": ident,
+                    "what": what,
+                    "since": time.time() - seconds,
+                    "stack": stack,
                 }
 
     def health(self, rank: int, rss: int, cpu: float, gpu, bad: int, env_size: int) -> None:
@@ -197,6 +209,7 @@ class MeshState:
                 "errors": errors,
                 "debugger": debugger,
                 "bad_messages": self.bad_messages,
+                "requests": self.open_requests,
                 "internal_errors": list(self.internal_errors),
             }
 

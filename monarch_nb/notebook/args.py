@@ -110,6 +110,13 @@ def cell_parser() -> Parser:
         help="return at once; output and results still land under this cell",
     )
     p.add_argument(
+        "-o",
+        "--output",
+        metavar="NAME",
+        help="bind the cell's AsyncResult to NAME in the notebook (per-rank values, "
+        "done(), cancel(), await)",
+    )
+    p.add_argument(
         "--push",
         metavar="NAME[,NAME...]",
         help="also send these notebook variables to the workers before the cell runs",

@@ -1,27 +1,22 @@
 """One ``%%monarch`` cell on its ranks: send it, wait for it (or not), interrupt it,
 and show its output, values, figures and failures under the cell that ran it.
 
-On the wire a cell is two commands on the chosen stream of each target rank:
-``CallFunction(run_cell)`` (which runs the source in the worker's namespace
-and reports a failure like any command) and ``SendValue(take_result)`` right
-behind it, whose reply carries the mimebundle of the last expression and the
+A cell is one command, ``mesh.run_cell``, on the chosen stream of each target
+rank: the worker runs the source in its namespace, reports a failure like any
+command, then replies with the mimebundle of the last expression and the
 figures. Everything a stream sends travels in order on one socket, so when
-the replies of ``take_result`` are in, so are the cell's output and failures.
+the replies are in, so are the cell's output and failures.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from IPython.core.error import UsageError
 
-from ..controller import MeshClosedError, RemoteError, WorkerCrashed, format_ranks
+from ..controller import AsyncResult, MeshClosedError, RemoteError, WorkerCrashed, format_ranks
 from ..protocol import messages as m
-from ..protocol.wire import RefUseError, function_ref, pack_args
-from ..remote import check_refs
-from ..worker import display as worker_display
+from ..protocol.wire import RefUseError
 from .debugger import NoStdin, Prompt, notice
 from .output import CellSink, OutputHub
 from .results import RemoteCellError, render_failures, result_displays
@@ -29,18 +24,8 @@ from .results import RemoteCellError, render_failures, result_displays
 INTERRUPT_WAIT = 5.0  # seconds to wait for interrupted ranks to report KeyboardInterrupt
 POLL = 0.25
 
-_functions: dict = {}
-
-
 class _Detached(Exception):
     """The cell goes on in the background (paused sessions, no stdin to serve them)."""
-
-
-def _fn(name: str) -> m.Function:
-    f = _functions.get(name)
-    if f is None:
-        f = _functions[name] = function_ref(getattr(worker_display, name))
-    return f
 
 
 class CellRun:
@@ -69,8 +54,7 @@ class CellRun:
         self.what = what or label
         self.ctrl = mesh._controller
         self.ident: int | None = None
-        self.take: int | None = None  # the ident of take_result, the cell's last command
-        self.future: Future | None = None
+        self.future: AsyncResult | None = None
         self.sink: CellSink | None = None
         self.router = None
         self._finished = False
@@ -96,33 +80,28 @@ class CellRun:
             raise RemoteCellError(e.failures, e.ident, context, brief=True) from None
 
     def send(self) -> None:
-        ctrl = self.ctrl
         self.check_usable(self.mesh)
-        self.ident = ident = ctrl.next_ident()
-        # run_cell keeps the result under the command's own ident, for take_result
-        args, refs = pack_args((self.source, self.filename, ident, *self.names), {})
-        if refs:
-            try:
-                check_refs(refs, self.mesh, self.stream)
-            except RefUseError as e:
-                raise UsageError(f"%%monarch --push: {e}") from None
-        self.router = self.hub.router(ctrl)
+        names, auto = self.names
+        self.router = self.hub.router(self.ctrl)
         self.sink = CellSink(self.hub.publisher, self.parent, self.ranks)
+        try:
+            self.future = self.mesh.run_cell(
+                self.source,
+                stream=self.stream,
+                ranks=self.ranks,
+                names=names,
+                auto=auto,
+                filename=self.filename,
+                what=self.what,
+                before_send=self._registered,
+            )
+        except RefUseError as e:
+            raise UsageError(f"%%monarch --push: {e}") from None
+
+    def _registered(self, ident: int) -> None:
+        """The cell's output goes to its sink from its first byte on."""
+        self.ident = ident
         self.router.register(ident, self.sink)
-        what = self.what
-        sid = self.stream.id
-        result = ctrl.next_id()
-        ctrl.send(
-            m.CallFunction(ident, result, _fn("run_cell"), args, sid, self.mesh.id, what),
-            self.ranks,
-            sid,
-            what,
-        )
-        ctrl.delete_ref(result)
-        self.take = take = ctrl.next_ident()
-        self.future = ctrl.expect(take, self.ranks, what=f"{what} (result)")
-        targs, _ = pack_args((ident,), {})
-        ctrl.send(m.SendValue(take, _fn("take_result"), targs, sid), self.ranks, sid, "result")
 
     def interrupt(self) -> None:
         """KeyboardInterrupt in whatever runs now on this cell's stream and ranks."""
@@ -178,7 +157,7 @@ class CellRun:
                 for r in self.ranks
                 if (w := st.workers.get(r)) is not None
                 and w.alive
-                and w.progress.get(sid, (0, 0, 0))[1] < self.take
+                and w.progress.get(sid, (0, 0, 0))[1] < self.ident
             ]
 
     def _wait(self, timeout: float | None) -> bool:
@@ -193,7 +172,7 @@ class CellRun:
                 return False
             try:
                 fut.exception(left)
-            except FutureTimeout:
+            except TimeoutError:
                 pass
             if deadline is None and not self._debug_detached and self._paused_here():
                 self._debug()
@@ -262,12 +241,18 @@ class CellRun:
             self.router.unregister(self.ident)
         results: list = []
         broken: BaseException | None = None
+        failures = {}
         try:
-            results = fut.result(0)
+            results = fut.result()  # done by now
+        except RemoteError as e:
+            if e.ident == self.ident:  # the cell failed on some ranks
+                failures.update(e.failures)
+                results = getattr(e, "results", [])
+            else:
+                broken = e
         except BaseException as e:  # noqa: B036 - a crash or shutdown ends the cell
             broken = e
-        failures = {}
-        err = self.ctrl.failure_error(self.ident, "")
+        err = self.ctrl.failures.error(self.ident, "")  # failures after a crash
         if err is not None:
             failures.update(err.failures)
         per_rank = dict(zip(self.ranks, results)) if results else {}

@@ -194,6 +194,8 @@ class MonarchMagics(Magics):
                 ranks = mesh.slice(**spec).ranks
             except (ValueError, IndexError, TypeError) as e:
                 raise UsageError(f"%%monarch: --slice {','.join(a.slice)!r}: {e}") from None
+        if a.output is not None and not (a.output.isidentifier() and a.output != "_"):
+            raise UsageError(f"%%monarch: -o needs a variable name, got {a.output!r}")
         if a.stream is not None:
             if not a.stream.strip():
                 raise UsageError("%%monarch: --stream needs a name")
@@ -226,6 +228,8 @@ class MonarchMagics(Magics):
             what,
         )
         run.send()
+        if a.output is not None:
+            self.shell.user_ns[a.output] = run.future
         if a.noblock:
             run.detach()
             return None

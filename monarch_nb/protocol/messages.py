@@ -75,6 +75,19 @@ class RunCode(NamedTuple):
     what: str
 
 
+class RunCell(NamedTuple):
+    """Run a notebook cell's ``source`` in the namespace (``args``: the names to bind
+    first) and send its value's mimebundle and figures back as a FetchResult,
+    after the cell's failure report if it failed."""
+
+    ident: int
+    source: str
+    filename: str
+    args: Args | None
+    stream: int
+    what: str
+
+
 class SetNames(NamedTuple):
     """Bind names in the worker's namespace (``mesh.push``)."""
 
@@ -126,6 +139,12 @@ class Interrupt(NamedTuple):
     (every stream when ``streams`` is empty)."""
 
     streams: tuple
+
+
+class Cancel(NamedTuple):
+    """Drop these commands before they start; interrupt them where they run."""
+
+    idents: tuple
 
 
 class Exit(NamedTuple):

@@ -155,6 +155,17 @@ class Outbox:
                 self._sock = None
 
 
+class CommandCancelled(Exception):
+    """The controller cancelled this command (its caller gave up on it)."""
+
+
+def _dropped(ident: int):
+    def work():
+        raise CommandCancelled(f"command {ident} was cancelled before it started")
+
+    return work
+
+
 class Stream:
     """A named queue of commands executed in order by one thread.
 
@@ -179,6 +190,8 @@ class Stream:
         self.paused: dict | None = None  # where pdb waits, while it does
         self.debug_session = None  # the RemotePdb tracing the running command, if any
         self.interrupted_in_debugger = False
+        self.cancelled: set[int] = set()  # idents to drop before they start (Cancel)
+        self._cancelled_running: int | None = None
         self.last_failure: BaseException | None = None  # kept for post-mortem
         self._lock = threading.Lock()
         self._interrupt_sent = False
@@ -242,10 +255,27 @@ class Stream:
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just after its command ended
 
+    def cancel(self, idents) -> None:
+        """Receiver thread: drop these commands before they start; interrupt the
+        running one if it is among them."""
+        for i in idents:
+            if i > self.finished:
+                self.cancelled.add(i)
+        running = self.running
+        if running is not None and running[0] in idents:
+            self._cancelled_running = running[0]
+            self.interrupt()
+
     def _execute(self, ident, what, work, results, report) -> None:
         if ident is None:
             work()
             return
+        if self.cancelled:
+            if ident in self.cancelled:
+                work = _dropped(ident)
+            for i in list(self.cancelled):  # a C-level copy: the receiver may add meanwhile
+                if i <= ident:
+                    self.cancelled.discard(i)
         outbox = self.outbox
         self.started = ident
         outbox.ident = ident
@@ -263,7 +293,9 @@ class Stream:
             for c in results:
                 c.set(e)
         except BaseException as e:  # noqa: B036 - SystemExit, KeyboardInterrupt: user code failed
-            if isinstance(e, bdb.BdbQuit) and self.interrupted_in_debugger:
+            if isinstance(e, KeyboardInterrupt) and self._cancelled_running == ident:
+                e = CommandCancelled(f"command {ident} was cancelled while it ran")
+            elif isinstance(e, bdb.BdbQuit) and self.interrupted_in_debugger:
                 e = KeyboardInterrupt("interrupted while paused in the debugger")
             elif not isinstance(e, bdb.BdbQuit):
                 self.last_failure = e
@@ -280,6 +312,7 @@ class Stream:
                 self.debug_session.end()
             outbox.flush()
             outbox.ident = None
+            self._cancelled_running = None
             self.running = None
             self.finished = ident
             self.done += 1

@@ -23,7 +23,7 @@ import zmq
 from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
 from ..protocol.wire import recv_ready, resolve_function, split_batch, unpack_args
-from . import capture, context, debugger
+from . import capture, context, debugger, display
 from .cell import Cell, DependentOnError, MissingRef, get_value, raw
 from .code import run_source
 from .comm_handlers import CommHandlers
@@ -375,9 +375,25 @@ class Worker(CommHandlers):
 
         self._reply_value(msg.ident, msg.stream, compute, f"pull {name}")
 
+    def RunCell(self, msg: m.RunCell) -> None:
+        resolve = self._resolver(msg.args)
+        stream = self._stream(msg.stream)
+        key = msg.ident
+
+        def work():
+            _, kw = unpack_args(msg.args, resolve)
+            display.run_cell(msg.source, msg.filename, key, kw.get("names"), kw.get("auto"))
+
+        stream.schedule(msg.ident, msg.what, work)
+        # bookkeeping after the cell (and its failure report): the reply always goes
+        stream.call_soon(self._reply_work(key, stream, lambda: display.take_result(key)))
+
     def _reply_value(self, ident: int, stream_id: int, compute, what: str) -> None:
         """On the stream: send ``compute()`` (or why it failed) as a FetchResult."""
         stream = self._stream(stream_id)
+        stream.schedule(ident, what, self._reply_work(ident, stream, compute), report=False)
+
+    def _reply_work(self, ident: int, stream, compute):
         rank, signer = self.rank, self.signer
 
         def work():
@@ -395,7 +411,7 @@ class Worker(CommHandlers):
             stream.leave_user_code()
             stream.outbox.send(reply, frames)
 
-        stream.schedule(ident, what, work, report=False)
+        return work
 
     def RequestStatus(self, msg: m.RequestStatus) -> None:
         rank = self.rank
@@ -430,6 +446,10 @@ class Worker(CommHandlers):
         for s in list(self.streams.values()):
             if not msg.streams or s.id in msg.streams:
                 s.interrupt()
+
+    def Cancel(self, msg: m.Cancel) -> None:
+        for s in list(self.streams.values()):
+            s.cancel(msg.idents)
 
     def Ping(self, msg: m.Ping) -> None:
         pass  # hearing from the controller is the point

@@ -17,7 +17,6 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +65,21 @@ class ImportsNothing:
 
 def bad_reduce_value():
     return BadReduce()
+
+
+def _cancel_twice(mesh):
+    """A fetch queued behind a sleep, cancelled twice: True, then False; cancelled."""
+    mnb.remote(time.sleep)(30, mesh=mesh)
+    result = mnb.remote(add)(1, 2, mesh=mesh).fetch_async()
+    return (result.cancel(), result.cancel(), result.cancelled())
+
+
+def _interrupt_quietly(mesh):
+    mesh.interrupt()
+    try:
+        mesh.wait(timeout=30)
+    except mnb.RemoteError:  # the interrupted sleep
+        pass
 
 
 def raise_with_broken_str():
@@ -287,7 +301,7 @@ def _unloadable_on_controller(ctx):
 
 def _fd_output(ctx):
     ctx.mesh.exec("import os\nos.write(1, b'\\xff\\xfe raw fd bytes\\n')").fetch(timeout=30)
-    proc = ctx.ctrl._procs[0]
+    proc = ctx.ctrl.workers.procs[0]
     return wait_for(
         lambda: "\ufffd\ufffd raw fd bytes" in proc.tail_text(), 10, "the fd bytes in the tail"
     )
@@ -652,9 +666,29 @@ CASES = [
     Bad(
         "fetch-timeout",
         lambda c: mnb.remote(time.sleep)(1.0, mesh=c.mesh).fetch(timeout=0.05),
-        FutureTimeout,
-        r"^$",
+        TimeoutError,
+        r"fetch of Ref \d+ did not finish within 0.05 s .*it was cancelled",
         after=lambda c: c.mesh.wait(timeout=30),
+    ),
+    Bad(
+        "fetch-timeout-zero",
+        lambda c: mnb.remote(add)(1, 2, mesh=c.mesh).fetch(timeout=0),
+        ValueError,
+        r"^timeout must be > 0 seconds \(or None: no limit\), got 0$",
+    ),
+    Bad(
+        "fetch-timeout-negative",
+        lambda c: mnb.remote(add)(1, 2, mesh=c.mesh).fetch_async(timeout=-1),
+        ValueError,
+        r"^timeout must be > 0 seconds \(or None: no limit\), got -1$",
+    ),
+    Bad(
+        "cancel-twice",
+        lambda c: _cancel_twice(c.mesh),
+        None,
+        "",
+        check=lambda r, c: r == (True, False, True),
+        after=lambda c: _interrupt_quietly(c.mesh),
     ),
     Bad(
         "pipe-without-room",

@@ -24,7 +24,7 @@ import torch
 from reliability_helpers import alive, running, wait_for, wait_running
 
 import monarch_nb as mnb
-import monarch_nb.controller.controller as controller_mod
+import monarch_nb.controller.interrupts as interrupts_mod
 from monarch_nb.protocol import messages as m
 
 REPEAT = int(os.environ.get("MONARCH_NB_FAULT_REPEAT", "3"))
@@ -232,7 +232,7 @@ def interrupt_main_thread_soon(delay: float = 0.5) -> threading.Timer:
 
 
 def test_ctrl_c_in_a_blocking_fetch_names_stuck_ranks(fmesh, monkeypatch):
-    monkeypatch.setattr(controller_mod, "INTERRUPT_WAIT", ESCALATE)
+    monkeypatch.setattr(interrupts_mod, "INTERRUPT_WAIT", ESCALATE)
     for _ in range(REPEAT):
         r = mnb.remote(native_sleep)(60, mesh=fmesh, stream=fmesh.stream("native"))
         wait_running(fmesh, [0, 1], stream="native", what="native_sleep")

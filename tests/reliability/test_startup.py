@@ -66,8 +66,8 @@ def test_shutdown_leaves_the_sockets_to_a_busy_io_thread(caplog):
     m.exec("print('hello')")
     assert entered.wait(30), "the output never reached the hook"
     ctrl.shutdown(timeout=1.0)  # the IO thread is inside the hook, using nothing else
-    assert ctrl._io.is_alive() and not ctrl._sockets_closed
+    assert ctrl.io.thread.is_alive() and not ctrl.io.sockets_closed
     release.set()
-    wait_for(lambda: not ctrl._io.is_alive(), 30, "the IO thread to end")
-    assert ctrl._sockets_closed
+    wait_for(lambda: not ctrl.io.thread.is_alive(), 30, "the IO thread to end")
+    assert ctrl.io.sockets_closed
     assert "controller IO thread error" not in caplog.text

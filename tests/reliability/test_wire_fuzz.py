@@ -175,7 +175,7 @@ def worker_drops(frames: list[bytes]) -> int:
 def send_to_worker(mesh, rank: int, frames: list[bytes]) -> None:
     """Through the controller's own socket, as one ZeroMQ message (not batched)."""
     done: Future = Future()
-    mesh._controller._enqueue(("msg", [rank], [bytes(f) for f in frames], done))
+    mesh._controller.io.submit(("msg", [rank], [bytes(f) for f in frames], done))
     done.result(timeout=10)
 
 
@@ -305,12 +305,12 @@ def test_the_secret_appears_in_no_log_repr_or_status(tmp_path, caplog, monkeypat
         ctrl.send(m.BorrowFirstUse(12345), None)
         with pytest.raises(mnb.RemoteError, match="is broken"):
             mnb.remote(torch.ones)(1, mesh=mesh).fetch(timeout=30)
-        tail = ctrl._procs[0].tail_text  # the worker's log of that failure, to its last line
+        tail = ctrl.workers.procs[0].tail_text  # the worker's log of that failure, to its last line
         wait_for(lambda: "KeyError: 12345" in tail(), 10, "the worker's log", show=tail)
         worker = psutil.Process(ctrl.worker_pids()[0])
         texts = {
             "logs": caplog.text,
-            "worker stderr": ctrl._procs[0].tail_text(),
+            "worker stderr": ctrl.workers.procs[0].tail_text(),
             "reprs": repr(ctrl) + repr(ctrl.signer) + repr(mesh) + repr(ctrl.state),
             "status": json.dumps(mesh.status(), default=str),
             "worker command line": " ".join(worker.cmdline()),

@@ -1,0 +1,150 @@
+"""What the workers send, handled on the IO thread: one handler per message type,
+named after it (as the worker names its handlers after the commands)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+from ..protocol import BadMessage, decode, encode
+from ..protocol import messages as m
+from .errors import IOThreadError, RemoteError
+
+logger = logging.getLogger("monarch_nb.controller")
+
+
+class Replies:
+    """Decodes frames from the ROUTER and updates the controller's parts."""
+
+    def __init__(self, ctrl):
+        self.ctrl = ctrl
+        self._handlers = {
+            cls: getattr(self, cls.__name__)
+            for cls in vars(m).values()
+            if isinstance(cls, type)
+            and cls.__module__ == m.__name__
+            and hasattr(self, cls.__name__)
+        }
+
+    def on_frames(self, frames) -> None:
+        ctrl = self.ctrl
+        try:
+            msg = decode(frames[1:], ctrl.signer)
+        except BadMessage as e:
+            ctrl.state.bad_messages += 1
+            logger.warning(
+                "mesh %r dropped a message (%s); %d dropped so far",
+                ctrl.name,
+                e,
+                ctrl.state.bad_messages,
+            )
+            return
+        handler = self._handlers.get(type(msg))
+        rank = getattr(msg, "rank", None)
+        ready = type(msg) is m.WorkerReady  # its handler says why it refuses a bad rank
+        if handler is None or not isinstance(rank, int) or not (ready or 0 <= rank < ctrl.world):
+            ctrl.state.bad_messages += 1
+            logger.warning("mesh %r dropped an unexpected %s", ctrl.name, type(msg).__name__)
+            return
+        if not ready:
+            ctrl.state.seen(rank)
+        try:
+            if ready:
+                handler(msg, frames[0].bytes)
+            else:
+                handler(msg)
+        except Exception as e:
+            self._handler_failed(msg, e)
+
+    def _handler_failed(self, msg, e: Exception) -> None:
+        """A bug here must not become a silent wait: the request the message answers
+        fails with the traceback."""
+        name = type(msg).__name__
+        logger.exception("mesh %r: handling %s failed", self.ctrl.name, name)
+        ident = getattr(msg, "ident", None)
+        if isinstance(ident, int):
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            err = IOThreadError(
+                f"mesh {self.ctrl.name!r}: the controller failed handling {name} "
+                f"from rank {msg.rank} (command {ident}):\n{tb}"
+            )
+            self.ctrl.table.fail(ident, err)
+
+    # ------------------------------------------------------------ joining
+
+    def WorkerReady(self, msg: m.WorkerReady, identity: bytes) -> None:
+        ctrl = self.ctrl
+        reason = ctrl.workers.admit(msg, identity)
+        if reason is not None:
+            logger.warning(
+                "mesh %r refused a worker (pid %s on %s): %s", ctrl.name, msg.pid, msg.host, reason
+            )
+            ctrl.io.send_now(identity, encode(m.Refused(reason), ctrl.signer))
+
+    # ------------------------------------------------------------ replies to requests
+
+    def TransferBegin(self, msg: m.TransferBegin) -> None:
+        req = self.ctrl.table.get(msg.ident)
+        what = req.what if req is not None else "fetch"
+        self.ctrl.transfers.begin(msg.ident, msg.rank, msg.nbytes, what)
+
+    def FetchResult(self, msg: m.FetchResult) -> None:
+        self.ctrl.transfers.end(msg.ident, msg.rank)
+        err = msg.error
+        dependent = err.ident if type(err) is m.DependentOn else None
+        self.ctrl.table.on_fetch(msg.ident, msg.rank, msg.value, err, dependent)
+
+    def Status(self, msg: m.Status) -> None:
+        self.ctrl.state.progress(msg.rank, {msg.stream: msg.progress})
+        self.ctrl.table.on_status(msg.ident, msg.rank, msg.stream)
+
+    def RemoteFunctionFailed(self, msg: m.RemoteFunctionFailed) -> None:
+        ctrl = self.ctrl
+        what = ctrl.state.what_of(msg.stream, msg.ident)
+        ctrl.failures.record(msg.ident, msg.rank, msg.failure, what)
+        if msg.ident in ctrl.cancelled:  # the user cancelled it: nothing to tell
+            ctrl.failures.mark_reported(msg.ident)
+        ctrl.state.add_error(msg.ident, msg.rank, msg.stream, msg.failure)
+        ctrl.table.on_failure(msg.ident)
+
+    # ------------------------------------------------------------ reports
+
+    def Progress(self, msg: m.Progress) -> None:
+        self.ctrl.state.progress(msg.rank, msg.streams)
+
+    def Stalled(self, msg: m.Stalled) -> None:
+        self.ctrl.state.stalled(msg.rank, msg.stream, msg.ident, msg.what, msg.seconds, msg.stack)
+
+    def Health(self, msg: m.Health) -> None:
+        self.ctrl.state.health(msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size)
+
+    def Output(self, msg: m.Output) -> None:
+        try:
+            self.ctrl.on_output(msg)
+        except Exception:
+            logger.exception("output handler failed")
+
+    def DebuggerMessage(self, msg: m.DebuggerMessage) -> None:
+        self.ctrl.debugger.on_message(msg)
+
+    def InternalException(self, msg: m.InternalException) -> None:
+        ctrl = self.ctrl
+        ctrl.state.internal_errors.append({"rank": msg.rank, **msg.failure._asdict()})
+        err = RemoteError(
+            {msg.rank: tuple(msg.failure)},
+            None,
+            f"mesh {ctrl.name!r} is broken: an internal error on rank {msg.rank}; restart it",
+        )
+        ctrl.break_mesh(err)
+
+
+def print_output(msg: m.Output) -> None:
+    """Default output handler (scripts, tests): each line prefixed ``[rank r]``."""
+    out = sys.stdout if msg.name == "stdout" else sys.stderr
+    text = msg.text
+    lines = text.splitlines(keepends=True)
+    out.write("".join(f"[rank {msg.rank}] {line}" for line in lines))
+    if text and not text.endswith("\n"):
+        out.write("\n")
+    out.flush()

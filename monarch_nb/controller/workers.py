@@ -1,0 +1,158 @@
+"""The worker set: which workers a generation has, how they started, and their end.
+
+Workers come from a launcher (``LocalLauncher``: our children on this host;
+``ExternalLauncher``: torchrun or srun, through a connection file; the host
+agents of a later issue). The set admits them as they join, watches the
+processes it started, pings those it did not, and stops them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Protocol
+
+from .errors import WorkerCrashed
+
+logger = logging.getLogger("monarch_nb.controller")
+
+
+class Launcher(Protocol):
+    """Starts the workers of a mesh generation."""
+
+    external: bool  # True: not our children (no process to watch; they get pings)
+
+    def launch(self, address: str, key: bytes, world: int) -> dict:
+        """Start ``world`` workers that join ``address`` with ``key``: rank -> process
+        (``popen``, ``fd``, ``read_output()``, ``tail_text()``, ``kill(sig)``), or {}."""
+
+
+class WorkerSet:
+    """The workers of the current generation."""
+
+    def __init__(self, name: str, world: int, launcher: Launcher, state):
+        self.name = name
+        self.world = world
+        self.launcher = launcher
+        self.state = state
+        self.identities: dict[int, bytes] = {}  # rank -> socket identity (shared with IOLoop)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new generation: nobody has joined."""
+        self.identities.clear()
+        self.cuda: dict[int, bool] = {}
+        self.procs: dict = {}
+        self.ready = threading.Event()
+        self.startup_error: BaseException | None = None
+        self._next_ping = 0.0
+
+    # ------------------------------------------------------------ joining
+
+    def admit(self, msg, identity: bytes) -> str | None:
+        """A WorkerReady: None if admitted, else why it is refused."""
+        if msg.world != self.world:
+            return f"world size {msg.world} differs from the mesh's {self.world}"
+        if not 0 <= msg.rank < self.world:
+            return f"rank {msg.rank} is outside the mesh (world {self.world})"
+        if msg.rank in self.identities:
+            return f"rank {msg.rank} has joined already (pid {self.state.workers[msg.rank].pid})"
+        if self.ready.is_set():
+            return "the mesh is complete: late workers are not taken"
+        self.identities[msg.rank] = identity
+        self.cuda[msg.rank] = msg.cuda
+        self.state.worker_ready(msg.rank, msg.pid, msg.host)
+        if len(self.identities) == self.world:
+            self.ready.set()
+        return None
+
+    def all_cuda(self) -> bool:
+        return bool(self.cuda) and all(self.cuda.values())
+
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.world)) - set(self.identities))
+
+    # ------------------------------------------------------------ watching
+
+    def pings_due(self) -> bool:
+        """Workers that are not our children hear from us every second (they exit
+        when the pings stop)."""
+        if not (self.launcher.external and self.identities):
+            return False
+        now = time.monotonic()
+        if now < self._next_ping:
+            return False
+        self._next_ping = now + 1.0
+        return True
+
+    def exited(self, proc, wait: float = 0.0, closing: bool = False) -> WorkerCrashed | None:
+        """Check ``proc``; the crash if it ended unasked (else None)."""
+        code = proc.popen.poll()
+        if code is None and wait:
+            try:
+                code = proc.popen.wait(wait)
+            except Exception:
+                code = None
+        if code is None:
+            return None
+        if self.procs.get(proc.rank) is not proc:
+            return None  # a worker of an earlier generation (restart) whose pipe closed late
+        w = self.state.workers.get(proc.rank)
+        if w is None or (not w.alive and w.exit is not None):
+            return None
+        while proc.fd is not None and proc.read_output():
+            pass
+        self.state.worker_exited(proc.rank, code)
+        if closing:
+            return None
+        err = WorkerCrashed(proc.rank, code, proc.tail_text(), self.name)
+        if not self.ready.is_set():
+            self.startup_error = err
+            self.ready.set()
+        return err
+
+    # ------------------------------------------------------------ stopping
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for our children to exit (they were sent Exit),
+        then SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + timeout
+        procs = list(self.procs.values())
+        for p in procs:
+            try:
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+        for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0)):
+            left = [p for p in procs if p.popen.poll() is None]
+            if not left:
+                break
+            for p in left:
+                p.kill(sig)
+            end = time.monotonic() + grace
+            for p in left:
+                try:
+                    p.popen.wait(max(0.0, end - time.monotonic()))
+                except Exception:
+                    pass
+        for p in procs:
+            if p.popen.stdout is not None:
+                try:
+                    p.popen.stdout.close()
+                except OSError:
+                    pass
+            self.state.worker_exited(p.rank, p.popen.poll())
+
+    def close(self) -> None:
+        """The mesh is gone for good: the launcher cleans up (a connection file)."""
+        close = getattr(self.launcher, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.exception("mesh %r: closing the launcher failed", self.name)
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
