@@ -1,17 +1,26 @@
 """Recordings: commands captured once by the controller, replayed here with new inputs.
 
-A replay runs each stream's recorded commands as one command on that stream:
-functions are resolved and arguments unpickled once, at definition, with Refs
-left as slots that a replay fills. A failing command makes its result a
-DependentOnError of the replay (commands that read it fail silently) and is
-reported once; collectives still take part, so no rank hangs.
+A replay runs each stream's recorded commands as one command on that stream.
+Each command is prepared once, at definition: its function resolved, its
+arguments unpickled with Refs left as slots that a replay fills from its
+values. A value made inside a replay is dropped after its last reader unless
+it is a result.
+
+Failures never leave a peer inside a collective: a failing command makes its
+result a DependentOnError of the replay (commands that read it fail silently)
+and is reported once, after the replay; an input that failed before the replay
+stays the DependentOnError it holds. A recorded reduce takes part either way,
+and its header exchange tells every rank of the group that some input failed,
+so all of them skip the data exchange and fail with the original error. An
+input this rank has no value for (a Ref on other ranks only) fails only the
+commands that read it, with MissingRef.
 """
 
 from __future__ import annotations
 
 from ..protocol import messages as m
 from ..protocol.wire import resolve_function, unpack_args
-from .cell import DependentOnError
+from .cell import Cell, DependentOnError, MissingRef
 from .code import run_source
 
 
@@ -22,21 +31,33 @@ class _Slot:
         self.rid = rid
 
 
-def _has_slot(obj) -> bool:
-    if type(obj) is _Slot:
-        return True
-    if type(obj) in (tuple, list):
-        return any(_has_slot(o) for o in obj)
-    if type(obj) is dict:
-        return any(_has_slot(v) for v in obj.values())
-    return False
+class _Missing(DependentOnError):
+    """The value of an input this rank does not hold: reading it is a failure
+    (reported), not a dependence on one."""
+
+    def __init__(self, ident: int, error: MissingRef):
+        super().__init__(ident)
+        self.error = error
+
+
+def _slot_ids(obj, out: set) -> set:
+    t = type(obj)
+    if t is _Slot:
+        out.add(obj.rid)
+    elif t in (tuple, list):
+        for o in obj:
+            _slot_ids(o, out)
+    elif t is dict:
+        for v in obj.values():
+            _slot_ids(v, out)
+    return out
 
 
 def _bind(obj, values: dict):
     t = type(obj)
     if t is _Slot:
         v = values[obj.rid]
-        if type(v) is DependentOnError:
+        if isinstance(v, DependentOnError):
             raise v
         return v
     if t is tuple:
@@ -48,36 +69,69 @@ def _bind(obj, values: dict):
     return obj
 
 
-def _flat_slots(args: tuple) -> list | None:
-    """Positions of the Refs in a flat argument tuple, or None if some are nested."""
-    slots = []
-    for i, a in enumerate(args):
-        if type(a) is _Slot:
-            slots.append((i, a.rid))
-        elif _has_slot(a):
-            return None
-    return slots
+def _call_runner(fn, args: tuple, kwargs: dict):
+    """``run(values, worker, ident)`` for a CallFunction: flat Refs are filled in
+    by position, nested ones rebuilt per replay, arguments without Refs reused."""
+    slots = [(i, a.rid) for i, a in enumerate(args) if type(a) is _Slot]
+    nested = any(type(a) is not _Slot and _slot_ids(a, set()) for a in args)
+    if nested or _slot_ids(kwargs, set()):
+        return lambda values, worker, ident: fn(*_bind(args, values), **_bind(kwargs, values))
+    if not slots:
+        return lambda values, worker, ident: fn(*args, **kwargs)
+
+    def run(values, worker, ident):
+        a = list(args)
+        for i, rid in slots:
+            v = values[rid]
+            if isinstance(v, DependentOnError):
+                raise v
+            a[i] = v
+        return fn(*a, **kwargs)
+
+    return run
 
 
-class _Step:
-    """One recorded command, ready to run."""
+def _reduce_runner(msg: m.Reduce):
+    def run(values, worker, ident):
+        from .collectives import run_reduce
 
-    __slots__ = ("kind", "result", "fn", "args", "kwargs", "slots", "nested", "msg")
+        value = values.get(msg.source)
+        out = None if msg.out is None else values.get(msg.out)
+        missing = next((v for v in (value, out) if type(v) is _Missing), None)
+        try:
+            return run_reduce(msg, worker.comms, value, out)
+        except DependentOnError:
+            if missing is None:
+                raise
+        raise missing.error  # this rank's own failure; its peers depend on it
 
-    def __init__(self, msg):
-        self.msg = msg
-        self.kind = type(msg).__name__
-        self.result = getattr(msg, "result", None)
-        self.fn = None
-        self.args, self.kwargs, self.slots, self.nested = (), {}, [], False
-        if self.kind == "CallFunction":
-            self.fn = resolve_function(msg.function)
-            self.args, self.kwargs = unpack_args(msg.args, _Slot)
-            # arguments without Refs are reused as they are; flat Refs are filled in
-            # by position; anything nested is rebuilt per replay
-            slots = _flat_slots(self.args)
-            self.nested = slots is None or _has_slot(self.kwargs)
-            self.slots = slots or []
+    return run
+
+
+def _step(msg) -> tuple:
+    """(function, first, rest, result id, ids of the Refs it reads) of one recorded
+    command. With ``first`` (a ref id), the step is ``function(values[first],
+    *rest)``, run in the replay loop itself (the common ``f(ref, constants)``);
+    without, ``function(values, worker, ident)``."""
+    kind = type(msg).__name__
+    if kind == "CallFunction":
+        fn = resolve_function(msg.function)
+        args, kwargs = unpack_args(msg.args, _Slot)
+        reads = _slot_ids((args, kwargs), set())
+        if args and type(args[0]) is _Slot and not kwargs and not _slot_ids(args[1:], set()):
+            return fn, args[0].rid, args[1:], msg.result, reads
+        return _call_runner(fn, args, kwargs), None, (), msg.result, reads
+    if kind == "Reduce":
+        reads = {msg.source} | ({msg.out} if msg.out is not None else set())
+        return _reduce_runner(msg), None, (), msg.result, reads
+    if kind == "RunCode":
+        source, filename = msg.source, msg.filename
+
+        def run_code(values, worker, ident):
+            return run_source(source, filename, worker.namespace)
+
+        return run_code, None, (), msg.result, set()
+    raise RuntimeError(f"{kind} cannot be replayed")
 
 
 class Recording:
@@ -85,52 +139,92 @@ class Recording:
 
     def __init__(self, msg: m.DefineRecording):
         self.name = msg.name
-        self.streams: dict[int, list[_Step]] = {}
-        self.produces: dict[int, set] = {}  # stream id -> recorded ids its steps define
+        self.what = f"compiled {msg.name}"
+        self._steps: dict[int, list[tuple]] = {}  # stream id -> [_step(command)]
         for cmd in msg.commands:
-            self.streams.setdefault(cmd.stream, []).append(_Step(cmd))
-            self.produces.setdefault(cmd.stream, set()).add(cmd.result)
+            self._steps.setdefault(cmd.stream, []).append(_step(cmd))
+        self.produces = {sid: {s[3] for s in steps} for sid, steps in self._steps.items()}
+        self.reads = {
+            sid: set().union(*(s[4] for s in steps)) for sid, steps in self._steps.items()
+        }
+        self.produced_here = set().union(*self.produces.values())
+        # stream id -> [(function, first, rest, result, ids to drop after it)]
+        self.streams: dict[int, list[tuple]] = {}
+        self._kept: frozenset | None = None
+
+    def _plan(self, kept: frozenset) -> None:
+        """Drop each value made inside a replay after its last reader (unless it
+        is a result): the replay holds no more memory than the calls sent one
+        by one would."""
+        self._kept = kept
+        for sid, steps in self._steps.items():
+            last = {}
+            for i, (*_, result, reads) in enumerate(steps):
+                last[result] = i
+                for rid in reads:
+                    if rid in last:
+                        last[rid] = i
+            drops: list[list] = [[] for _ in steps]
+            for rid, i in last.items():
+                if rid not in kept:
+                    drops[i].append(rid)
+            self.streams[sid] = [(*s[:4], tuple(d)) for s, d in zip(steps, drops)]
+
+    def call(self, worker, msg: m.CallRecording) -> None:
+        """Schedule one replay per stream (the CallRecording handler). Only the
+        results this rank produces get cells."""
+        env, ident = worker.env, msg.ident
+        kept = frozenset(rid for rid, _ in msg.results)
+        if kept != self._kept:  # the same for every call of a recording: planned once
+            self._plan(kept)
+        outputs = {}
+        for rid, new in msg.results:
+            if rid in self.produced_here:
+                outputs[rid] = env[new] = Cell()
+        for sid in self.streams:
+            reads = self.reads[sid]
+            inputs = [(rid, worker._cell(actual)) for rid, actual in msg.inputs if rid in reads]
+            produced = [(rid, c) for rid, c in outputs.items() if rid in self.produces[sid]]
+
+            def work(sid=sid, inputs=inputs, produced=produced):
+                values = {}
+                for rid, cell in inputs:
+                    v = cell.value
+                    values[rid] = _Missing(ident, v) if isinstance(v, MissingRef) else v
+                try:
+                    self.replay(worker, sid, ident, values)
+                finally:
+                    for rid, c in produced:
+                        c.set(values.get(rid, DependentOnError(ident)))
+
+            worker._stream(sid).schedule(ident, self.what, work)
 
     def replay(self, worker, stream_id: int, ident: int, values: dict) -> None:
         """Run this stream's steps; ``values`` maps recorded ref ids to values
         (formals and captured Refs in; results out)."""
         first_failure = None
-        for step in self.streams.get(stream_id, ()):
+        for fn, first, rest, result, drops in self.streams.get(stream_id, ()):
             try:
-                if step.fn is not None and not step.nested:
-                    args = step.args
-                    if step.slots:
-                        args = list(args)
-                        for i, rid in step.slots:
-                            v = values[rid]
-                            if type(v) is DependentOnError:
-                                raise v
-                            args[i] = v
-                    values[step.result] = step.fn(*args, **step.kwargs)
-                    continue
-                values[step.result] = self._run(worker, step, values)
+                if first is None:
+                    values[result] = fn(values, worker, ident)
+                else:
+                    v = values[first]
+                    if isinstance(v, DependentOnError):
+                        raise v
+                    # fn(v) keeps a Python function on the interpreter's fast call path
+                    values[result] = fn(v, *rest) if rest else fn(v)
             except DependentOnError as e:
-                if step.result is not None:
-                    values[step.result] = e
+                if type(e) is _Missing:
+                    values[result] = DependentOnError(ident)
+                    if first_failure is None:
+                        first_failure = e.error
+                else:
+                    values[result] = e
             except BaseException as e:  # noqa: B036 - reported once, after the replay
-                if step.result is not None:
-                    values[step.result] = DependentOnError(ident)
+                values[result] = DependentOnError(ident)
                 if first_failure is None:
                     first_failure = e
+            for rid in drops:
+                del values[rid]
         if first_failure is not None:
             raise first_failure
-
-    @staticmethod
-    def _run(worker, step: _Step, values: dict):
-        kind = step.kind
-        if kind == "CallFunction":
-            return step.fn(*_bind(step.args, values), **_bind(step.kwargs, values))
-        msg = step.msg
-        if kind == "Reduce":
-            from .collectives import run_reduce
-
-            out = None if msg.out is None else values.get(msg.out)
-            return run_reduce(msg, worker.comms, values.get(msg.source), out)
-        if kind == "RunCode":
-            return run_source(msg.source, msg.filename, worker.namespace)
-        raise RuntimeError(f"{kind} cannot be replayed")

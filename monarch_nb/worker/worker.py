@@ -24,7 +24,7 @@ from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
 from ..protocol.wire import recv_ready, resolve_function, split_batch, unpack_args
 from . import capture, context, debugger, display
-from .cell import Cell, DependentOnError, MissingRef, get_value, raw
+from .cell import Cell, DependentOnError, MissingRef, get_value
 from .code import run_source
 from .comm_handlers import CommHandlers
 from .failure import describe, format_user_stack
@@ -478,23 +478,7 @@ class Worker(CommHandlers):
         self.recordings[msg.recording] = Recording(msg)
 
     def CallRecording(self, msg: m.CallRecording) -> None:
-        rec = self.recordings[msg.recording]
-        inputs = {rid: self._cell(actual) for rid, actual in msg.inputs}
-        outputs = {}
-        for rid, new in msg.results:
-            outputs[rid] = self.env[new] = Cell()
-        for sid in rec.streams:
-            produced = [rid for rid in outputs if rid in rec.produces[sid]]
-
-            def work(sid=sid, produced=produced):
-                values = {rid: raw(c) for rid, c in inputs.items()}
-                try:
-                    rec.replay(self, sid, msg.ident, values)
-                finally:
-                    for rid in produced:
-                        outputs[rid].set(values.get(rid, DependentOnError(msg.ident)))
-
-            self._stream(sid).schedule(msg.ident, f"compiled {rec.name}", work)
+        self.recordings[msg.recording].call(self, msg)
 
     # ------------------------------------------------------------ pipes
 
