@@ -19,9 +19,9 @@ from IPython.core.error import UsageError
 
 from ..controller import MeshClosedError, RemoteError, WorkerCrashed, format_ranks
 from ..protocol import messages as m
-from ..protocol.wire import RefUseError, function_ref, pack_args
+from ..protocol.wire import RefUseError, pack_args
+from ..protocol.worker_functions import RUN_CELL, TAKE_RESULT
 from ..remote import check_refs
-from ..worker import display as worker_display
 from .debugger import NoStdin, Prompt, notice
 from .output import CellSink, OutputHub
 from .results import RemoteCellError, render_failures, result_displays
@@ -29,18 +29,9 @@ from .results import RemoteCellError, render_failures, result_displays
 INTERRUPT_WAIT = 5.0  # seconds to wait for interrupted ranks to report KeyboardInterrupt
 POLL = 0.25
 
-_functions: dict = {}
-
 
 class _Detached(Exception):
     """The cell goes on in the background (paused sessions, no stdin to serve them)."""
-
-
-def _fn(name: str) -> m.Function:
-    f = _functions.get(name)
-    if f is None:
-        f = _functions[name] = function_ref(getattr(worker_display, name))
-    return f
 
 
 class CellRun:
@@ -113,7 +104,7 @@ class CellRun:
         sid = self.stream.id
         result = ctrl.next_id()
         ctrl.send(
-            m.CallFunction(ident, result, _fn("run_cell"), args, sid, self.mesh.id, what),
+            m.CallFunction(ident, result, RUN_CELL, args, sid, self.mesh.id, what),
             self.ranks,
             sid,
             what,
@@ -122,7 +113,7 @@ class CellRun:
         self.take = take = ctrl.next_ident()
         self.future = ctrl.expect(take, self.ranks, what=f"{what} (result)")
         targs, _ = pack_args((ident,), {})
-        ctrl.send(m.SendValue(take, _fn("take_result"), targs, sid), self.ranks, sid, "result")
+        ctrl.send(m.SendValue(take, TAKE_RESULT, targs, sid), self.ranks, sid, "result")
 
     def interrupt(self) -> None:
         """KeyboardInterrupt in whatever runs now on this cell's stream and ranks."""
