@@ -10,6 +10,8 @@ The notebook kernel (or any Python process) is the single controller::
 In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 """
 
+from . import context
+from ._version import __version__ as __version__
 from .controller.async_result import AsyncResult
 from .controller.errors import (
     InterruptTimeout,
@@ -26,7 +28,15 @@ from .recording import Compiled, RecordingError, compile
 from .remote import ProcessGroup, Ref, RemoteFunction, remote
 from .worker.context import current_coords, current_rank, current_size
 
-__version__ = "0.1.0"
+
+def _dashboard(mesh, **kw):
+    """``mesh.dashboard()``: the widget comes from ``ui``, which the API never imports."""
+    from .ui import Dashboard
+
+    return Dashboard(mesh, **kw)
+
+
+context.set_dashboard(_dashboard)
 
 __all__ = [
     "AsyncResult",

@@ -1,10 +1,11 @@
 """Making a mesh: ``local_mesh`` spawns workers here, ``connect_mesh`` waits for
-workers another launcher started. Both register the mesh by name (``mesh.py``)."""
+workers another launcher started. Both register the mesh by name (``context.py``)."""
 
 from __future__ import annotations
 
+from . import context
 from .controller import HEARTBEAT_TIMEOUT, Controller
-from .mesh import DeviceMesh, _default, _meshes, _names
+from .mesh import DeviceMesh
 from .protocol.ndslice import NDSlice
 
 
@@ -34,20 +35,6 @@ def _check_backend(backend) -> None:
         raise ValueError(f"unknown backend {backend!r}: expected 'gloo' or 'nccl'")
 
 
-def _new_name(name: str | None) -> str:
-    if name is None:
-        name = f"mesh{next(_names)}"
-        while name in _meshes:
-            name = f"mesh{next(_names)}"
-    elif not isinstance(name, str) or not name:
-        raise ValueError("a mesh name must be a non-empty string")
-    elif name in _meshes and _meshes[name].alive:
-        raise ValueError(
-            f"a mesh named {name!r} already exists: shut it down first or pick another name"
-        )
-    return name
-
-
 def local_mesh(
     name: str | None = None,
     backend: str | None = None,
@@ -69,7 +56,7 @@ def local_mesh(
         raise ValueError("local_mesh() needs at least one named dim, e.g. local_mesh(dp=2)")
     _check_dims(dims)
     _check_backend(backend)
-    name = _new_name(name)
+    name = context.new_name(name)
     world = 1
     for v in dims.values():
         world *= v
@@ -82,8 +69,7 @@ def local_mesh(
         liveness_timeout=liveness_timeout,
     )
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
-    _meshes[name] = mesh
-    _default[0] = mesh
+    context.register(mesh)
     return mesh
 
 
@@ -124,7 +110,7 @@ def connect_mesh(
         product *= v
     if product != world:
         raise ValueError(f"the dims {dims} hold {product} ranks, not world={world}")
-    name = _new_name(name)
+    name = context.new_name(name)
     launcher = ExternalLauncher(name, dims, connection_file)
     ctrl = Controller(
         name,
@@ -139,6 +125,5 @@ def connect_mesh(
     )
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     mesh.connection_file = launcher.connection_file
-    _meshes[name] = mesh
-    _default[0] = mesh
+    context.register(mesh)
     return mesh

@@ -4,90 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
-import threading
 from typing import Any
 
+from . import context
+from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
 from .controller import Controller
 from .controller.errors import MeshClosedError
+from .pipe import Pipe
 from .protocol import messages as m
 from .protocol.ndslice import NDSlice
 from .protocol.wire import RefUseError, function_ref, pack_args
 from .remote import ProcessGroup, Ref, check_refs
 
-_meshes: dict[str, DeviceMesh] = {}  # root meshes by name
-_default: list = [None]  # the most recently created or activated mesh
-_names = itertools.count()
-_tls = threading.local()
 
-
-class Stream:
-    """A named queue and thread on every worker of a mesh (a CUDA stream on GPU)."""
-
-    def __init__(self, mesh: DeviceMesh, stream_id: int, name: str):
-        self.mesh = mesh
-        self.id = stream_id
-        self.name = name
-
-    @contextlib.contextmanager
-    def activate(self):
-        """Within this block, calls without ``stream=`` go to this stream."""
-        stack = _stack("streams")
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
-
-    def __repr__(self) -> str:
-        return f"<Stream {self.name!r} of mesh {self.mesh.name!r}>"
-
-
-def _stack(kind: str) -> list:
-    s = getattr(_tls, kind, None)
-    if s is None:
-        s = []
-        setattr(_tls, kind, s)
-    return s
-
-
-class Pipe:
-    """A pipe's controller end: ``recv()`` -> Ref; ``close()``."""
-
-    def __init__(self, mesh: DeviceMesh, pipe_id: int):
-        self.mesh = mesh
-        self.id = pipe_id
-        self.closed = False
-
-    def recv(self, stream: Stream | None = None) -> Ref:
-        """A Ref holding the next value the pipe sends, on every rank."""
-        if self.closed:
-            raise ValueError(f"pipe {self.id} is closed")
-        _, stream = resolve_target(self.mesh, stream)
-        ctrl = self.mesh._controller
-        ctrl.check_usable()
-        ident, result = ctrl.next_ident(), ctrl.next_id()
-        ctrl.send(
-            m.PipeRecv(ident, result, self.id, stream.id), self.mesh.targets, stream.id, "pipe recv"
-        )
-        return Ref(result, self.mesh, stream, ident)
-
-    def close(self) -> None:
-        """Stop the side processes."""
-        if not self.closed:
-            self.closed = True
-            ctrl = self.mesh._controller
-            if ctrl.usable:
-                ctrl.send(m.ClosePipe(self.id), self.mesh.targets)
-
-    def __enter__(self) -> Pipe:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class DeviceMesh:
+class DeviceMesh(BaseMesh):
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
     def __init__(
@@ -228,12 +158,8 @@ class DeviceMesh:
     @contextlib.contextmanager
     def activate(self):
         """Within this block, calls without ``mesh=`` go to this mesh."""
-        stack = _stack("meshes")
-        stack.append(self)
-        try:
+        with context.activated("meshes", self):
             yield self
-        finally:
-            stack.pop()
 
     # ------------------------------------------------------------ namespace
 
@@ -423,10 +349,8 @@ class DeviceMesh:
         return out
 
     def dashboard(self):
-        """The ipywidgets dashboard of this mesh."""
-        from .ui import Dashboard
-
-        return Dashboard(self)
+        """The ipywidgets dashboard of this mesh (a ``monarch_nb.ui.Dashboard``)."""
+        return context.dashboard(self)
 
     # ------------------------------------------------------------ life cycle
 
@@ -449,13 +373,7 @@ class DeviceMesh:
         its workers are its mesh's.)"""
         self._whole("shutdown()")
         self._controller.shutdown()
-        if (
-            _meshes.get(self.name) is not None
-            and _meshes[self.name]._controller is self._controller
-        ):
-            del _meshes[self.name]
-        if _default[0] is not None and _default[0]._controller is self._controller:
-            _default[0] = next(reversed(_meshes.values()), None)
+        context.forget(self)
 
     @property
     def alive(self) -> bool:
@@ -493,46 +411,12 @@ def _exec_filename(source: str) -> str:
     return f"<monarch-exec-{digest}>"
 
 
-def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[DeviceMesh, Stream]:
-    """The mesh and stream a call goes to: explicit, else active, else default."""
-    if mesh is None:
-        if stream is not None:
-            mesh = stream.mesh
-        else:
-            mesh = get_mesh()
-    elif not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh= must be a DeviceMesh, got {type(mesh).__name__}")
-    if stream is None:
-        active = _stack("streams")
-        stream = active[-1] if active else None
-        if stream is None or stream.mesh._controller is not mesh._controller:
-            stream = mesh.default_stream
-    elif not isinstance(stream, Stream):
-        raise TypeError(
-            f"stream= must be a Stream (mesh.stream(name)), got {type(stream).__name__}"
-        )
-    elif stream.mesh._controller is not mesh._controller:
-        raise ValueError(f"{stream!r} does not belong to mesh {mesh.name!r}")
-    return mesh, stream
-
-
-def get_mesh(name: str | None = None) -> DeviceMesh:
-    """The mesh called ``name``, or the active one."""
-    if name is not None:
-        try:
-            return _meshes[name]
-        except KeyError:
-            raise KeyError(f"no mesh named {name!r} (meshes: {sorted(_meshes)})") from None
-    active = _stack("meshes")
-    if active:
-        return active[-1]
-    if _default[0] is None or not _default[0].alive and _default[0].name not in _meshes:
-        raise RuntimeError("no active mesh: create one with mnb.local_mesh(dp=2) or pass mesh=")
-    return _default[0]
-
-
-def all_meshes() -> dict:
-    return dict(_meshes)
-
-
-__all__ = ["DeviceMesh", "Stream", "get_mesh", "MeshClosedError"]
+__all__ = [
+    "DeviceMesh",
+    "MeshClosedError",
+    "Pipe",
+    "Stream",
+    "all_meshes",
+    "get_mesh",
+    "resolve_target",
+]

@@ -16,7 +16,7 @@ import functools
 import pickle
 from typing import Any
 
-from .controller.controller import recording_trace
+from .context import recording_trace
 from .protocol import messages as m
 from .remote import Ref
 

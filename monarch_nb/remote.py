@@ -6,9 +6,10 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .context import BaseMesh, Stream, recording_trace, resolve_target
 from .controller import AsyncResult
-from .controller.controller import recording_trace
 from .protocol import messages as m
+from .protocol.reduce_options import REDUCTIONS, check_combination
 from .protocol.wire import (
     RefUseError,
     function_ref,
@@ -20,7 +21,7 @@ from .protocol.wire import (
 )
 
 if TYPE_CHECKING:
-    from .mesh import DeviceMesh, Stream
+    from .mesh import DeviceMesh
 
 
 class Ref:
@@ -142,9 +143,6 @@ class Ref:
         reduce_scatter_tensor they are composed from all_gather / all_reduce.
         Returns a new Ref on the same mesh and stream.
         """
-        from .worker.collectives import REDUCTIONS
-        from .worker.reductions import check_combination
-
         self._check()
         mesh, stream = self.mesh, self.stream
         names = list(mesh.dims)
@@ -192,10 +190,8 @@ class Ref:
         """Copy to ``other`` rank by rank (i-th rank of this mesh to the i-th of
         ``other``) with batched isend/irecv; a rank copying to itself makes a
         copy-on-write clone. Returns a Ref on ``other``, same stream."""
-        from .mesh import DeviceMesh
-
         self._check()
-        if not isinstance(other, DeviceMesh):
+        if not isinstance(other, BaseMesh):
             raise TypeError(f"to_mesh() needs a DeviceMesh, got {type(other).__name__}")
         mesh, stream = self.mesh, self.stream
         ctrl = mesh._controller
@@ -226,10 +222,8 @@ class Ref:
         """This value for use on ``stream``. Its first use there waits for this
         stream to have produced it; until the borrow is dropped (``del``), this
         stream cannot free or mutate it under the borrower."""
-        from .mesh import Stream as _Stream
-
         self._check()
-        if not isinstance(stream, _Stream) or stream.mesh._controller is not self.mesh._controller:
+        if not isinstance(stream, Stream) or stream.mesh._controller is not self.mesh._controller:
             raise TypeError("borrow() needs a stream of this Ref's mesh: mesh.stream(name)")
         if stream.id == self.stream.id:
             raise ValueError(f"Ref {self.id} is already on stream {stream.name!r}")
@@ -333,8 +327,6 @@ class RemoteFunction:
     def __call__(
         self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs
     ) -> Ref:
-        from .mesh import resolve_target
-
         mesh, stream = resolve_target(mesh, stream)
         ctrl = mesh._controller
         ctrl.check_usable()

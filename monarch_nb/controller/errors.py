@@ -39,12 +39,21 @@ def fold_by_rank(outputs: dict) -> str:
     return "\n".join(parts)
 
 
-def group_failures(failures: dict) -> list[tuple[list, tuple]]:
-    """Group rank -> (type, message, traceback) by identical traceback text."""
+def group_by_traceback(items) -> list[tuple[tuple, list]]:
+    """``(type, message, traceback, x)`` items ==> ``[((type, message, traceback),
+    [x, ...])]``: one group per distinct failure, in the order first seen. Every
+    view that shows failures once per traceback (RemoteError, a cell's failures,
+    the dashboard's errors) groups with this."""
     groups: dict = {}
-    for rank, f in sorted(failures.items()):
-        groups.setdefault((f[0], f[2]), (tuple(f[:3]), []))[1].append(rank)
-    return [(ranks, f) for f, ranks in groups.values()]
+    for etype, message, tb, x in items:
+        groups.setdefault((etype, message, tb), []).append(x)
+    return list(groups.items())
+
+
+def group_failures(failures: dict) -> list[tuple[list, tuple]]:
+    """rank -> (type, message, traceback) ==> [(ranks, failure)], one per distinct one."""
+    items = ((*f[:3], rank) for rank, f in sorted(failures.items()))
+    return [(ranks, f) for f, ranks in group_by_traceback(items)]
 
 
 class RemoteError(Exception):

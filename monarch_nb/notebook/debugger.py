@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from IPython.core.error import StdinNotImplementedError
 
-from ..controller import fold_by_rank as fold
 from ..controller.debugger import DebugSessions, Session
+from ..ui.debugger import cast, strip_prompt
 from .args import parse_ranks
 
 MENU_PROMPT = "(monarch-dbg) "
@@ -28,12 +28,6 @@ HELP = """monarch-dbg commands:
 
 class NoStdin(Exception):
     """The front end cannot answer input requests."""
-
-
-def _strip_prompt(text: str, prompt: str | None) -> str:
-    if prompt and text.endswith(prompt):
-        text = text[: -len(prompt)]
-    return text
 
 
 def describe(sessions: list[Session]) -> str:
@@ -188,14 +182,14 @@ class Prompt:
         while not s.ended and not self.detached:
             if s.prompt is None:
                 text, _ = self.dbg.wait_reply(s, self.timeout)
-                self._show(_strip_prompt(text, s.prompt))
+                self._show(strip_prompt(text, s.prompt))
                 continue
-            self._show(_strip_prompt(self.dbg.take_output(s), s.prompt))
+            self._show(strip_prompt(self.dbg.take_output(s), s.prompt))
             line = self.read(s.prompt)
             if line.strip() == "detach":
                 return True
             text, prompt = self._send(s, line)
-            self._show(_strip_prompt(text, prompt))
+            self._show(strip_prompt(text, prompt))
         return False
 
     def _cast(self, arg: str) -> None:
@@ -210,12 +204,5 @@ class Prompt:
             except Exception as e:
                 self._write(f"cast: {e}")
                 return
-        replies = self.dbg.cast(ranks, cmd.strip(), self.timeout)
-        if not replies:
-            self._write(f"cast: no paused session on {spec}")
-            return
-        outputs = {}
-        for rank, text in replies.items():
-            s = next((x for x in self.dbg.sessions() if x.rank == rank), None)
-            outputs[rank] = _strip_prompt(text, s.prompt if s else None)
-        self._write(fold(outputs))
+        folded = cast(self.dbg, ranks, cmd.strip(), self.timeout)
+        self._write(f"cast: no paused session on {spec}" if folded is None else folded)

@@ -33,10 +33,10 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import __version__
 from .. import mesh as mesh_mod
-from ..ui import dashboard as dash
-from ..ui import render
+from .._version import __version__
+from ..ui import debugger, render
+from ..ui.redraw import LOOP, snapshot
 
 logger = logging.getLogger("monarch_nb.lab")
 
@@ -81,7 +81,7 @@ class LabChannel:
         comm.on_msg(self._on_msg)
         comm.on_close(lambda _msg, cid=comm.comm_id: self._forget(cid))
         self.redraw()
-        dash.LOOP.add(self)
+        LOOP.add(self)
 
     def _forget(self, cid: str) -> None:
         with self._lock:
@@ -89,7 +89,7 @@ class LabChannel:
             self._sent.pop(cid, None)
             old = self._dashboards.pop(cid, None)
             if not self._comms:
-                dash.LOOP.remove(self)
+                LOOP.remove(self)
         if old is not None:
             old[1].close()
 
@@ -98,7 +98,7 @@ class LabChannel:
         mesh = active_mesh()
         summary = None
         if mesh is not None:  # "id": a new mesh of the same name is another mesh
-            summary = {**render.summary(*dash.snapshot(mesh, cache)), "id": id(mesh._controller)}
+            summary = {**render.summary(*snapshot(mesh, cache)), "id": id(mesh._controller)}
         text = json.dumps(summary, sort_keys=True)
         with self._lock:
             todo = [(cid, c) for cid, c in self._comms.items() if self._sent.get(cid) != text]
@@ -113,7 +113,7 @@ class LabChannel:
             self._closed = True
             comms, self._comms = list(self._comms.values()), {}
             dashboards, self._dashboards = list(self._dashboards.values()), {}
-        dash.LOOP.remove(self)
+        LOOP.remove(self)
         for _, d in dashboards:
             d.close()
         for c in comms:
@@ -156,10 +156,10 @@ class LabChannel:
                 if isinstance(target, list):
                     target = tuple(target)
                 lines: list[str] = []
-                dash.debugger_command(mesh, target, str(data.get("line", "")), lines.append)
+                debugger.debugger_command(mesh, target, str(data.get("line", "")), lines.append)
                 answer = {"lines": lines}
             else:
-                answer = {"lines": [dash.continue_all(mesh)]}
+                answer = {"lines": [debugger.continue_all(mesh)]}
         except Exception as e:
             logger.exception("monarch_nb: a Lab request failed")
             answer = {"lines": [f"{type(e).__name__}: {e}"]}

@@ -11,16 +11,15 @@ Layout (every widget has a stable ``mnb-...`` class)::
                                (mnb-dbg-select), a command line (mnb-dbg-input), continue
                                all (mnb-dbg-continue) and the sessions' output (mnb-dbg-output)
 
-Cost is bounded whatever the command rate: one thread (``RedrawLoop``) redraws
-every live dashboard at most ``REDRAW_PERIOD`` apart (10 a second), from one
-snapshot per mesh per pass, and sends a widget update only for a part whose
-HTML changed; when a pass costs more than ``MAX_OVERHEAD`` of the CPU time, the
-passes space out (at most ``MAX_WAIT`` apart). Widget updates from that thread go
-out on the kernel's IOPub (ipykernel's comms are thread-safe); without a kernel the widgets still work
+The one redraw thread (``redraw.py``) redraws every live dashboard at most 10
+times a second, and a dashboard sends a widget update only for a part whose HTML
+changed. Widget updates from that thread go out on the kernel's IOPub
+(ipykernel's comms are thread-safe); without a kernel the widgets still work
 (their comms are dummies), so scripts and benchmarks can run a dashboard.
 
-Debugger commands never block a comm handler: they run on the dashboard's own
-thread (send a line, wait for the reply at most ``COMMAND_WAIT`` seconds).
+Debugger commands (``debugger.py``) never block a comm handler: they run on the
+dashboard's own thread (send a line, wait for the reply at most ``COMMAND_WAIT``
+seconds).
 """
 
 from __future__ import annotations
@@ -33,95 +32,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import ipywidgets as W
 
 from . import render
+from .debugger import continue_all, debugger_command
+from .redraw import LOOP, snapshot
 
 logger = logging.getLogger("monarch_nb.ui")
 
-REDRAW_PERIOD = 0.1  # seconds between redraws: at most 10 a second
-MAX_OVERHEAD = 0.05  # the redraw thread's share of the CPU time, at most
-MAX_WAIT = 2.0  # seconds a live view goes without a redraw, at most
-COMMAND_WAIT = 20.0  # seconds a debugger command waits for the session's reply
 CONFIRM_WINDOW = 5.0  # seconds in which a second click confirms restart / shut down
 LOG_CHARS = 20_000  # the debugger output kept (its end)
-
-
-class RedrawLoop:
-    """One daemon thread that redraws every live view, at most 10 times a second.
-
-    A view is a ``Dashboard`` or anything else with ``redraw(snapshots)`` (the
-    JupyterLab extension's status feed); one pass takes one snapshot per mesh,
-    shared by every view (``snapshot``)."""
-
-    def __init__(self, period: float = REDRAW_PERIOD):
-        self.period = period
-        self.passes = 0
-        self._lock = threading.Lock()
-        self._dashboards: list[Dashboard] = []
-        self._thread: threading.Thread | None = None
-
-    def add(self, d: Dashboard) -> None:
-        with self._lock:
-            if d not in self._dashboards:
-                self._dashboards.append(d)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="monarch-nb-ui", daemon=True)
-                self._thread.start()
-
-    def remove(self, d: Dashboard) -> None:
-        with self._lock:
-            if d in self._dashboards:
-                self._dashboards.remove(d)
-
-    def dashboards(self, controller=None) -> list[Dashboard]:
-        with self._lock:
-            return [
-                d
-                for d in self._dashboards
-                if isinstance(d, Dashboard) and (controller is None or d.controller is controller)
-            ]
-
-    def _run(self) -> None:
-        wait = self.period
-        while True:
-            time.sleep(wait)
-            with self._lock:
-                live = list(self._dashboards)
-                if not live:
-                    self._thread = None
-                    return
-            # the pass's own CPU time: waiting for the GIL while the kernel's main
-            # thread works (a mesh starting) is not cost, and must not space passes out
-            t0 = time.thread_time()
-            snapshots: dict = {}  # one snapshot per mesh per pass, whatever the dashboards
-            for d in live:
-                try:
-                    d.redraw(snapshots)
-                except Exception:
-                    logger.exception("monarch_nb dashboard redraw failed (continuing)")
-            self.passes += 1
-            cost = time.thread_time() - t0
-            wait = min(MAX_WAIT, max(self.period, cost * (1.0 / MAX_OVERHEAD - 1.0)))
-
-
-LOOP = RedrawLoop()
-
-
-def dashboards_of(mesh) -> list:
-    """The live dashboards of ``mesh`` (of its controller: slices share it)."""
-    return LOOP.dashboards(mesh._controller)
-
-
-def snapshot(mesh, cache: dict | None = None) -> tuple[dict, str]:
-    """``(mesh.status(), render.mesh_state(...))``, taken once per redraw pass:
-    ``cache`` is the pass's (keyed by controller; slices share it)."""
-    ctrl = mesh._controller
-    key = id(ctrl)
-    if cache is not None and key in cache:
-        return cache[key]
-    status = mesh.status()
-    state = render.mesh_state(status, ctrl.usable, getattr(ctrl, "closed", False))
-    if cache is not None:
-        cache[key] = (status, state)
-    return status, state
 
 
 def _classed(kind, cls: str, **kw):
@@ -478,54 +395,3 @@ class Dashboard(W.VBox):
     def log(self) -> str:
         """The debugger panel's output, as text."""
         return self._log
-
-
-def _strip_prompt(text: str, prompt: str | None) -> str:
-    if prompt and text.endswith(prompt):
-        text = text[: -len(prompt)]
-    return text
-
-
-def continue_all(mesh) -> str:
-    """Let every paused session of ``mesh`` go on; the log line that says so."""
-    n = len(mesh.debugger.sessions())
-    mesh.debugger.continue_all()
-    return f"continued {n} session(s)"
-
-
-def debugger_command(mesh, target, line: str, emit, wait: float = COMMAND_WAIT) -> None:
-    """Send ``line`` to a paused session of ``mesh`` and wait (at most ``wait`` s)
-    for its reply; ``emit(text)`` gets each log line as it is known, the command
-    first. ``target``: ``(rank, stream name)``, ``"*"`` (every paused session,
-    outputs folded) or None (there is no session)."""
-    dbg = mesh.debugger
-    try:
-        if target == "*":
-            emit(f"(cast *) {line}")
-            replies = dbg.cast(None, line, wait)
-            outputs = {}
-            for rank, text in replies.items():
-                s = next((x for x in dbg.sessions() if x.rank == rank), None)
-                outputs[rank] = _strip_prompt(text, s.prompt if s else None)
-            emit(render.fold(outputs) if outputs else "no paused session")
-            return
-        if not target:
-            emit(f"{line}: no paused session")
-            return
-        rank, stream = target
-        s = next((x for x in dbg.sessions() if x.rank == rank and x.stream_name == stream), None)
-        if s is None:
-            emit(f"{line}: no paused session on rank {rank} ({stream})")
-            return
-        emit(f"(Pdb r{rank}) {line}")
-        dbg.send(s, line)
-        text, prompt = dbg.wait_reply(s, wait)
-        text = _strip_prompt(text, prompt).rstrip("\n")
-        if text:
-            emit(text)
-        if s.ended:
-            emit(f"(rank {rank} went on)")
-        elif prompt is None:
-            emit(f"(no prompt within {wait:.0f} s: rank {rank} is running)")
-    except Exception as e:
-        emit(f"{line}: {type(e).__name__}: {e}")

@@ -14,6 +14,7 @@ import time
 
 from ..controller import fold_by_rank as fold  # noqa: F401 - the panel's folded outputs
 from ..controller import format_ranks
+from ..controller.errors import group_by_traceback
 
 HEARTBEAT_STALE = 5.0  # seconds without a word from a live worker: its heartbeat turns red
 MAX_ERROR_GROUPS = 20  # distinct tracebacks listed (the newest)
@@ -288,31 +289,22 @@ def main_html(status: dict, state: str = "ok") -> str:
 def group_errors(errors: list) -> list[dict]:
     """Failures grouped by distinct (type, message, traceback), newest first: each
     with its ranks, streams, the number of failures and of commands."""
-    groups: dict = {}
-    for e in errors:
-        key = (e["type"], e["message"], e["traceback"])
-        g = groups.get(key)
-        if g is None:
-            g = groups[key] = {
-                "type": e["type"],
-                "message": e["message"],
-                "traceback": e["traceback"],
-                "ranks": set(),
-                "streams": set(),
-                "count": 0,
-                "commands": 0,
-                "time": e.get("time", 0.0),
+    out = []
+    items = ((e["type"], e["message"], e["traceback"], e) for e in errors)
+    for (etype, message, tb), entries in group_by_traceback(items):
+        out.append(
+            {
+                "type": etype,
+                "message": message,
+                "traceback": tb,
+                "ranks": sorted({r for e in entries for r in e["ranks"]}),
+                "streams": sorted({e["stream"] for e in entries}),
+                "count": sum(len(e["ranks"]) for e in entries),
+                "commands": len(entries),
+                "time": max(e.get("time", 0.0) for e in entries),
             }
-        g["ranks"].update(e["ranks"])
-        g["streams"].add(e["stream"])
-        g["count"] += len(e["ranks"])
-        g["commands"] += 1
-        g["time"] = max(g["time"], e.get("time", 0.0))
-    out = sorted(groups.values(), key=lambda g: -g["time"])
-    for g in out:
-        g["ranks"] = sorted(g["ranks"])
-        g["streams"] = sorted(g["streams"])
-    return out
+        )
+    return sorted(out, key=lambda g: -g["time"])
 
 
 def errors_html(status: dict) -> str:

@@ -46,7 +46,6 @@ _STATUS_TEXT = {
     WRONG_DEVICE: "a tensor on another device than the input",
 }
 _NO_SLOT = object()
-REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
 
 
 def _timeout() -> datetime.timedelta:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..protocol.reduce_options import check_combination
 from .collectives import (
     HeaderExchange,
     all_gather_into,
@@ -158,19 +159,6 @@ def _reshaping(value, out, pg, members, reduction, op, scatter, inplace, dim_siz
     else:
         all_gather_into(buf, local.contiguous(), pg)
     return _rows(buf, n, _inverse(order)), target
-
-
-def check_combination(reduction: str, scatter: bool, inplace: bool, has_out: bool) -> None:
-    """Raise ValueError for a combination that cannot be run (the same on every rank)."""
-    if inplace and has_out:
-        raise ValueError(
-            "reduce(): inplace=True and out= both name where the result goes; pass one"
-        )
-    if inplace and (reduction == "stack") != scatter:
-        raise ValueError(
-            f"reduction {reduction!r} with scatter={scatter} cannot be in place: the result "
-            "has a new shape (only all_reduce and stack with scatter=True keep it)"
-        )
 
 
 def _result_shape(reduction: str, scatter: bool, shape: tuple, n: int, dim_sizes: tuple) -> tuple:

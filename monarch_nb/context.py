@@ -1,0 +1,161 @@
+"""Where API calls go when they do not say: the meshes by name, the active mesh
+and stream of this thread, and the recording (``mnb.compile``) that watches the
+commands sent.
+
+``mesh.py`` and ``remote.py`` both build on this module and ``remote.py`` never
+imports ``mesh.py``: a Ref recognises a mesh by its base class here
+(``BaseMesh``) and resolves targets here (``resolve_target``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import TYPE_CHECKING
+
+# The controller's send() watches this object (its ``active`` trace observes every
+# command sent); the API reaches it only through this module.
+from .controller.controller import recording_trace  # noqa: F401
+
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
+_meshes: dict[str, DeviceMesh] = {}  # root meshes by name
+_default: list = [None]  # the most recently created mesh
+_names = itertools.count()
+_tls = threading.local()
+_dashboard: list = [None]  # the dashboard maker (mesh, **kw) -> widget; the package fills it
+
+
+class BaseMesh:
+    """The base class of ``DeviceMesh``: what the parts below ``mesh.py`` know a mesh by."""
+
+    __slots__ = ()
+
+
+class Stream:
+    """A named queue and thread on every worker of a mesh (a CUDA stream on GPU)."""
+
+    def __init__(self, mesh: DeviceMesh, stream_id: int, name: str):
+        self.mesh = mesh
+        self.id = stream_id
+        self.name = name
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Within this block, calls without ``stream=`` go to this stream."""
+        with activated("streams", self):
+            yield self
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.name!r} of mesh {self.mesh.name!r}>"
+
+
+def _stack(kind: str) -> list:
+    s = getattr(_tls, kind, None)
+    if s is None:
+        s = []
+        setattr(_tls, kind, s)
+    return s
+
+
+@contextlib.contextmanager
+def activated(kind: str, obj):
+    """``obj`` is this thread's active ``kind`` ("meshes" or "streams") within the block."""
+    stack = _stack(kind)
+    stack.append(obj)
+    try:
+        yield obj
+    finally:
+        stack.pop()
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def new_name(name: str | None) -> str:
+    """The name a new mesh gets: ``name`` checked, or the next free ``meshN``."""
+    if name is None:
+        name = f"mesh{next(_names)}"
+        while name in _meshes:
+            name = f"mesh{next(_names)}"
+    elif not isinstance(name, str) or not name:
+        raise ValueError("a mesh name must be a non-empty string")
+    elif name in _meshes and _meshes[name].alive:
+        raise ValueError(
+            f"a mesh named {name!r} already exists: shut it down first or pick another name"
+        )
+    return name
+
+
+def register(mesh: DeviceMesh) -> None:
+    """A new root mesh: known by its name and the default from now on."""
+    _meshes[mesh.name] = mesh
+    _default[0] = mesh
+
+
+def forget(mesh: DeviceMesh) -> None:
+    """``mesh`` is shut down: drop it (and its slices) from the registry."""
+    ctrl = mesh._controller
+    known = _meshes.get(mesh.name)
+    if known is not None and known._controller is ctrl:
+        del _meshes[mesh.name]
+    if _default[0] is not None and _default[0]._controller is ctrl:
+        _default[0] = next(reversed(_meshes.values()), None)
+
+
+def get_mesh(name: str | None = None) -> DeviceMesh:
+    """The mesh called ``name``, or the active one."""
+    if name is not None:
+        try:
+            return _meshes[name]
+        except KeyError:
+            raise KeyError(f"no mesh named {name!r} (meshes: {sorted(_meshes)})") from None
+    active = _stack("meshes")
+    if active:
+        return active[-1]
+    if _default[0] is None or not _default[0].alive and _default[0].name not in _meshes:
+        raise RuntimeError("no active mesh: create one with mnb.local_mesh(dp=2) or pass mesh=")
+    return _default[0]
+
+
+def all_meshes() -> dict:
+    """The root meshes by name."""
+    return dict(_meshes)
+
+
+def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[DeviceMesh, Stream]:
+    """The mesh and stream a call goes to: explicit, else active, else default."""
+    if mesh is None:
+        mesh = stream.mesh if stream is not None else get_mesh()
+    elif not isinstance(mesh, BaseMesh):
+        raise TypeError(f"mesh= must be a DeviceMesh, got {type(mesh).__name__}")
+    if stream is None:
+        active = _stack("streams")
+        stream = active[-1] if active else None
+        if stream is None or stream.mesh._controller is not mesh._controller:
+            stream = mesh.default_stream
+    elif not isinstance(stream, Stream):
+        raise TypeError(
+            f"stream= must be a Stream (mesh.stream(name)), got {type(stream).__name__}"
+        )
+    elif stream.mesh._controller is not mesh._controller:
+        raise ValueError(f"{stream!r} does not belong to mesh {mesh.name!r}")
+    return mesh, stream
+
+
+# ---------------------------------------------------------------- the dashboard hook
+
+
+def set_dashboard(make) -> None:
+    """``make(mesh, **kw)`` builds ``mesh.dashboard()``'s widget (the package root
+    installs ``monarch_nb.ui``'s; the API imports no widgets)."""
+    _dashboard[0] = make
+
+
+def dashboard(mesh: DeviceMesh, **kw):
+    make = _dashboard[0]
+    if make is None:
+        raise RuntimeError("no dashboard maker is installed (monarch_nb.ui is not available)")
+    return make(mesh, **kw)

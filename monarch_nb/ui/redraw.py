@@ -1,0 +1,101 @@
+"""The one thread that redraws every live view (dashboards, the Lab extension's
+status feed) at a bounded rate, from one snapshot per mesh per pass.
+
+Cost is bounded whatever the command rate: ``RedrawLoop`` redraws at most
+``REDRAW_PERIOD`` apart (10 a second); when a pass costs more than
+``MAX_OVERHEAD`` of the CPU time, the passes space out (at most ``MAX_WAIT``
+apart). No widgets here: a view is anything with ``redraw(snapshots)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from . import render
+
+logger = logging.getLogger("monarch_nb.ui")
+
+REDRAW_PERIOD = 0.1  # seconds between redraws: at most 10 a second
+MAX_OVERHEAD = 0.05  # the redraw thread's share of the CPU time, at most
+MAX_WAIT = 2.0  # seconds a live view goes without a redraw, at most
+
+
+class RedrawLoop:
+    """One daemon thread that redraws every live view, at most 10 times a second.
+
+    A view is a ``Dashboard`` or anything else with ``redraw(snapshots)`` (the
+    JupyterLab extension's status feed); one pass takes one snapshot per mesh,
+    shared by every view (``snapshot``). A view of one mesh (a ``Dashboard``)
+    names its mesh's controller as ``controller``."""
+
+    def __init__(self, period: float = REDRAW_PERIOD):
+        self.period = period
+        self.passes = 0
+        self._lock = threading.Lock()
+        self._dashboards: list = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, d) -> None:
+        with self._lock:
+            if d not in self._dashboards:
+                self._dashboards.append(d)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="monarch-nb-ui", daemon=True)
+                self._thread.start()
+
+    def remove(self, d) -> None:
+        with self._lock:
+            if d in self._dashboards:
+                self._dashboards.remove(d)
+
+    def dashboards(self, controller=None) -> list:
+        """The live views of one mesh (of ``controller``; None: of any mesh)."""
+        with self._lock:
+            views = [(d, getattr(d, "controller", None)) for d in self._dashboards]
+        return [d for d, c in views if c is not None and (controller is None or c is controller)]
+
+    def _run(self) -> None:
+        wait = self.period
+        while True:
+            time.sleep(wait)
+            with self._lock:
+                live = list(self._dashboards)
+                if not live:
+                    self._thread = None
+                    return
+            # the pass's own CPU time: waiting for the GIL while the kernel's main
+            # thread works (a mesh starting) is not cost, and must not space passes out
+            t0 = time.thread_time()
+            snapshots: dict = {}  # one snapshot per mesh per pass, whatever the dashboards
+            for d in live:
+                try:
+                    d.redraw(snapshots)
+                except Exception:
+                    logger.exception("monarch_nb dashboard redraw failed (continuing)")
+            self.passes += 1
+            cost = time.thread_time() - t0
+            wait = min(MAX_WAIT, max(self.period, cost * (1.0 / MAX_OVERHEAD - 1.0)))
+
+
+LOOP = RedrawLoop()
+
+
+def dashboards_of(mesh) -> list:
+    """The live dashboards of ``mesh`` (of its controller: slices share it)."""
+    return LOOP.dashboards(mesh._controller)
+
+
+def snapshot(mesh, cache: dict | None = None) -> tuple[dict, str]:
+    """``(mesh.status(), render.mesh_state(...))``, taken once per redraw pass:
+    ``cache`` is the pass's (keyed by controller; slices share it)."""
+    ctrl = mesh._controller
+    key = id(ctrl)
+    if cache is not None and key in cache:
+        return cache[key]
+    status = mesh.status()
+    state = render.mesh_state(status, ctrl.usable, getattr(ctrl, "closed", False))
+    if cache is not None:
+        cache[key] = (status, state)
+    return status, state

