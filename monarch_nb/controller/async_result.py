@@ -67,7 +67,9 @@ class AsyncResult:
         5 s for them to stop, and re-raises."""
         timeout = check_timeout(timeout)
         try:
-            return self._future.result(timeout)
+            if not self._future.done():
+                self._ctrl.io.drive_until(self._future, timeout)
+            return self._future.result(0 if timeout is not None else None)
         except FutureTimeout:
             if self._future.done():  # the request's own deadline passed
                 raise

@@ -1,14 +1,23 @@
-"""The IO loop: one ROUTER socket and the one thread that touches it.
+"""The IO loop: one ROUTER socket, driven by one thread at a time.
 
 User threads encode (pickle and sign) on their own thread and hand frames over
-through a deque plus a wake-up pipe. The loop sends what they handed over, in
-order (small messages bound for one worker leave as one batch), receives and
-hands each frame set to ``on_frames``, reads the output pipes of watched
-processes and calls ``on_tick`` every TICK seconds.
+through a deque. Whoever holds the *lease* drives the socket: sends what was
+handed over, in order (small messages bound for one worker leave as one
+batch), receives and hands each frame set to ``on_frames``, reads the output
+pipes of watched processes and calls ``on_tick`` every TICK seconds.
+
+The IO thread drives by default. A caller that finds the lease free sends its
+own message at once, and a caller waiting for a reply drives the socket itself
+until the reply is in, so a round trip costs no thread hand-over; the IO thread
+then keeps away for GRACE seconds (a caller in a loop keeps the lease) and
+takes over when callers are gone. A Ctrl-C on the main thread while it drives
+waits until the step it is in has finished, so no message is half-handled.
+Functions handed over with ``call`` always run on the IO thread.
 """
 
 from __future__ import annotations
 
+import _signal
 import logging
 import os
 import threading
@@ -24,6 +33,8 @@ logger = logging.getLogger("monarch_nb.controller")
 
 RECV_HWM = 256  # messages queued per worker socket before ZeroMQ stops reading it
 TICK = 0.1  # seconds between process checks and housekeeping
+SIGINT = int(_signal.SIGINT)
+GRACE = 0.005  # seconds the IO thread leaves the socket to a caller that just drove it
 
 
 class IOLoop:
@@ -58,6 +69,14 @@ class IOLoop:
         self._lock = threading.Lock()
         self.sockets_closed = False
         self._watched: dict[int, object] = {}  # fd -> process (read_output)
+        self._lease = threading.Lock()  # held by whoever drives the socket
+        self._callers_until = 0.0  # the IO thread keeps away until then
+        self._io_needed = threading.Event()  # a "call" waits, or callers are gone
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._registered: set[int] = set()
+        self._next_tick = 0.0
         self.on_frames = lambda frames: None
         self.on_tick = lambda: None
         self.on_item = lambda item: None
@@ -75,13 +94,59 @@ class IOLoop:
     # ------------------------------------------------------------ handing over
 
     def submit(self, item) -> None:
+        """Hand ``item`` over. A request (someone waits for its replies) leaves at
+        once, with everything handed over before it, when the socket is free to
+        drive; other messages go with the next batch (the IO thread's, within
+        GRACE s)."""
         self._outq.append(item)
+        if item[0] == "req" and self._lease.acquire(blocking=False):
+            try:
+                if not self.sockets_closed:
+                    self._critical(self._drain)
+                    return
+            finally:
+                self._release_by_caller()
+        elif item[0] != "req" and time.monotonic() < self._callers_until:
+            return  # a caller drives these days: it (or the IO thread, after GRACE) sends it
+        self._wake()
+
+    def _wake(self) -> None:
+        self._callers_until = time.monotonic() + GRACE
         if not self._wake_pending:
             self._wake_pending = True
             try:
                 os.write(self._wake_w, b"x")
             except OSError:
                 pass
+
+    def _release_by_caller(self) -> None:
+        self._callers_until = time.monotonic() + GRACE
+        self._lease.release()
+        if self._outq and not self._io_needed.is_set():
+            self._io_needed.set()  # what another caller handed over meanwhile
+
+    def drive_until(self, future, timeout: float | None) -> None:
+        """Wait for ``future`` (up to ``timeout`` s), driving the socket meanwhile
+        when nobody else does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            left = TICK if deadline is None else min(TICK, deadline - time.monotonic())
+            if left <= 0:
+                return
+            if not self.on_io_thread and self._lease.acquire(blocking=False):
+                try:
+                    if self.sockets_closed:
+                        return
+                    self._step(left)
+                finally:
+                    self._release_by_caller()
+            else:
+                self._callers_until = time.monotonic() + GRACE
+                try:
+                    future.exception(left)
+                except BaseException as e:  # noqa: B036 - a timeout here; Ctrl-C goes up
+                    if isinstance(e, KeyboardInterrupt):
+                        raise
 
     def submit_quiet(self, item) -> None:
         """Hand over without waking the loop (sent with the next batch)."""
@@ -90,7 +155,9 @@ class IOLoop:
     def call(self, fn) -> Future:
         """Run ``fn`` on the IO thread."""
         fut: Future = Future()
-        self.submit(("call", fn, fut))
+        self._outq.append(("call", fn, fut))
+        self._io_needed.set()
+        self._wake()
         return fut
 
     def send_now(self, identity: bytes, frames) -> None:
@@ -103,53 +170,95 @@ class IOLoop:
 
     def watch(self, proc) -> None:
         """Read ``proc``'s output pipe here (``proc.fd``, ``proc.read_output()``)."""
-        self.submit(("call", lambda: self._watched.setdefault(proc.fd, proc), Future()))
+        self.call(lambda: self._watched.setdefault(proc.fd, proc))
 
     # ------------------------------------------------------------ the loop
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        registered: set[int] = set()
-        next_tick = 0.0
         while not self._stop:
             try:
-                for fd in list(self._watched):
-                    if fd is not None and fd not in registered:
-                        registered.add(fd)
-                        poller.register(fd, zmq.POLLIN)
-                events = dict(poller.poll(int(TICK * 1000)))
-                if self._wake_r in events:
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-                self._wake_pending = False
-                self._drain()
-                if self._router in events:
-                    self._receive()
-                for fd in [fd for fd in events if fd in registered]:
-                    proc = self._watched[fd]
-                    if not proc.read_output():
-                        poller.unregister(fd)
-                        registered.discard(fd)
-                        del self._watched[fd]
-                        self.on_process_output_end(proc)
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + TICK
-                    self.on_tick()
+                wait = self._callers_until - time.monotonic()
+                if wait > 0 and not self._io_needed.is_set():
+                    self._io_needed.wait(wait)
+                    continue
+                self._io_needed.clear()
+                if not self._lease.acquire(timeout=TICK):
+                    continue
+                try:
+                    if time.monotonic() < self._callers_until and not self._io_needed.is_set():
+                        continue  # a caller drove just now: let it keep the socket
+                    self._step(TICK)
+                finally:
+                    self._lease.release()
             except Exception:
                 logger.exception("mesh %r: IO thread error (continuing)", self.name)
+        with self._lease:
+            try:
+                self._drain()
+            finally:
+                self.close_sockets()
+
+    def _step(self, timeout: float) -> None:
+        """One turn of the loop (by whoever holds the lease): wait up to ``timeout``
+        s for something to do, then do it."""
+        for fd in list(self._watched):
+            if fd is not None and fd not in self._registered:
+                self._registered.add(fd)
+                self._poller.register(fd, zmq.POLLIN)
+        events = dict(self._poller.poll(int(timeout * 1000)))
         try:
-            self._drain()
+            self._critical(self._handle_events, events)
+        except Exception:
+            logger.exception("mesh %r: IO error (continuing)", self.name)
+
+    def _handle_events(self, events: dict) -> None:
+        if self._wake_r in events:
+            try:
+                os.read(self._wake_r, 65536)
+            except BlockingIOError:
+                pass
+        self._wake_pending = False
+        self._drain()
+        if self._router in events:
+            self._receive()
+        for fd in [fd for fd in events if fd in self._registered]:
+            proc = self._watched[fd]
+            if not proc.read_output():
+                self._poller.unregister(fd)
+                self._registered.discard(fd)
+                del self._watched[fd]
+                self.on_process_output_end(proc)
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + TICK
+            self.on_tick()
+
+    def _critical(self, fn, *args) -> None:
+        """``fn(*args)`` with a Ctrl-C on the main thread held until it returns (no
+        message half-sent or half-handled); the interrupt is then raised."""
+        if threading.current_thread() is not threading.main_thread():
+            fn(*args)
+            return
+        pressed: list = []
+        try:  # _signal: signal.signal's enum wrapping costs more than the call
+            previous = _signal.signal(SIGINT, lambda sig, frame: pressed.append(frame))
+        except ValueError:  # not the main interpreter
+            fn(*args)
+            return
+        try:
+            fn(*args)
         finally:
-            self.close_sockets()
+            _signal.signal(SIGINT, previous)
+            if pressed:
+                if callable(previous):
+                    previous(SIGINT, pressed[0])
+                elif previous != _signal.SIG_IGN:
+                    raise KeyboardInterrupt
 
     def stop(self, join: float = 5.0) -> None:
         """End the loop; its sockets close on its way out (or here once it is gone)."""
         self._stop = True
+        self._io_needed.set()
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -158,8 +267,11 @@ class IOLoop:
             self.thread.join(timeout=join)
         if self.thread.is_alive():  # stuck in a handler: it closes them when it ends
             logger.warning("mesh %r: the IO thread is still busy at shutdown", self.name)
-        else:
-            self.close_sockets()
+        elif self._lease.acquire(timeout=join):
+            try:
+                self.close_sockets()
+            finally:
+                self._lease.release()
 
     def close_sockets(self) -> None:
         """Close the router, the context and the wake pipe: on the IO thread, their
@@ -209,6 +321,10 @@ class IOLoop:
                 # sent after the batch: a deleted Ref cannot be named by a later command
                 deletes.append(item[1])
             elif kind == "call":
+                if not self.on_io_thread:  # it runs on the IO thread only, in order
+                    q.appendleft(item)
+                    self._io_needed.set()
+                    break
                 self._flush(batches)
                 fn, fut = item[1], item[2]
                 try:

@@ -1,12 +1,12 @@
 """Worker side of ``%%monarch``: run a cell, then hand its value and figures home.
 
-``run_cell`` runs on a stream (a CallFunction of the notebook layer): it binds
-the names pushed from the notebook, executes the cell in the persistent
+``run_cell`` runs on a stream (the ``RunCell`` command, ``mesh.run_cell``): it
+binds the names pushed from the notebook, executes the cell in the persistent
 namespace, and keeps what the notebook will show (a mimebundle of the last
 expression's value, the matplotlib figures the cell drew) under the command's
-key until ``take_result`` (a SendValue queued right behind it on the same
-stream) sends it. A failing cell still reports through the normal failure path
-(RemoteFunctionFailed); ``take_result`` then sends only its figures.
+key until ``take_result``, which the same command's reply runs right behind it
+on the stream. A failing cell still reports through the normal failure path
+(RemoteFunctionFailed) first; the reply then carries only its figures.
 
 Nothing here imports IPython; matplotlib is touched only when user code has
 imported it already.
