@@ -25,8 +25,16 @@ import zmq
 
 from ..protocol import BadMessage, Signer, decode, encode, new_secret
 from ..protocol import messages as m
+from ..protocol.envelope import (
+    CONTROLLER,
+    PROTOCOL_VERSION,
+    PeerTable,
+    Sealer,
+    VersionMismatch,
+    unseal,
+)
 from ..protocol.ndslice import NDSlice
-from ..protocol.wire import BATCH, recv_ready
+from ..protocol.wire import recv_ready
 from .debugger import DebugSessions
 from .errors import (
     InterruptTimeout,
@@ -97,6 +105,11 @@ class Controller:
         self.liveness = Liveness(name, self.state, self._break, heartbeat_timeout, liveness_timeout)
         self._secret = new_secret()
         self.signer = Signer(self._secret)
+        # protocol v2: what arrives is checked against the peers' sockets (kept across
+        # restarts); what leaves is sealed per destination, on the IO thread
+        self.peers = PeerTable(self.state.rejections)
+        self._sealer = Sealer(self.signer, CONTROLLER)
+        self._version_refused: set[bytes] = set()
         self._launcher = launcher or LocalLauncher()
         self._startup_timeout = startup_timeout
         self._ids = itertools.count(1)  # ref, stream and mesh ids (0 is the root mesh)
@@ -125,6 +138,8 @@ class Controller:
         self._wake_pending = False
         self._stop = False
         self.on_output = print_output
+        # (rank, missed): a socket of ``rank`` skipped ``missed`` sequence numbers
+        self.on_gap = None
         self.debugger = DebugSessions(self)
         self.transfers = Transfers()
         self._begin_generation()
@@ -159,6 +174,7 @@ class Controller:
         self.streams: dict[str, int] = {"default": 0}
         self._groups: dict = {}  # (NDSlice, reduced dim indices, stream) -> process group key
         self._rendezvous.new_generation()
+        self.peers.new_generation()
 
     def _start_workers(self) -> None:
         procs = self.call_in_io(
@@ -524,16 +540,21 @@ class Controller:
         self._flush_batches(batches)
 
     def _flush_batches(self, batches: dict) -> None:
-        router = self._router
+        router, seal = self._router, self._sealer.seal
         for r, msgs in batches.items():
             ident = self._identities.get(r)
             if ident is None:
                 continue
             if len(msgs) == 1:
-                router.send_multipart([ident, *msgs[0]])
+                router.send_multipart([ident, *seal(msgs[0], 1, ident)])
             else:
-                router.send_multipart([ident, BATCH, *(f for frames in msgs for f in frames)])
+                inner = [f for frames in msgs for f in frames]
+                router.send_multipart([ident, *seal(inner, len(msgs), ident)])
         batches.clear()
+
+    def _send_to(self, identity: bytes, frames: list) -> None:
+        """One encoded message to one socket, sealed (IO thread)."""
+        self._router.send_multipart([identity, *self._sealer.seal(frames, 1, identity)])
 
     def _route(self, ranks, frames, done: Future | None) -> None:
         router = self._router
@@ -543,10 +564,11 @@ class Controller:
                 ident = self._identities.get(r)
                 if ident is None:
                     continue
+                sealed = self._sealer.seal(frames, 1, ident)
                 if done is None:
-                    router.send_multipart([ident, *frames])
+                    router.send_multipart([ident, *sealed])
                 else:
-                    tracker = router.send_multipart([ident, *frames], copy=False, track=True)
+                    tracker = router.send_multipart([ident, *sealed], copy=False, track=True)
         finally:
             if done is not None:
                 done.set_result(tracker)
@@ -560,37 +582,69 @@ class Controller:
             self._handle(frames)
 
     def _handle(self, frames) -> None:
+        identity = frames[0].bytes
         try:
-            msg = decode(frames[1:], self.signer)
-        except BadMessage as e:
-            self.state.bad_messages += 1
-            logger.warning(
-                "mesh %r dropped a message (%s); %d dropped so far",
-                self.name,
-                e,
-                self.state.bad_messages,
-            )
+            header, parts = unseal(frames[1:], self.signer)
+            missed = self.peers.admit(identity, header)
+        except VersionMismatch as e:
+            self._refuse_version(identity, e.version)
             return
+        except BadMessage as e:
+            self._drop(e.kind, str(e))
+            return
+        if missed:
+            self._drop("gap", f"{missed} message(s) of rank {header.rank} never arrived")
+            if self.on_gap is not None:
+                self.on_gap(header.rank, missed)
+        for p in parts:
+            try:
+                msg = decode(p, self.signer)
+            except BadMessage as e:
+                self._drop(e.kind, str(e))
+                continue
+            self._dispatch(msg, identity, header, joined=missed is not None)
+
+    def _dispatch(self, msg, identity: bytes, header, joined: bool) -> None:
         handler = getattr(self, "_on_" + type(msg).__name__, None)
         rank = getattr(msg, "rank", None)
         ready = type(msg) is m.WorkerReady  # its handler says why it refuses a bad rank
-        if handler is None or not isinstance(rank, int) or not (ready or 0 <= rank < self.world):
-            self.state.bad_messages += 1
-            logger.warning("mesh %r dropped an unexpected %s", self.name, type(msg).__name__)
+        if handler is None or not isinstance(rank, int):
+            self._drop("malformed", f"an unexpected {type(msg).__name__}")
+            return
+        if rank != header.rank:
+            why = f"a {type(msg).__name__} of rank {rank} sealed by rank {header.rank}"
+            self._drop("rank", why)
+            return
+        if not (joined or ready):  # joined ranks are within the mesh
+            self._drop("rank", f"a {type(msg).__name__} of rank {rank}, which has not joined")
             return
         if not ready:
             self.state.seen(rank)
         try:
-            if type(msg) is m.WorkerReady:
-                handler(msg, frames[0].bytes)
+            if ready:
+                handler(msg, identity, header)
             else:
                 handler(msg)
         except Exception:
             logger.exception("handling %s failed", type(msg).__name__)
 
+    def _drop(self, kind: str, why: str) -> None:
+        n = self.peers.count(kind)
+        logger.warning(
+            "mesh %r dropped a message (%s: %s); %d of that kind so far", self.name, kind, why, n
+        )
+
+    def _refuse_version(self, identity: bytes, version: int) -> None:
+        """A peer of another protocol version: counted, logged, and told once."""
+        reason = f"worker speaks protocol {version}, this mesh {PROTOCOL_VERSION}"
+        self._drop("version", reason)
+        if identity not in self._version_refused and len(self._version_refused) < 4096:
+            self._version_refused.add(identity)
+            self._send_to(identity, encode(m.Refused(reason), self.signer))
+
     # ------------------------------------------------------------ replies
 
-    def _on_WorkerReady(self, msg: m.WorkerReady, identity: bytes) -> None:
+    def _on_WorkerReady(self, msg: m.WorkerReady, identity: bytes, header) -> None:
         reason = None
         if msg.world != self.world:
             reason = f"world size {msg.world} differs from the mesh's {self.world}"
@@ -604,8 +658,10 @@ class Controller:
             logger.warning(
                 "mesh %r refused a worker (pid %s on %s): %s", self.name, msg.pid, msg.host, reason
             )
-            self._router.send_multipart([identity, *encode(m.Refused(reason), self.signer)])
+            self._send_to(identity, encode(m.Refused(reason), self.signer))
+            self.peers.refuse(identity, header)
             return
+        self.peers.join(identity, header)
         self._identities[msg.rank] = identity
         self._worker_cuda[msg.rank] = msg.cuda
         self.state.worker_ready(msg.rank, msg.pid, msg.host)
@@ -703,7 +759,9 @@ class Controller:
         self.state.stalled(msg.rank, msg.stream, msg.ident, msg.what, msg.seconds, msg.stack)
 
     def _on_Health(self, msg: m.Health) -> None:
-        self.state.health(msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size)
+        self.state.health(
+            msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size, msg.rejections
+        )
 
     def _on_Output(self, msg: m.Output) -> None:
         try:
@@ -753,7 +811,7 @@ class Controller:
             self._next_ping = now + 1.0
             frames = encode(m.Ping(), self.signer)
             for ident in self._identities.values():
-                self._router.send_multipart([ident, *frames])
+                self._send_to(ident, frames)
 
     def _check_process(self, p: LocalProcess, wait: float = 0.0) -> None:
         code = p.popen.poll()
@@ -884,6 +942,7 @@ class Controller:
                 else:
                     self._close_sockets()
                 self._rendezvous.close()
+                self._launcher.close()  # an ExternalLauncher removes its connection file
                 _live.discard(self)
 
     def worker_pids(self) -> dict[int, int]:
