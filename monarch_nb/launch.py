@@ -90,12 +90,14 @@ def connect_mesh(
 
     Binds on ``interface`` (loopback unless you name another: "0.0.0.0" or an
     address, for workers on other hosts; ``advertise`` is the address they use
-    then), writes the connection file (address and secret, mode 0600; at
-    ``connection_file``, else in the Jupyter runtime dir), prints the torchrun
-    and srun command lines, and waits with a progress bar. After ``timeout``
-    seconds a TimeoutError lists the missing ranks. ``dims`` name the ranks
-    (default ``world=N``); their product must be ``world``. Late, duplicate and
-    wrong-key workers are refused with a logged reason. A joined worker silent
+    then), writes the connection file (address and secret; at
+    ``connection_file``, else in the Jupyter runtime dir; created new, mode
+    0600: a symlink or another file there is a FileExistsError naming it; removed
+    at shutdown), prints the torchrun and srun command lines, and waits with a
+    progress bar. After ``timeout`` seconds a TimeoutError lists the missing
+    ranks. ``dims`` name the ranks (default ``world=N``); their product must be
+    ``world``. Late, duplicate, wrong-key and other-protocol-version workers are
+    refused with a logged reason. A joined worker silent
     for ``liveness_timeout`` s (default: the heartbeat timeout, 10 s) is presumed
     lost: pending calls raise WorkerUnresponsive."""
     from .controller import ExternalLauncher

@@ -51,8 +51,14 @@ def wait_file(path, timeout=30):
     wait_for(lambda: os.path.exists(path), timeout, f"{path} to appear")
 
 
-# joined workers import what their own environment has: this test module too
-TESTS_ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+# joined workers import what their own environment has: this test module too, and the
+# monarch_nb the tests run (a worker of another protocol version would be refused)
+TESTS_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")) if p
+    ),
+}
 
 
 def worker(conn, *args, env=None, **kw):

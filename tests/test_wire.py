@@ -1,11 +1,12 @@
-"""Unit tests of the wire: signing, framing, zero-copy tensors, functions by value."""
+"""Unit tests of the wire: signing, framing, zero-copy tensors, functions by value, and
+the envelope of protocol v2 (version, rank, sequence numbers) with its PeerTable."""
 
 import pickle
 
 import pytest
 import torch
 
-from monarch_nb.protocol import BadMessage, Signer, decode, encode, new_secret
+from monarch_nb.protocol import BadMessage, Signer, decode, encode, envelope, new_secret
 from monarch_nb.protocol import messages as m
 from monarch_nb.protocol.ndslice import NDSlice
 from monarch_nb.protocol.wire import (
@@ -142,3 +143,115 @@ def test_ndslice():
 def test_signer_repr_hides_secret():
     key = new_secret()
     assert key.hex() not in repr(Signer(key))
+
+
+# ------------------------------------------------------------------ protocol v2: the envelope
+
+
+def _header(frames):
+    return envelope.Header._make(envelope.HEADER.unpack(bytes(frames[1])))
+
+
+def test_envelope_roundtrip_one_message_and_a_batch():
+    s = Signer(new_secret())
+    sealer = envelope.Sealer(s, 3)
+    t = torch.arange(4.0)
+    one = sealer.seal(encode(m.FetchResult(1, 3, t, None), s))
+    h, parts = envelope.unseal(one, s)
+    assert h == envelope.Header(envelope.PROTOCOL_VERSION, 3, sealer.socket, 1, 1)
+    assert torch.equal(decode(parts[0], s).value, t)
+    msgs = [m.Ping(), m.Refused("no"), m.DeleteRefs((1, 2))]
+    batch = sealer.seal([f for x in msgs for f in encode(x, s)], len(msgs))
+    h, parts = envelope.unseal(batch, s)
+    assert (h.seq, h.count) == (2, 3) and [decode(p, s) for p in parts] == msgs
+    assert bytes(one[1])[:2] == (2).to_bytes(2, "little")  # the version leads the header
+
+
+@pytest.mark.parametrize("where", ["env_sig", "rank", "seq", "inner_sig", "count"])
+def test_envelope_binds_rank_sequence_and_contents(where):
+    s = Signer(new_secret())
+    frames = [bytearray(f) for f in envelope.Sealer(s, 0).seal(encode(m.Ping(), s))]
+    h = _header(frames)
+    if where == "env_sig":
+        frames[0][0] ^= 1
+    elif where == "inner_sig":
+        frames[2][0] ^= 1
+    else:
+        change = {"rank": {"rank": 1}, "seq": {"seq": 7}, "count": {"count": 2}}[where]
+        frames[1] = bytearray(envelope.HEADER.pack(*h._replace(**change)))
+    with pytest.raises(BadMessage) as e:
+        envelope.unseal(frames, s)
+    assert e.value.kind == ("malformed" if where == "count" else "signature")
+
+
+def test_envelope_of_another_version_names_it_before_anything_else():
+    s = Signer(new_secret())
+    frames = envelope.Sealer(s, 0).seal(encode(m.Ping(), s))
+    frames[1] = (3).to_bytes(2, "little") + frames[1][2:]
+    frames[0] = b"x"  # not even a signature: the version is read first
+    with pytest.raises(envelope.VersionMismatch) as e:
+        envelope.unseal(frames, s)
+    assert (e.value.kind, e.value.version) == ("version", 3)
+    assert "protocol 3" in str(e.value) and "this side 2" in str(e.value)
+    with pytest.raises(envelope.VersionMismatch) as e:  # the wire before v2: [sig, pickle]
+        envelope.unseal(encode(m.Ping(), s), s)
+    assert e.value.version == 1
+
+
+def test_malformed_envelopes():
+    s = Signer(new_secret())
+    good = envelope.Sealer(s, 0).seal(encode(m.Ping(), s))
+    batch = envelope.Sealer(s, 0).seal([*encode(m.Ping(), s), b"odd"], 2)
+    for frames in ([], [b"x"], [good[0], b"\x02"], [good[0], good[1] + b"x", *good[2:]], batch):
+        with pytest.raises(BadMessage) as e:
+            envelope.unseal(frames, s)
+        assert e.value.kind == "malformed"
+    _, parts = envelope.unseal(good[:3], s)  # an envelope of one message opens...
+    with pytest.raises(BadMessage) as e:
+        decode(parts[0], s)  # ...and the message, a signature alone, is malformed
+    assert e.value.kind == "malformed"
+
+
+def test_sealer_retract_reuses_the_sequence_number():
+    s = Signer(new_secret())
+    sealer = envelope.Sealer(s, 0)
+    sealer.seal(encode(m.Ping(), s))
+    sealer.retract()
+    assert _header(sealer.seal(encode(m.Ping(), s))).seq == 1
+    assert _header(sealer.seal(encode(m.Ping(), s), to=b"other")).seq == 1  # per destination
+
+
+def _h(rank, socket, seq):
+    return envelope.Header(envelope.PROTOCOL_VERSION, rank, socket, seq, 1)
+
+
+def _rejected(table, identity, header):
+    with pytest.raises(BadMessage) as e:
+        table.admit(identity, header)
+    return e.value.kind
+
+
+def test_peer_table_binds_ranks_and_orders_each_socket():
+    t = envelope.PeerTable()
+    assert t.admit(b"w0", _h(0, 10, 1)) is None  # rank 0 has not joined: only a join may come
+    t.join(b"w0", _h(0, 10, 1))
+    assert t.admit(b"w0", _h(0, 10, 2)) == 0
+    assert _rejected(t, b"w0", _h(0, 10, 2)) == "replay"
+    assert _rejected(t, b"w0", _h(0, 10, 1)) == "replay"
+    assert _rejected(t, b"w0", _h(1, 10, 3)) == "rank"  # the connection speaks for rank 0
+    assert _rejected(t, b"w0", _h(0, 11, 1)) == "replay"  # another socket's message on it
+    assert t.admit(b"w0", _h(0, 10, 5)) == 2  # a gap: two messages never came
+    assert t.admit(b"s0", _h(0, 20, 1)) == 0  # a stream socket of a joined rank binds
+    assert _rejected(t, b"s0", _h(1, 20, 2)) == "rank"
+    assert _rejected(t, b"fresh", _h(0, 20, 1)) == "replay"  # replayed on a new connection
+    assert t.admit(b"again", _h(0, 20, 2)) == 0  # the same socket, reconnected, goes on
+    assert t.admit(b"s1", _h(1, 30, 1)) is None  # rank 1 has not joined
+    t.refuse(b"dup", _h(0, 50, 1))  # a second rank 0, refused: nothing more from it
+    assert _rejected(t, b"dup", _h(0, 50, 2)) == "rank"
+    assert _rejected(t, b"dup2", _h(0, 50, 2)) == "rank"
+    t.new_generation()
+    assert t.admit(b"s2", _h(0, 40, 1)) is None  # after a restart every rank joins again
+    assert _rejected(t, b"late", _h(0, 10, 5)) == "replay"  # old frames stay replays
+    for kind in ("gap", "gap", "rank"):
+        t.count(kind)
+    assert t.rejections["gap"] == 2 and t.total == 3 and set(t.rejections) == set(envelope.KINDS)

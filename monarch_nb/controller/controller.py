@@ -24,6 +24,7 @@ from concurrent.futures import Future
 
 from ..protocol import Signer, encode, new_secret
 from ..protocol import messages as m
+from ..protocol.envelope import CONTROLLER, PeerTable, Sealer
 from ..protocol.ndslice import NDSlice
 from .async_result import AsyncResult
 from .debugger import DebugSessions
@@ -93,6 +94,10 @@ class Controller:
         )
         self._secret = new_secret()
         self.signer = Signer(self._secret)
+        # protocol v2: what arrives is checked against the peers' sockets (kept across
+        # restarts); what leaves is sealed per destination by the lease holder
+        self.peers = PeerTable(self.state.rejections)
+        self.sealer = Sealer(self.signer, CONTROLLER)
         self.workers = WorkerSet(name, self.world, launcher or LocalLauncher(), self.state)
         self._startup_timeout = startup_timeout
         self._ids = itertools.count(1)  # ref, stream and mesh ids (0 is the root mesh)
@@ -110,6 +115,7 @@ class Controller:
         self.io.on_item = self._on_item
         self.io.on_process_output_end = lambda p: self._check_process(p, wait=0.5)
         self.io.encode_deletes = self._encode_deletes
+        self.io.seal = self.sealer.seal
         self.on_output = print_output
         self.debugger = DebugSessions(self)
         self.interrupts = Interrupts(self)
@@ -139,6 +145,7 @@ class Controller:
         self.streams: dict[str, int] = {"default": 0}
         self._groups: dict = {}  # (NDSlice, reduced dim indices, stream) -> process group key
         self.rendezvous.new_generation()
+        self.peers.new_generation()
 
     def _start_workers(self) -> None:
         start_generation(self, self._secret, self._startup_timeout)
@@ -290,6 +297,17 @@ class Controller:
     def interrupt(self, streams=(), ranks=None) -> None:
         """KeyboardInterrupt in the running commands of ``streams`` on ``ranks``."""
         self.interrupts.interrupt(streams, ranks)
+
+    def on_gap(self, rank: int, missed: int) -> None:
+        """``missed`` messages of a socket of ``rank`` never arrived (IO thread): the
+        requests waiting on that rank fail instead of waiting for them."""
+        err = RemoteError(
+            {},
+            None,
+            f"mesh {self.name!r}: {missed} message(s) from rank {rank} were lost on the way "
+            f"(a sequence gap); the calls waiting on that rank fail rather than wait",
+        )
+        self.table.fail_rank(rank, err)
 
     def break_mesh(self, err: BaseException) -> None:
         """The mesh cannot go on (IO thread): fail every request with ``err``."""

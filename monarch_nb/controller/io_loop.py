@@ -27,7 +27,7 @@ from concurrent.futures import Future
 
 import zmq
 
-from ..protocol.wire import BATCH, recv_ready
+from ..protocol.wire import recv_ready
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -82,6 +82,7 @@ class IOLoop:
         self.on_item = lambda item: None
         self.on_process_output_end = lambda proc: None
         self.encode_deletes = lambda ids: None  # -> frames of a DeleteRefs, or None
+        self.seal = lambda inner, count, identity: inner  # the envelope per destination
         self.thread = threading.Thread(target=self._run, name=f"monarch-io-{name}", daemon=True)
 
     def start(self) -> None:
@@ -161,8 +162,9 @@ class IOLoop:
         return fut
 
     def send_now(self, identity: bytes, frames) -> None:
-        """Send on the IO thread itself (handlers: refusals, pings)."""
-        self._router.send_multipart([identity, *frames])
+        """Send one encoded message to one socket, sealed (the lease holder: handlers'
+        refusals, pings)."""
+        self._router.send_multipart([identity, *self.seal(frames, 1, identity)])
 
     def send_to(self, ranks, frames) -> None:
         """Send to ``ranks`` on the IO thread itself."""
@@ -344,15 +346,16 @@ class IOLoop:
         self._flush(batches)
 
     def _flush(self, batches: dict) -> None:
-        router = self._router
+        router, seal = self._router, self.seal
         for r, msgs in batches.items():
             ident = self.identities.get(r)
             if ident is None:
                 continue
             if len(msgs) == 1:
-                router.send_multipart([ident, *msgs[0]])
+                router.send_multipart([ident, *seal(msgs[0], 1, ident)])
             else:
-                router.send_multipart([ident, BATCH, *(f for frames in msgs for f in frames)])
+                inner = [f for frames in msgs for f in frames]
+                router.send_multipart([ident, *seal(inner, len(msgs), ident)])
         batches.clear()
 
     def _route(self, ranks, frames, done: Future | None) -> None:
@@ -363,10 +366,11 @@ class IOLoop:
                 ident = self.identities.get(r)
                 if ident is None:
                     continue
+                sealed = self.seal(frames, 1, ident)
                 if done is None:
-                    router.send_multipart([ident, *frames])
+                    router.send_multipart([ident, *sealed])
                 else:
-                    tracker = router.send_multipart([ident, *frames], copy=False, track=True)
+                    tracker = router.send_multipart([ident, *sealed], copy=False, track=True)
         finally:
             if done is not None:
                 done.set_result(tracker)

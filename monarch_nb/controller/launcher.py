@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import stat
 import subprocess
 import sys
 from collections import deque
@@ -137,11 +140,15 @@ class LocalLauncher:
             procs[rank] = LocalProcess(rank, popen)
         return procs
 
+    def close(self) -> None:
+        """Nothing to clean up: the controller stops its children itself."""
+
 
 class ExternalLauncher:
     """Starts nothing: another launcher (torchrun, srun, mpirun, a pod per rank)
     runs ``monarch-nb-worker --connection-file F``. Writes the connection file
-    (address and secret, mode 0600) and prints the command lines."""
+    (address and secret, mode 0600), prints the command lines, and removes the
+    file at shutdown."""
 
     external = True
 
@@ -150,10 +157,12 @@ class ExternalLauncher:
         self.dims = dict(dims)
         self.connection_file = connection_file or default_connection_file(name)
         self._out = out
+        self._written: tuple | None = None  # (device, inode) of the file written here
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
-        write_connection_file(self.connection_file, address, key, world, self.name, self.dims)
         f = self.connection_file
+        if not self._still_ours():  # a restart keeps the file it wrote
+            self._written = write_connection_file(f, address, key, world, self.name, self.dims)
         self._out(
             f"mesh {self.name!r} waits for {world} workers at {address}\n"
             f"connection file (address and secret): {f}\n"
@@ -166,6 +175,24 @@ class ExternalLauncher:
             f"  srun --ntasks {world} python -m monarch_nb.worker --connection-file {f}"
         )
         return {}
+
+    def close(self) -> None:
+        """Remove the connection file, if the one at its path is still ours."""
+        if self._still_ours():
+            try:
+                os.unlink(self.connection_file)
+            except OSError:
+                pass
+        self._written = None
+
+    def _still_ours(self) -> bool:
+        if self._written is None:
+            return False
+        try:
+            st = os.lstat(self.connection_file)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._written
 
 
 def default_connection_file(name: str) -> str:
@@ -183,12 +210,75 @@ def default_connection_file(name: str) -> str:
 
 def write_connection_file(
     path: str, address: str, key: bytes, world: int, name: str, dims: dict
-) -> None:
-    """The file a worker joins with: readable by its owner only (it holds the secret)."""
-    import json
-
-    data = {"address": address, "key": key.hex(), "world": world, "mesh": name, "dims": dims}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
+) -> tuple:
+    """Create the file a worker joins with, readable by its owner only (it holds
+    the secret): never through a symbolic link, never over an existing file,
+    except a connection file left by a controller of this host that is gone.
+    Returns the file's (device, inode)."""
+    data = {
+        "address": address,
+        "key": key.hex(),
+        "world": world,
+        "mesh": name,
+        "dims": dims,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        if not _remove_if_stale(path):
+            raise FileExistsError(_exists_message(path)) from None
+        fd = os.open(path, flags, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
+        try:
+            os.fchmod(fd, 0o600)
+            st = os.fstat(fd)
+            json.dump(data, f)
+            f.flush()
+        except BaseException:
+            os.unlink(path)  # no half-written file with the secret in it
+            raise
+    return st.st_dev, st.st_ino
+
+
+def _exists_message(path: str) -> str:
+    if os.path.islink(path):
+        return (
+            f"the connection file {path} is a symbolic link: the mesh's secret is never "
+            f"written through one; remove it or pass another connection_file"
+        )
+    return (
+        f"the connection file {path} exists already (another mesh's, or left behind): "
+        f"remove it or pass another connection_file"
+    )
+
+
+def _remove_if_stale(path: str) -> bool:
+    """Remove ``path`` if it is a connection file of ours whose controller, on this
+    host, is gone (a kernel that was killed); True if it was."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > 1 << 16:
+            return False
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd) as f:
+            info = json.load(f)
+        pid, host = int(info["pid"]), info["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname() or pid == os.getpid() or _alive(pid):
+        return False
+    os.unlink(path)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -9,6 +9,7 @@ import traceback
 
 from ..protocol import BadMessage, decode, encode
 from ..protocol import messages as m
+from ..protocol.envelope import PROTOCOL_VERSION, VersionMismatch, unseal
 from .errors import IOThreadError, RemoteError
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -19,6 +20,7 @@ class Replies:
 
     def __init__(self, ctrl):
         self.ctrl = ctrl
+        self._version_refused: set[bytes] = set()
         self._handlers = {
             cls: getattr(self, cls.__name__)
             for cls in vars(m).values()
@@ -28,34 +30,67 @@ class Replies:
         }
 
     def on_frames(self, frames) -> None:
+        """One ZeroMQ message from a worker socket: its envelope is opened and checked
+        against the PeerTable (rank bound to the socket, sequence in order), then each
+        message in it is decoded and handled."""
         ctrl = self.ctrl
+        identity = frames[0].bytes
         try:
-            msg = decode(frames[1:], ctrl.signer)
-        except BadMessage as e:
-            ctrl.state.bad_messages += 1
-            logger.warning(
-                "mesh %r dropped a message (%s); %d dropped so far",
-                ctrl.name,
-                e,
-                ctrl.state.bad_messages,
-            )
+            header, parts = unseal(frames[1:], ctrl.signer)
+            missed = ctrl.peers.admit(identity, header)
+        except VersionMismatch as e:
+            self._refuse_version(identity, e.version)
             return
+        except BadMessage as e:
+            self._drop(e.kind, str(e))
+            return
+        if missed:
+            self._drop("gap", f"{missed} message(s) of rank {header.rank} never arrived")
+            ctrl.on_gap(header.rank, missed)
+        for p in parts:
+            try:
+                msg = decode(p, ctrl.signer)
+            except BadMessage as e:
+                self._drop(e.kind, str(e))
+                continue
+            self._dispatch(msg, identity, header, joined=missed is not None)
+
+    def _dispatch(self, msg, identity: bytes, header, joined: bool) -> None:
         handler = self._handlers.get(type(msg))
         rank = getattr(msg, "rank", None)
         ready = type(msg) is m.WorkerReady  # its handler says why it refuses a bad rank
-        if handler is None or not isinstance(rank, int) or not (ready or 0 <= rank < ctrl.world):
-            ctrl.state.bad_messages += 1
-            logger.warning("mesh %r dropped an unexpected %s", ctrl.name, type(msg).__name__)
+        if handler is None or not isinstance(rank, int):
+            self._drop("malformed", f"an unexpected {type(msg).__name__}")
+            return
+        if rank != header.rank:
+            self._drop("rank", f"a {type(msg).__name__} of rank {rank} sealed by rank {header.rank}")
+            return
+        if not (joined or ready):  # joined ranks are within the mesh
+            self._drop("rank", f"a {type(msg).__name__} of rank {rank}, which has not joined")
             return
         if not ready:
-            ctrl.state.seen(rank)
+            self.ctrl.state.seen(rank)
         try:
             if ready:
-                handler(msg, frames[0].bytes)
+                handler(msg, identity, header)
             else:
                 handler(msg)
         except Exception as e:
             self._handler_failed(msg, e)
+
+    def _drop(self, kind: str, why: str) -> None:
+        n = self.ctrl.peers.count(kind)
+        logger.warning(
+            "mesh %r dropped a message (%s: %s); %d of that kind so far", self.ctrl.name, kind, why, n
+        )
+
+    def _refuse_version(self, identity: bytes, version: int) -> None:
+        """A peer of another protocol version: counted, logged, and told once."""
+        reason = f"worker speaks protocol {version}, this mesh {PROTOCOL_VERSION}"
+        self._drop("version", reason)
+        if identity not in self._version_refused and len(self._version_refused) < 4096:
+            self._version_refused.add(identity)
+            self.ctrl.io.send_now(identity, encode(m.Refused(reason), self.ctrl.signer))
 
     def _handler_failed(self, msg, e: Exception) -> None:
         """A bug here must not become a silent wait: the request the message answers
@@ -73,7 +108,7 @@ class Replies:
 
     # ------------------------------------------------------------ joining
 
-    def WorkerReady(self, msg: m.WorkerReady, identity: bytes) -> None:
+    def WorkerReady(self, msg: m.WorkerReady, identity: bytes, header) -> None:
         ctrl = self.ctrl
         reason = ctrl.workers.admit(msg, identity)
         if reason is not None:
@@ -81,6 +116,9 @@ class Replies:
                 "mesh %r refused a worker (pid %s on %s): %s", ctrl.name, msg.pid, msg.host, reason
             )
             ctrl.io.send_now(identity, encode(m.Refused(reason), ctrl.signer))
+            ctrl.peers.refuse(identity, header)
+            return
+        ctrl.peers.join(identity, header)
 
     # ------------------------------------------------------------ replies to requests
 
@@ -117,7 +155,9 @@ class Replies:
         self.ctrl.state.stalled(msg.rank, msg.stream, msg.ident, msg.what, msg.seconds, msg.stack)
 
     def Health(self, msg: m.Health) -> None:
-        self.ctrl.state.health(msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size)
+        self.ctrl.state.health(
+            msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size, msg.rejections
+        )
 
     def Output(self, msg: m.Output) -> None:
         try:

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..protocol.envelope import KINDS
 from .errors import describe_exit
 
 
@@ -28,6 +29,8 @@ class WorkerState:
     last_seen: float = 0.0
     unresponsive: bool = False  # silent for longer than the heartbeat timeout
     bad_messages: int = 0
+    # kind -> messages this worker dropped
+    rejections: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     env_size: int | None = None
     # stream id -> [last started ident, last finished ident, commands done]
     progress: dict = field(default_factory=dict)
@@ -46,10 +49,17 @@ class MeshState:
         # stream id -> deque of (ident, ranks, what, time sent), oldest first
         self.sent: dict[int, deque] = {0: deque()}
         self.errors: list[dict] = []
-        self.bad_messages = 0  # dropped by the controller
+        # kind (envelope.KINDS) -> messages the controller dropped; the Controller's
+        # PeerTable counts into this dict
+        self.rejections: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.internal_errors: list[dict] = []
         self.generation = 0
         self.open_requests = 0  # entries in the controller's request table
+
+    @property
+    def bad_messages(self) -> int:
+        """Every message the controller dropped, of any kind."""
+        return sum(self.rejections.values())
 
     # -------------------------------------------------------------- updates
 
@@ -117,9 +127,13 @@ class MeshState:
                     "stack": stack,
                 }
 
-    def health(self, rank: int, rss: int, cpu: float, gpu, bad: int, env_size: int) -> None:
+    def health(
+        self, rank: int, rss: int, cpu: float, gpu, bad: int, env_size: int, rejections=None
+    ) -> None:
         w = self.workers[rank]
         w.rss, w.cpu, w.gpu, w.bad_messages, w.env_size = rss, cpu, gpu, bad, env_size
+        if rejections:
+            w.rejections = dict(rejections)
 
     def add_error(self, ident: int, rank: int, sid: int, failure) -> None:
         with self.lock:
@@ -191,6 +205,7 @@ class MeshState:
                     "heartbeat_age": (now - w.last_seen) if w.last_seen else None,
                     "unresponsive": w.unresponsive and w.alive,
                     "bad_messages": w.bad_messages,
+                    "rejections": dict(w.rejections),
                     "env_size": w.env_size,
                     "streams": streams,
                 }
@@ -210,6 +225,7 @@ class MeshState:
                 "debugger": debugger,
                 "bad_messages": self.bad_messages,
                 "requests": self.open_requests,
+                "rejections": dict(self.rejections),
                 "internal_errors": list(self.internal_errors),
             }
 

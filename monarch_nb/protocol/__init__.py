@@ -1,6 +1,7 @@
-"""Messages (one module of typed records) and the wire (framing, signing, pickling)."""
+"""Messages (typed records), the wire (signing, framing), pickling, and the
+envelope of protocol v2 (version, rank, sequence number)."""
 
-from . import messages
+from . import envelope, messages
 from .wire import BadMessage, Signer, decode, encode, new_secret
 
-__all__ = ["messages", "BadMessage", "Signer", "decode", "encode", "new_secret"]
+__all__ = ["envelope", "messages", "BadMessage", "Signer", "decode", "encode", "new_secret"]

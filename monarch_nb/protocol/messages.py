@@ -226,7 +226,8 @@ class Ping(NamedTuple):
 
 
 class Refused(NamedTuple):
-    """The controller does not take this worker (late, duplicate rank, wrong world)."""
+    """The controller does not take this worker (late, duplicate rank, wrong world,
+    another protocol version)."""
 
     reason: str
 
@@ -369,8 +370,9 @@ class Health(NamedTuple):
     rss: int
     cpu: float
     gpu: dict | None
-    bad_messages: int
+    bad_messages: int  # the total of rejections
     env_size: int  # values held for Refs
+    rejections: dict | None = None  # kind -> messages this worker dropped (envelope.KINDS)
 
 
 class TransferBegin(NamedTuple):

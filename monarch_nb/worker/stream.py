@@ -14,6 +14,7 @@ from collections.abc import Callable
 import zmq
 
 from ..protocol import encode
+from ..protocol.envelope import Sealer
 from ..protocol.messages import FetchResult, Output, RemoteFunctionFailed, TransferBegin
 from . import capture, debugger
 from .cell import DependentOnError
@@ -49,7 +50,8 @@ class Outbox:
     """A stream's own socket to the controller and its buffered output.
 
     Everything a stream sends (output, results, failures) leaves through this one
-    socket, so the controller sees it in order. The receiver thread may flush
+    socket, sealed with the socket's own sequence numbers, so the controller
+    sees it in order (and would notice a gap). The receiver thread may flush
     stale output while a long command runs: the lock serialises use of the
     socket (ZeroMQ sockets may move between threads across a memory barrier).
     """
@@ -59,6 +61,7 @@ class Outbox:
         self.stream_id = stream_id
         self.lock = threading.Lock()
         self._sock: zmq.Socket | None = None
+        self._sealer: Sealer | None = None
         self._pending: list = []  # [name, ident, text]
         self._pending_bytes = 0
         self._pending_since = 0.0
@@ -67,6 +70,7 @@ class Outbox:
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             self._sock = self._worker.connect_socket(SEND_HWM)
+            self._sealer = Sealer(self._worker.signer, self._worker.rank)
         return self._sock
 
     def write(self, name: str, text: str, ident=_RUNNING) -> None:
@@ -106,21 +110,24 @@ class Outbox:
         if frames is None:
             frames = encode(msg, self._worker.signer)
         sock = self._socket()
+        sealer = self._sealer
         nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
         if nbytes > PROGRESS_BYTES and type(msg) is FetchResult:
             # the controller shows a progress bar for this transfer
             begin = TransferBegin(self._worker.rank, msg.ident, nbytes)
-            sock.send_multipart(encode(begin, self._worker.signer))
+            sock.send_multipart(sealer.seal(encode(begin, self._worker.signer)))
+        sealed = sealer.seal(frames)
         if nbytes > BIG_SEND:
             # zero-copy: wait until ZeroMQ no longer reads the value's memory
-            tracker = sock.send_multipart(frames, copy=False, track=True)
+            tracker = sock.send_multipart(sealed, copy=False, track=True)
             tracker.wait()
         elif block:
-            sock.send_multipart(frames)
+            sock.send_multipart(sealed)
         else:
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                sock.send_multipart(sealed, flags=zmq.NOBLOCK)
             except zmq.Again:
+                sealer.retract()  # not sent: the next message takes its number
                 return False
         return True
 
@@ -153,6 +160,7 @@ class Outbox:
             if self._sock is not None:
                 self._sock.close(linger=2000)
                 self._sock = None
+                self._sealer = None
 
 
 class CommandCancelled(Exception):

@@ -1,5 +1,6 @@
-"""The worker: a receiver thread that dispatches each message to the handler of
-the same name, and stream threads that execute commands in order.
+"""The worker: a receiver thread (``connection.py``) that dispatches each message
+to the handler of the same name (here and in ``comm_handlers.py``), and stream
+threads that execute commands in order.
 
 The default stream runs on the process's main thread (so SIGINT interrupts a
 blocking call in it); the receiver runs on a thread of its own and never runs
@@ -9,40 +10,32 @@ user code, so the worker keeps answering whatever its streams do.
 from __future__ import annotations
 
 import builtins
-import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-import traceback
 
 import zmq
 
-from ..protocol import BadMessage, Signer, decode, encode
+from ..protocol import Signer, encode
 from ..protocol import messages as m
-from ..protocol.wire import recv_ready, resolve_function, split_batch, unpack_args
+from ..protocol.pickling import resolve_function, unpack_args
 from . import capture, context, debugger, display
 from .cell import Cell, DependentOnError, MissingRef, get_value
 from .code import run_source
 from .comm_handlers import CommHandlers
+from .connection import Connection
 from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
-from .health import HealthSampler
 from .stream import Stream, interruptible_sleep
 
-logger = logging.getLogger("monarch_nb.worker")
-
-OUTPUT_AGE = 0.05  # flush output buffered longer than this
-PROGRESS_PERIOD = 0.1
-HEALTH_PERIOD = 1.0
-LOST_CONNECTION_GRACE = 3.0  # a dropped connection not back within this ends a joined worker
-STALL_AFTER = float(os.environ.get("MONARCH_NB_STALL_SECONDS", "30"))
 DEFAULT_STREAM = 0
 
 
-class Worker(CommHandlers):
+class Worker(Connection, CommHandlers):
+    """One rank: its values (``env``), streams, namespace, and a handler per message."""
+
     def __init__(
         self,
         address: str,
@@ -61,8 +54,7 @@ class Worker(CommHandlers):
         self.parent_pid = parent_pid
         # a worker that is not the controller's child exits when the controller goes quiet
         self.heartbeat_timeout = heartbeat_timeout
-        self._last_heard = time.monotonic()
-        self._lost_at: float | None = None
+        self._init_connection()
         self.ctx = zmq.Context()
         self.env: dict[int, Cell] = {}
         self.streams: dict[int, Stream] = {}
@@ -70,10 +62,8 @@ class Worker(CommHandlers):
         self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
         if "torch" in sys.modules:  # already imported by every worker: save users a line
             self.namespace["torch"] = sys.modules["torch"]
-        self.bad_messages = 0
         self.cuda = _cuda_available()
         self._exiting = False
-        self._sock: zmq.Socket | None = None
         self._handlers = {
             cls: getattr(self, cls.__name__)
             for cls in vars(m).values()
@@ -81,26 +71,10 @@ class Worker(CommHandlers):
             and hasattr(self, cls.__name__)
             and cls.__module__ == m.__name__
         }
-        self._sent_progress: dict = {}
         self.borrows: dict[int, tuple] = {}  # borrow id -> (Borrow, result cell)
         self.recordings: dict[int, object] = {}
         self.pipes: dict[int, object] = {}
         self._comms = None
-
-    # ------------------------------------------------------------ sockets
-
-    def connect_socket(self, sndhwm: int = 0) -> zmq.Socket:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 2000)
-        s.setsockopt(zmq.SNDHWM, sndhwm)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.connect(self.address)
-        return s
-
-    def _send(self, msg) -> None:
-        """Send on the receiver's own socket (receiver thread only)."""
-        assert self._sock is not None
-        self._sock.send_multipart(encode(msg, self.signer))
 
     # ------------------------------------------------------------ life cycle
 
@@ -135,145 +109,6 @@ class Worker(CommHandlers):
         if self.streams[DEFAULT_STREAM].in_user_code:
             raise KeyboardInterrupt
 
-    def _receive_loop(self) -> None:
-        try:
-            self._sock = sock = self.connect_socket()
-            self._send(
-                m.WorkerReady(
-                    self.rank,
-                    self.world,
-                    os.getpid(),
-                    socket.gethostname(),
-                    self.cuda,
-                    {"python": sys.version.split()[0], "torch": _torch_version()},
-                )
-            )
-            self._health = HealthSampler(self.cuda)
-            self._next_progress = self._next_health = 0.0
-            monitor = None
-            if self.heartbeat_timeout is not None:
-                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            while not self._exiting:
-                if monitor is not None:
-                    self._watch_connection(monitor)
-                if sock.poll(20):
-                    self._last_heard = time.monotonic()
-                    for _ in range(256):
-                        frames = recv_ready(sock)
-                        if frames is None:
-                            break
-                        self._dispatch(frames)
-                        del frames  # a pushed tensor must not outlive its command here
-                        if self._exiting:
-                            break
-                self._tick()
-            self._tick(final=True)
-        except Exception as e:
-            logger.exception("receiver thread failed")
-            try:
-                self._send(m.InternalException(self.rank, _internal(e, "receiver thread")))
-            except Exception:
-                pass
-            os._exit(3)
-        finally:
-            if self._sock is not None:
-                self._sock.close(linger=2000)
-
-    def _dispatch(self, frames) -> None:
-        try:
-            parts = split_batch(frames) if len(frames[0]) == 1 else (frames,)
-        except BadMessage as e:
-            parts = ()
-            self._drop(e)
-        for p in parts:
-            try:
-                msg = decode(p, self.signer)
-            except BadMessage as e:
-                self._drop(e)
-                continue
-            self._handle(msg)
-
-    def _drop(self, why) -> None:
-        self.bad_messages += 1
-        logger.warning("dropped a message (%s); %d dropped so far", why, self.bad_messages)
-
-    def _handle(self, msg) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            self.bad_messages += 1
-            logger.warning("dropped a message of unknown type %s", type(msg).__name__)
-            return
-        try:
-            handler(msg)
-        except Exception as e:
-            logger.exception("handler %s failed", type(msg).__name__)
-            self._send(
-                m.InternalException(self.rank, _internal(e, f"{type(msg).__name__} handler"))
-            )
-
-    def _tick(self, final: bool = False) -> None:
-        now = time.monotonic()
-        for s in list(self.streams.values()):
-            s.outbox.flush_if_stale(now, OUTPUT_AGE)
-        if now >= self._next_progress or final:
-            self._next_progress = now + PROGRESS_PERIOD
-            progress = {s.id: (s.started, s.finished, s.done) for s in list(self.streams.values())}
-            if progress != self._sent_progress:
-                self._sent_progress = progress
-                self._send(m.Progress(self.rank, progress))
-        if now >= self._next_health:
-            self._next_health = now + HEALTH_PERIOD
-            rss, cpu, gpu = self._health.sample()
-            self._send(
-                m.Health(self.rank, os.getpid(), rss, cpu, gpu, self.bad_messages, len(self.env))
-            )
-            self._check_stalls()
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
-            logger.error("controller (pid %d) is gone; exiting", self.parent_pid)
-            os._exit(1)
-        if self.heartbeat_timeout is not None:
-            quiet = now - self._last_heard
-            lost = self._lost_at is not None and now - self._lost_at > LOST_CONNECTION_GRACE
-            if quiet > self.heartbeat_timeout or lost:
-                why = "connection lost" if lost else f"not heard of for {quiet:.0f} s"
-                print(
-                    f"[monarch worker {self.rank}] the controller is gone ({why}); exiting",
-                    file=sys.__stderr__,
-                    flush=True,
-                )
-                os._exit(1)
-
-    def _watch_connection(self, monitor) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
-            if event == zmq.EVENT_DISCONNECTED:
-                self._lost_at = time.monotonic()
-            elif event == zmq.EVENT_CONNECTED:
-                self._lost_at = None
-
-    def _check_stalls(self) -> None:
-        """Once a command runs longer than STALL_AFTER: log where its stream is and
-        tell the controller (the dashboard shows it)."""
-        now = time.time()
-        for s in list(self.streams.values()):
-            running = s.running
-            if running is None or now - running[2] < STALL_AFTER or s.stall_logged == running[0]:
-                continue
-            s.stall_logged = running[0]
-            frame = sys._current_frames().get(s.thread_id or -1)
-            where = format_user_stack(frame) or "(in the worker's own code)"
-            logger.warning(
-                "possible stall: stream %r has run command %d (%s) for %.0f s; it is at:\n%s",
-                s.name,
-                running[0],
-                running[1],
-                now - running[2],
-                where,
-            )
-            self._send(m.Stalled(self.rank, s.id, running[0], running[1], now - running[2], where))
-
     # ------------------------------------------------------------ helpers
 
     def _resolver(self, args: m.Args | None):
@@ -294,7 +129,7 @@ class Worker(CommHandlers):
     @property
     def comms(self):
         if self._comms is None:
-            from ..protocol.wire import set_group_resolver
+            from ..protocol.pickling import set_group_resolver
             from .collectives import Comms
 
             self._comms = Comms(self.rank, self.world)
@@ -543,12 +378,6 @@ def _fetch_failure(e: BaseException, pickling: bool):
     return describe(e)
 
 
-def _internal(e: BaseException, where: str) -> m.RemoteFailure:
-    """A failure of the worker's own machinery: its frames are the point, keep them."""
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    return m.RemoteFailure(type(e).__name__, f"in the worker's {where}: {e}", tb)
-
-
 def _no_refs(rid):
     raise KeyError(rid)
 
@@ -559,8 +388,3 @@ def _cuda_available() -> bool:
         return bool(torch is not None and torch.cuda.is_available())
     except Exception:
         return False
-
-
-def _torch_version() -> str | None:
-    torch = sys.modules.get("torch")
-    return getattr(torch, "__version__", None)

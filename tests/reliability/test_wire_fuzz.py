@@ -1,6 +1,6 @@
 """The wire under random and mutated frames (hypothesis).
 
-* The decoders (``wire.decode``, ``wire.split_batch``) raise nothing but
+* The decoders (``envelope.unseal``, ``wire.decode``) raise nothing but
   BadMessage on any frames, and never unpickle a frame set whose signature does
   not verify: a mutated copy of a signed message whose pickle would run code is
   rejected and runs nothing.
@@ -31,9 +31,8 @@ from hypothesis import strategies as st
 from reliability_helpers import wait_for
 
 import monarch_nb as mnb
-from monarch_nb.protocol import BadMessage, Signer, decode, encode, new_secret
+from monarch_nb.protocol import BadMessage, Signer, decode, encode, envelope, new_secret
 from monarch_nb.protocol import messages as m
-from monarch_nb.protocol.wire import BATCH, split_batch
 
 MARKER_DIR = os.environ.get("TMPDIR", "/tmp")
 FUZZ = settings(
@@ -45,11 +44,16 @@ FUZZ = settings(
 
 frame = st.binary(max_size=96)
 frames_st = st.lists(frame, min_size=1, max_size=7)
-# batches and signature-sized frames are what the decoders branch on: make them likely
+# signature-sized frames and v2 headers are what the decoders branch on: make them likely
+v2_header = st.tuples(
+    st.integers(-1, 3), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 4)
+).map(lambda h: envelope.HEADER.pack(envelope.PROTOCOL_VERSION, *h))
 shaped_frames = st.one_of(
     frames_st,
     st.tuples(st.binary(min_size=32, max_size=32), frame).map(list),
-    st.lists(frame, min_size=0, max_size=6).map(lambda fs: [BATCH, *fs]),
+    st.tuples(st.binary(min_size=32, max_size=32), v2_header, st.lists(frame, max_size=6)).map(
+        lambda t: [t[0], t[1], *t[2]]
+    ),
 )
 plain_data = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -122,13 +126,9 @@ def _grow(frames, i, extra):
 @given(shaped_frames)
 def test_decoders_raise_only_bad_message_on_random_frames(frames):
     s = Signer(new_secret())
-    try:
-        parts = split_batch(frames)
-    except BadMessage:
-        parts = []
-    for p in parts:
-        with pytest.raises(BadMessage):
-            decode(p, s)
+    with pytest.raises(BadMessage) as e:
+        envelope.unseal(frames, s)
+    assert e.value.kind in envelope.KINDS
     with pytest.raises(BadMessage):
         decode(frames, s)
 
@@ -164,14 +164,6 @@ def fz():
     mesh.shutdown()
 
 
-def worker_drops(frames: list[bytes]) -> int:
-    """How many messages a worker drops for this frame set (a batch counts each pair)."""
-    if frames[0] == BATCH:
-        n = len(frames)
-        return (n - 1) // 2 if n % 2 == 1 else 1
-    return 1
-
-
 def send_to_worker(mesh, rank: int, frames: list[bytes]) -> None:
     """Through the controller's own socket, as one ZeroMQ message (not batched)."""
     done: Future = Future()
@@ -204,8 +196,8 @@ def test_workers_drop_and_count_random_and_mutated_frames(fz, tmp_path):
     @given(st.integers(0, 1), st.one_of(shaped_frames, mutations(evil)))
     def feed(rank, frames):
         assume(frames != evil)
-        send_to_worker(fz, rank, frames)
-        expected[rank] += worker_drops(frames)
+        send_to_worker(fz, rank, frames)  # sealed by the controller as one message
+        expected[rank] += 1
 
     @FUZZ
     @given(st.integers(0, 1), plain_data)
@@ -227,39 +219,57 @@ def test_workers_drop_and_count_random_and_mutated_frames(fz, tmp_path):
 def test_controller_drops_and_counts_random_and_mutated_frames(fz, tmp_path):
     ctrl = fz._controller
     marker = str(tmp_path / "executed-on-the-controller")
-    evil = signed_evil(ctrl.signer, marker)
-    genuine = [bytes(f) for f in encode(m.Progress(0, {0: (1, 1, 1)}), ctrl.signer)]
+    # sealed as by sockets of rank 0, one socket (and connection) each: a mutation that
+    # still opens can only be that socket's first message or a replay of it, so every
+    # frame set is dropped exactly once and none opens a gap
+    sealers = {k: envelope.Sealer(ctrl.signer, 0) for k in ("evil", "genuine", "plain")}
+    sources = {
+        "evil": sealers["evil"].seal(signed_evil(ctrl.signer, marker)),
+        "genuine": sealers["genuine"].seal(encode(m.Progress(0, {0: (1, 1, 1)}), ctrl.signer)),
+    }
     before = fz.status()["bad_messages"]
     sent = [0]
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(ctrl.address)
+    socks = {k: ctx.socket(zmq.DEALER) for k in ("random", "evil", "genuine", "plain", "outside")}
+    for sock in socks.values():
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(ctrl.address)
     try:
 
         @FUZZ
-        @given(st.one_of(shaped_frames, mutations(evil), mutations(genuine)))
-        def feed(frames):
-            assume(frames != evil and frames != genuine)
-            sock.send_multipart(frames)
+        @given(
+            st.one_of(
+                shaped_frames.map(lambda f: ("random", f)),
+                mutations(sources["evil"]).map(lambda f: ("evil", f)),
+                mutations(sources["genuine"]).map(lambda f: ("genuine", f)),
+            )
+        )
+        def feed(item):
+            source, frames = item
+            assume(frames != sources.get(source))
+            socks[source].send_multipart(frames)
             sent[0] += 1
 
         @FUZZ
         @given(plain_data)
         def feed_authenticated(value):
             payload = pickle.dumps(value, 5)
-            sock.send_multipart([ctrl.signer.digest(payload, []), payload])
+            inner = [ctrl.signer.digest(payload, []), payload]
+            socks["plain"].send_multipart(sealers["plain"].seal(inner))
             sent[0] += 1
 
         feed()
         feed_authenticated()
         # a genuine message of a rank outside the mesh: authenticated, still dropped
-        sock.send_multipart(encode(m.Progress(7, {0: (1, 1, 1)}), ctrl.signer))
+        outside = envelope.Sealer(ctrl.signer, 7)
+        progress = encode(m.Progress(7, {0: (1, 1, 1)}), ctrl.signer)
+        socks["outside"].send_multipart(outside.seal(progress))
         sent[0] += 1
         want = before + sent[0]
         wait_for(lambda: fz.status()["bad_messages"] == want, 20, f"{want} drops counted")
     finally:
-        sock.close()
+        for sock in socks.values():
+            sock.close()
     assert not os.path.exists(marker)
     serves(fz)
 

@@ -1,0 +1,248 @@
+"""The worker's link to the controller: its sockets, the receiver thread's loop
+(open the envelope, verify, dispatch each message to the handler of its name)
+and the receiver's tick (stale output, progress, health, stalls, and whether
+the controller is still there)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+
+import zmq
+
+from ..protocol import BadMessage, decode, encode
+from ..protocol import messages as m
+from ..protocol.envelope import (
+    CONTROLLER,
+    PROTOCOL_VERSION,
+    PeerTable,
+    Sealer,
+    VersionMismatch,
+    unseal,
+)
+from ..protocol.wire import recv_ready
+from .failure import format_user_stack
+from .health import HealthSampler
+
+logger = logging.getLogger("monarch_nb.worker")
+
+OUTPUT_AGE = 0.05  # flush output buffered longer than this
+PROGRESS_PERIOD = 0.1
+HEALTH_PERIOD = 1.0
+LOST_CONNECTION_GRACE = 3.0  # a dropped connection not back within this ends a joined worker
+STALL_AFTER = float(os.environ.get("MONARCH_NB_STALL_SECONDS", "30"))
+
+
+class Connection:
+    """The receiver thread's part of Worker: Worker sets the address, signer,
+    rank, streams and handlers this uses."""
+
+    def _init_connection(self) -> None:
+        self.peers = PeerTable()  # of the controller's socket: its rank, its sequence
+        self.peers.allow(CONTROLLER)
+        self._sock: zmq.Socket | None = None
+        self._sealer: Sealer | None = None
+        self._last_heard = time.monotonic()
+        self._lost_at: float | None = None
+        self._sent_progress: dict = {}
+
+    @property
+    def bad_messages(self) -> int:
+        """Messages this worker dropped, of any kind (``peers.rejections``)."""
+        return self.peers.total
+
+    def connect_socket(self, sndhwm: int = 0) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.SNDHWM, sndhwm)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.connect(self.address)
+        return s
+
+    def _send(self, msg) -> None:
+        """Send on the receiver's own socket (receiver thread only)."""
+        assert self._sock is not None and self._sealer is not None
+        self._sock.send_multipart(self._sealer.seal(encode(msg, self.signer)))
+
+    def _receive_loop(self) -> None:
+        try:
+            self._sock = sock = self.connect_socket()
+            self._sealer = Sealer(self.signer, self.rank)
+            self._send(
+                m.WorkerReady(
+                    self.rank,
+                    self.world,
+                    os.getpid(),
+                    socket.gethostname(),
+                    self.cuda,
+                    {"python": sys.version.split()[0], "torch": _torch_version()},
+                )
+            )
+            self._health = HealthSampler(self.cuda)
+            self._next_progress = self._next_health = 0.0
+            monitor = None
+            if self.heartbeat_timeout is not None:
+                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            while not self._exiting:
+                if monitor is not None:
+                    self._watch_connection(monitor)
+                if sock.poll(20):
+                    self._last_heard = time.monotonic()
+                    for _ in range(256):
+                        frames = recv_ready(sock)
+                        if frames is None:
+                            break
+                        self._dispatch(frames)
+                        del frames  # a pushed tensor must not outlive its command here
+                        if self._exiting:
+                            break
+                self._tick()
+            self._tick(final=True)
+        except Exception as e:
+            logger.exception("receiver thread failed")
+            try:
+                self._send(m.InternalException(self.rank, internal_failure(e, "receiver thread")))
+            except Exception:
+                pass
+            os._exit(3)
+        finally:
+            if self._sock is not None:
+                self._sock.close(linger=2000)
+
+    def _dispatch(self, frames) -> None:
+        try:
+            header, parts = unseal(frames, self.signer)
+            missed = self.peers.admit(b"", header)
+        except VersionMismatch as e:
+            self._wrong_version(e.version)
+            return
+        except BadMessage as e:
+            self._drop(e.kind, e)
+            return
+        if missed is None:
+            self._drop("rank", f"a message of rank {header.rank}, not of the controller")
+            return
+        if missed:
+            self._drop("gap", f"{missed} message(s) of the controller never arrived")
+        for p in parts:
+            try:
+                msg = decode(p, self.signer)
+            except BadMessage as e:
+                self._drop(e.kind, e)
+                continue
+            self._handle(msg)
+
+    def _wrong_version(self, version: int) -> None:
+        print(
+            f"[monarch worker {self.rank}] the controller speaks protocol {version}, this "
+            f"worker {PROTOCOL_VERSION}: run the same monarch_nb version on both sides; exiting",
+            file=sys.__stderr__,
+            flush=True,
+        )
+        os._exit(2)
+
+    def _drop(self, kind: str, why) -> None:
+        self.peers.count(kind)
+        logger.warning(
+            "dropped a message (%s: %s); %d dropped so far", kind, why, self.bad_messages
+        )
+
+    def _handle(self, msg) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._drop("malformed", f"a message of unknown type {type(msg).__name__}")
+            return
+        try:
+            handler(msg)
+        except Exception as e:
+            logger.exception("handler %s failed", type(msg).__name__)
+            self._send(
+                m.InternalException(self.rank, internal_failure(e, f"{type(msg).__name__} handler"))
+            )
+
+    def _tick(self, final: bool = False) -> None:
+        now = time.monotonic()
+        for s in list(self.streams.values()):
+            s.outbox.flush_if_stale(now, OUTPUT_AGE)
+        if now >= self._next_progress or final:
+            self._next_progress = now + PROGRESS_PERIOD
+            progress = {s.id: (s.started, s.finished, s.done) for s in list(self.streams.values())}
+            if progress != self._sent_progress:
+                self._sent_progress = progress
+                self._send(m.Progress(self.rank, progress))
+        if now >= self._next_health:
+            self._next_health = now + HEALTH_PERIOD
+            rss, cpu, gpu = self._health.sample()
+            self._send(
+                m.Health(
+                    self.rank,
+                    os.getpid(),
+                    rss,
+                    cpu,
+                    gpu,
+                    self.bad_messages,
+                    len(self.env),
+                    dict(self.peers.rejections),
+                )
+            )
+            self._check_stalls()
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.error("controller (pid %d) is gone; exiting", self.parent_pid)
+            os._exit(1)
+        if self.heartbeat_timeout is not None:
+            quiet = now - self._last_heard
+            lost = self._lost_at is not None and now - self._lost_at > LOST_CONNECTION_GRACE
+            if quiet > self.heartbeat_timeout or lost:
+                why = "connection lost" if lost else f"not heard of for {quiet:.0f} s"
+                print(
+                    f"[monarch worker {self.rank}] the controller is gone ({why}); exiting",
+                    file=sys.__stderr__,
+                    flush=True,
+                )
+                os._exit(1)
+
+    def _watch_connection(self, monitor) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost_at = time.monotonic()
+            elif event == zmq.EVENT_CONNECTED:
+                self._lost_at = None
+
+    def _check_stalls(self) -> None:
+        """Once a command runs longer than STALL_AFTER: log where its stream is and
+        tell the controller (the dashboard shows it)."""
+        now = time.time()
+        for s in list(self.streams.values()):
+            running = s.running
+            if running is None or now - running[2] < STALL_AFTER or s.stall_logged == running[0]:
+                continue
+            s.stall_logged = running[0]
+            frame = sys._current_frames().get(s.thread_id or -1)
+            where = format_user_stack(frame) or "(in the worker's own code)"
+            logger.warning(
+                "possible stall: stream %r has run command %d (%s) for %.0f s; it is at:\n%s",
+                s.name,
+                running[0],
+                running[1],
+                now - running[2],
+                where,
+            )
+            self._send(m.Stalled(self.rank, s.id, running[0], running[1], now - running[2], where))
+
+
+def internal_failure(e: BaseException, where: str) -> m.RemoteFailure:
+    """A failure of the worker's own machinery: its frames are the point, keep them."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return m.RemoteFailure(type(e).__name__, f"in the worker's {where}: {e}", tb)
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")
+    return getattr(torch, "__version__", None)
