@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-from typing import Any
 
 from . import context
 from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
 from .controller import Controller
 from .controller.errors import MeshClosedError
+from .namespace import NamespaceCommands
 from .pipe import Pipe
 from .protocol import messages as m
 from .protocol.ndslice import NDSlice
 from .protocol.wire import RefUseError, function_ref, pack_args
-from .remote import ProcessGroup, Ref, check_refs
+from .remote import ProcessGroup
 
 
-class DeviceMesh(BaseMesh):
+class DeviceMesh(NamespaceCommands, BaseMesh):
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
     def __init__(
@@ -161,107 +160,6 @@ class DeviceMesh(BaseMesh):
         with context.activated("meshes", self):
             yield self
 
-    # ------------------------------------------------------------ namespace
-
-    def exec(self, source: str, *, stream: Stream | None = None) -> Ref:
-        """Run ``source`` in each worker's persistent namespace (``rank``, ``size``
-        and the mesh coordinates are predefined). Returns a Ref to the value of a
-        trailing expression (None when there is none)."""
-        if not isinstance(source, str):
-            raise TypeError(f"exec() needs source text, got {type(source).__name__}")
-        compile(source, "<exec>", "exec")  # a SyntaxError here, not on every worker
-        _, stream = resolve_target(self, stream)
-        ctrl = self._controller
-        ctrl.check_usable()
-        ident, result = ctrl.next_ident(), ctrl.next_id()
-        first = source.strip().splitlines()[0] if source.strip() else ""
-        what = f"exec: {first[:40]}"
-        ctrl.send(
-            m.RunCode(ident, result, source, _exec_filename(source), stream.id, self.id, what),
-            self.ranks,
-            stream.id,
-            what,
-        )
-        return Ref(result, self, stream, ident)
-
-    def run_cell(
-        self,
-        source: str,
-        *,
-        stream: Stream | None = None,
-        ranks=None,
-        names: dict | None = None,
-        auto: dict | None = None,
-        filename: str | None = None,
-        what: str | None = None,
-        timeout: float | None = None,
-        before_send=None,
-    ):
-        """Run notebook-cell ``source`` on every rank (or on ``ranks``, some of this
-        mesh's) as one command, binding ``names`` first (Refs become their per-rank
-        values; ``auto``: bound unless worker code defined that name). Returns an
-        AsyncResult of the per-rank ``{"data": mimebundle of the last expression or
-        None, "figures": [...]}``; when the cell failed on a rank it raises the
-        RemoteError, whose ``results`` still hold every rank's figures.
-        ``before_send(ident)`` is called with the command's number before it leaves
-        (the notebook routes the cell's output by it)."""
-        if not isinstance(source, str):
-            raise TypeError(f"run_cell() needs source text, got {type(source).__name__}")
-        _, stream = resolve_target(self, stream)
-        ctrl = self._controller
-        ctrl.check_usable()
-        targets = self.targets if ranks is None else tuple(ranks)
-        outside = [r for r in targets if r not in self.targets]
-        if outside:
-            raise ValueError(f"run_cell(): rank {outside[0]} is not in mesh {self.name!r}")
-        args, refs = pack_args((), {"names": names or {}, "auto": auto or {}})
-        if refs:
-            check_refs(refs, self, stream)
-        if what is None:
-            first = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
-            what = f"cell: {first[:40]}"
-        ident = ctrl.next_ident()
-        filename = filename or _exec_filename(source)
-        if before_send is not None:
-            before_send(ident)
-        return ctrl.request(
-            m.RunCell(ident, source, filename, args, stream.id, what),
-            targets,
-            what,
-            stream=stream.id,
-            label=what,
-            timeout=timeout,
-            failed_by=ident,
-        )
-
-    def push(self, **names) -> None:
-        """Bind ``names`` in every worker's namespace (Refs become their per-rank values)."""
-        ctrl = self._controller
-        ctrl.check_usable()
-        args, refs = pack_args((), names)
-        stream = self.default_stream
-        check_refs(refs, self, stream)
-        ident = ctrl.next_ident()
-        ctrl.send(m.SetNames(ident, args, stream.id), self.ranks, stream.id, "push")
-
-    def pull(self, name: str, rank: int | None = None, timeout: float | None = None) -> Any:
-        """The value of ``name`` in the workers' namespaces: a list per rank, or one rank's."""
-        ctrl = self._controller
-        ctrl.check_usable()
-        ranks = self.ranks if rank is None else [self._global_rank(rank)]
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"pull() needs a variable name, got {name!r}")
-        result = ctrl.request(
-            m.Pull(ctrl.next_ident(), name, 0),
-            ranks,
-            f"pull of {name!r}",
-            stream=0,
-            label=f"pull {name}",
-            single=rank is not None,
-            timeout=timeout,
-        )
-        return result.result()
-
     def wait(self, timeout: float | None = None) -> None:
         """Block until every command sent so far has finished on every stream; raise
         a RemoteError for failures not raised yet."""
@@ -402,13 +300,6 @@ class DeviceMesh(BaseMesh):
             f"<div><b>{self.name}</b> ({self.backend}, {self.size} ranks)"
             f"<table><tr><th>rank</th>{head}</tr>{rows}</table></div>"
         )
-
-
-def _exec_filename(source: str) -> str:
-    """The name tracebacks and pdb show for ``exec`` source: one per distinct source,
-    so that a loop of exec calls does not grow the workers' linecache."""
-    digest = hashlib.sha1(source.encode("utf-8", "surrogatepass")).hexdigest()[:12]
-    return f"<monarch-exec-{digest}>"
 
 
 __all__ = [

@@ -136,3 +136,17 @@ def test_remote_and_mesh_share_one_registry():
         mnb.remote(len)([], mesh=3)
     with pytest.raises(KeyError, match="no mesh named 'nope'"):
         mnb.get_mesh("nope")
+
+
+def test_no_module_is_over_400_lines():
+    pkg = os.path.join(ROOT, "monarch_nb")
+    long = {}
+    for base, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(base, f)
+                with open(path, encoding="utf-8") as fh:
+                    n = sum(1 for _ in fh)
+                if n > 400:
+                    long[os.path.relpath(path, ROOT)] = n
+    assert not long, f"modules over 400 lines (split them by job): {long}"

@@ -1,13 +1,14 @@
 """The Controller: the parts that drive the workers of one mesh, composed.
 
-- ``IOLoop`` (io_loop.py): the ROUTER socket and the one thread that touches it;
+- ``IOLoop`` (io_loop.py): the ROUTER socket, driven under a lease (the IO thread's
+  by default, a waiting caller's while it waits);
 - ``RequestTable`` (requests.py): every reply a caller waits for, with its lifetime;
 - ``WorkerSet`` (workers.py): who joined, their processes, behind a ``Launcher``;
 - ``Replies`` (replies.py): the handlers of what workers send;
 - ``Rendezvous``, ``Liveness``, ``FailureLog``, ``DebugSessions`` and ``MeshState``.
 
-User threads pickle and sign on their own thread and hand frames to the IO
-thread; a request is registered and sent there in one step and comes back as an
+User threads pickle and sign on their own thread and hand frames over; a request
+is registered and sent in one step by the lease holder and comes back as an
 ``AsyncResult``.
 """
 
@@ -27,6 +28,7 @@ from ..protocol import messages as m
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer
 from ..protocol.ndslice import NDSlice
 from .async_result import AsyncResult
+from .cancels import Cancels
 from .debugger import DebugSessions
 from .errors import MeshClosedError, RemoteError, broken_again
 from .failures import FailureLog
@@ -40,6 +42,7 @@ from .replies import Replies, print_output
 from .requests import Request, RequestTable, check_timeout
 from .startup import start_generation
 from .state import MeshState
+from .trace import recording_trace
 from .workers import WorkerSet
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -47,16 +50,8 @@ logger = logging.getLogger("monarch_nb.controller")
 BIG_SEND = 1 << 20
 # seconds a worker may be silent before it is unresponsive (joined ones: presumed lost)
 HEARTBEAT_TIMEOUT = float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10"))
-CANCELLED_KEPT = 4096
 
 _live: weakref.WeakSet = weakref.WeakSet()
-
-
-class _RecordingTrace(threading.local):
-    active = None  # the _Trace of the mnb.compile recording running on this thread
-
-
-recording_trace = _RecordingTrace()
 
 
 @atexit.register
@@ -112,7 +107,8 @@ class Controller:
         self.replies = Replies(self)
         self.io.on_frames = self.replies.on_frames
         self.io.on_tick = self._tick
-        self.io.on_item = self._on_item
+        self.cancels = Cancels(self)
+        self.io.on_item = self.cancels.on_item
         self.io.on_process_output_end = lambda p: self._check_process(p, wait=0.5)
         self.io.encode_deletes = self._encode_deletes
         self.io.seal = self.sealer.seal
@@ -120,7 +116,6 @@ class Controller:
         self.debugger = DebugSessions(self)
         self.interrupts = Interrupts(self)
         self.transfers = Transfers()
-        self.cancelled: dict[int, None] = {}  # idents the user cancelled (an ordered set)
         self._begin_generation()
         self.io.start()
         _live.add(self)
@@ -257,25 +252,6 @@ class Controller:
         """Drop ``req`` from the table and cancel its commands where they are."""
         self.io.submit(("cancel", req))
 
-    def _on_item(self, item) -> None:
-        kind = item[0]
-        if kind == "req":
-            self.table.add(item[1])
-        elif kind == "cancel":
-            self.table.pop(item[1].ident)
-            self._cancel_remote(item[1])
-
-    def _cancel_remote(self, req: Request) -> None:
-        for i in req.idents:
-            self.cancelled[i] = None
-            self.failures.mark_reported(i)
-        while len(self.cancelled) > CANCELLED_KEPT:
-            self.cancelled.pop(next(iter(self.cancelled)))
-        alive = [r for r in req.ranks if (w := self.state.workers.get(r)) and w.alive]
-        if alive and self.usable:
-            frames = encode(m.Cancel(tuple(req.idents)), self.signer)
-            self.io.send_to(alive, frames)
-
     def call_in_io(self, fn):
         """Run ``fn`` on the IO thread (e.g. spawning, so that workers' parent
         death signal is tied to a thread that lives as long as the controller)."""
@@ -332,7 +308,7 @@ class Controller:
                     self.io.send_now(identity, frames)
             self.liveness.check()
         for req in self.table.tick(time.monotonic()):
-            self._cancel_remote(req)
+            self.cancels.cancel_remote(req)
         self.state.open_requests = len(self.table)
 
     def _check_process(self, p, wait: float = 0.0) -> None:

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 
 import zmq
 
-from ..protocol.wire import recv_ready
+from ..protocol.wire import recv_ready, send_frames
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -164,7 +164,7 @@ class IOLoop:
     def send_now(self, identity: bytes, frames) -> None:
         """Send one encoded message to one socket, sealed (the lease holder: handlers'
         refusals, pings)."""
-        self._router.send_multipart([identity, *self.seal(frames, 1, identity)])
+        send_frames(self._router, [identity, *self.seal(frames, 1, identity)])
 
     def send_to(self, ranks, frames) -> None:
         """Send to ``ranks`` on the IO thread itself."""
@@ -352,10 +352,10 @@ class IOLoop:
             if ident is None:
                 continue
             if len(msgs) == 1:
-                router.send_multipart([ident, *seal(msgs[0], 1, ident)])
+                send_frames(router, [ident, *seal(msgs[0], 1, ident)])
             else:
                 inner = [f for frames in msgs for f in frames]
-                router.send_multipart([ident, *seal(inner, len(msgs), ident)])
+                send_frames(router, [ident, *seal(inner, len(msgs), ident)])
         batches.clear()
 
     def _route(self, ranks, frames, done: Future | None) -> None:
@@ -368,7 +368,7 @@ class IOLoop:
                     continue
                 sealed = self.seal(frames, 1, ident)
                 if done is None:
-                    router.send_multipart([ident, *sealed])
+                    send_frames(router, [ident, *sealed])
                 else:
                     tracker = router.send_multipart([ident, *sealed], copy=False, track=True)
         finally:

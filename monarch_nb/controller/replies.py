@@ -141,7 +141,7 @@ class Replies:
         ctrl = self.ctrl
         what = ctrl.state.what_of(msg.stream, msg.ident)
         ctrl.failures.record(msg.ident, msg.rank, msg.failure, what)
-        if msg.ident in ctrl.cancelled:  # the user cancelled it: nothing to tell
+        if msg.ident in ctrl.cancels.cancelled:  # the user cancelled it: nothing to tell
             ctrl.failures.mark_reported(msg.ident)
         ctrl.state.add_error(msg.ident, msg.rank, msg.stream, msg.failure)
         ctrl.table.on_failure(msg.ident)

@@ -27,6 +27,9 @@ import pickle
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import zmq
+import zmq.backend
+
 from .messages import FetchResult, RemoteFailure
 
 # the pickling API, imported from here by most callers
@@ -175,17 +178,37 @@ def _unpack_fetch(p: _PackedFetch, bufs: list) -> FetchResult:
     return FetchResult(p.ident, p.rank, value, p.error)
 
 
+# pyzmq's Python layer (send_multipart, recv_multipart, getsockopt) turns every flag
+# into an enum: twice the cost of the message itself on the hot path. The backend's
+# methods take plain ints.
+_RawSocket = zmq.backend.Socket
+_raw_send, _raw_recv, _raw_get = _RawSocket.send, _RawSocket.recv, _RawSocket.get
+_SNDMORE, _DONTWAIT = int(zmq.SNDMORE), int(zmq.DONTWAIT)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def send_frames(sock, frames: Sequence, nowait: bool = False) -> None:
+    """Send a multipart message (copying; ``nowait``: zmq.Again when it cannot go now)."""
+    last = len(frames) - 1
+    flags = _DONTWAIT if nowait else 0
+    for i, f in enumerate(frames):
+        _raw_send(sock, f, (flags | _SNDMORE) if i < last else flags)
+
+
 def recv_ready(sock):
     """The next message's frames if one is waiting, else None (zero-copy).
 
     Checks ZMQ_EVENTS instead of catching zmq.Again: pyzmq may reuse one Again
     instance, whose traceback would then keep the caller's frame, and the last
     (possibly 100 MB) message in its locals, alive until the next Again."""
-    import zmq
-
-    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    if not _raw_get(sock, _EVENTS) & _POLLIN:
         return None
-    return sock.recv_multipart(copy=False)
+    frame = _raw_recv(sock, 0, False)
+    frames = [frame]
+    while frame.more:
+        frame = _raw_recv(sock, 0, False)
+        frames.append(frame)
+    return frames
 
 
 def buffers_nbytes(frames: Sequence) -> int:

@@ -24,7 +24,7 @@ from ..protocol.envelope import (
     VersionMismatch,
     unseal,
 )
-from ..protocol.wire import recv_ready
+from ..protocol.wire import recv_ready, send_frames
 from .failure import format_user_stack
 from .health import HealthSampler
 
@@ -66,7 +66,7 @@ class Connection:
     def _send(self, msg) -> None:
         """Send on the receiver's own socket (receiver thread only)."""
         assert self._sock is not None and self._sealer is not None
-        self._sock.send_multipart(self._sealer.seal(encode(msg, self.signer)))
+        send_frames(self._sock, self._sealer.seal(encode(msg, self.signer)))
 
     def _receive_loop(self) -> None:
         try:

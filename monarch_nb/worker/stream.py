@@ -16,6 +16,7 @@ import zmq
 from ..protocol import encode
 from ..protocol.envelope import Sealer
 from ..protocol.messages import FetchResult, Output, RemoteFunctionFailed, TransferBegin
+from ..protocol.wire import send_frames
 from . import capture, debugger
 from .cell import DependentOnError
 from .failure import describe
@@ -122,10 +123,10 @@ class Outbox:
             tracker = sock.send_multipart(sealed, copy=False, track=True)
             tracker.wait()
         elif block:
-            sock.send_multipart(sealed)
+            send_frames(sock, sealed)
         else:
             try:
-                sock.send_multipart(sealed, flags=zmq.NOBLOCK)
+                send_frames(sock, sealed, nowait=True)
             except zmq.Again:
                 sealer.retract()  # not sent: the next message takes its number
                 return False
