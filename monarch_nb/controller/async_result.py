@@ -22,6 +22,7 @@ class AsyncResult:
         self._req = request
         self._future = request.future
         self._lock = threading.Lock()
+        self._waiter = None  # the asyncio future that wait_async awaits
 
     @property
     def ident(self) -> int:
@@ -67,8 +68,7 @@ class AsyncResult:
         5 s for them to stop, and re-raises."""
         timeout = check_timeout(timeout)
         try:
-            if not self._future.done():
-                self._ctrl.io.drive_until(self._future, timeout)
+            self.wait(timeout)
             return self._future.result(0 if timeout is not None else None)
         except FutureTimeout:
             if self._future.done():  # the request's own deadline passed
@@ -95,22 +95,41 @@ class AsyncResult:
         """Call ``fn(self)`` when done (on the IO thread, or at once if done)."""
         self._future.add_done_callback(lambda _f: fn(self))
 
-    def __await__(self):
-        return self._wait_in_loop().__await__()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or ``timeout`` s passed (driving the socket meanwhile
+        when nobody else does); whether it is done. The one blocking wait."""
+        if timeout is not None and timeout <= 0:
+            return self._future.done()
+        if not self._future.done():
+            self._ctrl.io.drive_until(self._future, timeout)
+        return self._future.done()
 
-    async def _wait_in_loop(self):
+    async def wait_async(self, timeout: float | None = None) -> bool:
+        """``wait`` in the running asyncio loop: other tasks (the kernel's comm
+        handlers) run meanwhile; whether it is done. The one awaited wait."""
+        if self._future.done():
+            return True
         loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
+        waiter = self._waiter
+        if waiter is None or waiter.get_loop() is not loop:
+            waiter = self._waiter = loop.create_future()  # one per loop, however often awaited
 
-        def wake(_f) -> None:
-            try:
-                loop.call_soon_threadsafe(_set, waiter)
-            except RuntimeError:  # the loop is closed: nobody awaits any more
-                pass
+            def wake(_f) -> None:
+                try:
+                    loop.call_soon_threadsafe(_set, waiter)
+                except RuntimeError:  # the loop is closed: nobody awaits any more
+                    pass
 
-        self._future.add_done_callback(wake)
+            self._future.add_done_callback(wake)
+        await asyncio.wait([waiter], timeout=timeout)
+        return self._future.done()
+
+    def __await__(self):
+        return self._awaited().__await__()
+
+    async def _awaited(self):
         try:
-            await waiter
+            await self.wait_async()
         except asyncio.CancelledError:
             self.cancel()
             raise

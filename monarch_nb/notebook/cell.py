@@ -170,10 +170,7 @@ class CellRun:
             left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
             if left <= 0:
                 return False
-            try:
-                fut.exception(left)
-            except TimeoutError:
-                pass
+            fut.wait(left)
             if deadline is None and not self._debug_detached and self._paused_here():
                 self._debug()
         return True

@@ -81,30 +81,15 @@ def _uncancel() -> None:
         task.uncancel()
 
 
-def _wake(fut) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 async def _wait(run: CellRun, timeout: float | None) -> bool:
     """Await the cell's end (True) or ``timeout`` (False). Without a timeout, this
     cell's paused debugger sessions are served at the inline prompt."""
-    loop = asyncio.get_running_loop()
-    woke = loop.create_future()
-
-    def done(_f) -> None:
-        try:
-            loop.call_soon_threadsafe(_wake, woke)
-        except RuntimeError:  # the loop is closed: the kernel is going away
-            pass
-
-    run.future.add_done_callback(done)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not run.future.done():
         left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
         if left <= 0:
             return False
-        await asyncio.wait([woke], timeout=left)
+        await run.future.wait_async(left)
         if deadline is None and not run._debug_detached and run._paused_here():
             _prompt(run)
     return True
