@@ -173,3 +173,14 @@ def test_bad_deadlines_are_refused(mesh):
         res.result(timeout=0)
     assert res.result(timeout=30) == [3, 3]
     no_open_requests(mesh)
+
+
+def test_a_restart_fails_pending_requests_and_leaves_none(mesh, tmp_path):
+    gate = str(tmp_path / "never-restart")
+    pending = mnb.remote(held_on_rank)(1, gate, mesh=mesh).fetch_async()
+    wait_for(lambda: pending.partial == {0: 0}, 30, "rank 0's value")
+    mesh.restart()
+    with pytest.raises(mnb.MeshClosedError, match="was shut down"):
+        pending.result(timeout=5)
+    no_open_requests(mesh)
+    assert mnb.remote(add)(5, 5, mesh=mesh).fetch(timeout=30) == [10, 10]

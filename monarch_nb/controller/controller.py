@@ -134,6 +134,7 @@ class Controller:
         self.workers.reset()
         self.failures = FailureLog(self.name)
         self.table = RequestTable(self.failures)
+        self.state.open_requests = 0
         self._broken: BaseException | None = None
         self._closing = False
         self._closed = False
