@@ -281,7 +281,7 @@ def test_internal_exception_breaks_the_mesh_until_restart(fmesh):
         )
         etype, msg, tb = e.failures[victim]
         assert etype == "KeyError" and msg == f"in the worker's BorrowFirstUse handler: {10**9 + i}"
-        assert "in BorrowFirstUse" in tb and "worker.py" in tb  # where in the worker
+        assert "in BorrowFirstUse" in tb and "comm_handlers.py" in tb  # where in the worker
         (info,) = fmesh.status()["internal_errors"]
         assert info["rank"] == victim and info["exc_type"] == "KeyError"
         with pytest.raises(mnb.RemoteError, match="is broken"):
