@@ -62,13 +62,13 @@ def test_dashboard_shows_queues_errors_and_serves_the_debugger(page, server):
     stdin = page.locator(".jp-Stdin-input")
     stdin.wait_for(timeout=T)
     assert "(Pdb r1)" in page.locator(".jp-Stdin").last.inner_text()
-    # queue depths count commands: a %%monarch cell is two (its code, then its value's fetch)
-    wait_dash(page, "mnb-dash-main", r"5 queued[\s\S]*3 queued")
+    # queue depths count commands: a %%monarch cell is one (RunCell)
+    wait_dash(page, "mnb-dash-main", r"2 queued[\s\S]*1 queued")
     for rank in (0, 1):
         side = queue_cell(page, rank, "side")
-        assert re.fullmatch(r"▶ %%monarch In\[3\]: import time · \d+ s\s+5 queued · 0 done", side)
+        assert re.fullmatch(r"▶ %%monarch In\[3\]: import time · \d+ s\s+2 queued · 0 done", side)
         load = queue_cell(page, rank, "load")
-        assert re.fullmatch(r"▶ %%monarch In\[6\]: import time · \d+ s\s+3 queued · 0 done", load)
+        assert re.fullmatch(r"▶ %%monarch In\[6\]: import time · \d+ s\s+1 queued · 0 done", load)
     assert page.locator(".mnb-dashboard td.mnb-busy").count() == 4  # 2 ranks x 2 streams
     errors = wait_dash(page, "mnb-dash-errors", "ZeroDivisionError")
     assert "rank 1 · 1 failure" in errors and "1 distinct" in errors
