@@ -84,6 +84,7 @@ class Controller:
         for s in self.dims.values():
             self.world *= s
         self.state = MeshState(name, self.dims, backend)
+        self.state.count_requests = lambda: len(self.table)
         self.liveness = Liveness(
             name, self.state, self.break_mesh, heartbeat_timeout, liveness_timeout
         )
@@ -134,7 +135,6 @@ class Controller:
         self.workers.reset()
         self.failures = FailureLog(self.name)
         self.table = RequestTable(self.failures)
-        self.state.open_requests = 0
         self._broken: BaseException | None = None
         self._closing = False
         self._closed = False
@@ -310,7 +310,6 @@ class Controller:
             self.liveness.check()
         for req in self.table.tick(time.monotonic()):
             self.cancels.cancel_remote(req)
-        self.state.open_requests = len(self.table)
 
     def _check_process(self, p, wait: float = 0.0) -> None:
         err = self.workers.exited(p, wait, closing=self._closing or self._closed)

@@ -54,7 +54,7 @@ class MeshState:
         self.rejections: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.internal_errors: list[dict] = []
         self.generation = 0
-        self.open_requests = 0  # entries in the controller's request table
+        self.count_requests = lambda: 0  # entries in the controller's request table, now
 
     @property
     def bad_messages(self) -> int:
@@ -224,7 +224,7 @@ class MeshState:
                 "errors": errors,
                 "debugger": debugger,
                 "bad_messages": self.bad_messages,
-                "requests": self.open_requests,
+                "requests": self.count_requests(),
                 "rejections": dict(self.rejections),
                 "internal_errors": list(self.internal_errors),
             }
