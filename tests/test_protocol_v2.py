@@ -284,7 +284,7 @@ def test_a_gap_fails_the_requests_waiting_on_that_rank(relayed):
     assert rejections(mesh)["gap"] == before + 1
     assert [x.rank for x in outputs if "gap-probe" in x.text] == [1]
     serves(mesh)  # the socket goes on in order after the gap
-    assert mesh.status()["requests"] == 0
+    wait_for(lambda: mesh.status()["requests"] == 0, 10, "no request left behind")
 
 
 def test_unsealed_frames_are_counted_by_kind(relayed):

@@ -5,6 +5,7 @@ Real workers, real sockets; one dp=2 mesh for the module."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import CancelledError
 
 import pytest
@@ -120,11 +121,32 @@ def test_run_cell_is_one_command_with_values_and_failures(mesh):
     mesh.wait(timeout=30)  # reported once, by the result
 
 
+def run_loop(coroutine_fn):
+    """asyncio.run in a thread of its own: the kernel's loop, as a test sees it (this
+    thread may hold a loop of an earlier test's library, e.g. Playwright's)."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(("ok", asyncio.run(coroutine_fn())))
+        except BaseException as e:  # noqa: B036 - handed to the test thread
+            out.append(("err", e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert out, "the loop did not finish within 60 s"
+    kind, value = out[0]
+    if kind == "err":
+        raise value
+    return value
+
+
 def test_await_in_an_asyncio_loop(mesh):
     async def main():
         return await mnb.remote(add)(3, 4, mesh=mesh).fetch_async()
 
-    assert asyncio.run(main()) == [7, 7]
+    assert run_loop(main) == [7, 7]
 
 
 def test_await_of_a_mesh_shut_down_meanwhile(tmp_path):
@@ -137,7 +159,7 @@ def test_await_of_a_mesh_shut_down_meanwhile(tmp_path):
         return await res
 
     with pytest.raises(mnb.MeshClosedError, match="was shut down"):
-        asyncio.run(main())
+        run_loop(main)
     with pytest.raises(mnb.MeshClosedError):
         res.result(timeout=5)
 

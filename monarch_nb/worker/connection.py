@@ -13,6 +13,7 @@ import time
 import traceback
 
 import zmq
+from zmq.backend import zmq_poll
 
 from ..protocol import BadMessage, decode, encode
 from ..protocol import messages as m
@@ -87,10 +88,15 @@ class Connection:
             monitor = None
             if self.heartbeat_timeout is not None:
                 monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            # zmq_poll on plain ints: sock.poll builds a Poller (and enums) per call
+            polled = [(sock, int(zmq.POLLIN))]
+            if monitor is not None:
+                polled.append((monitor, int(zmq.POLLIN)))
             while not self._exiting:
-                if monitor is not None:
+                ready = [s for s, _ in zmq_poll(polled, 20)]
+                if monitor is not None and any(s is monitor for s in ready):
                     self._watch_connection(monitor)
-                if sock.poll(20):
+                if any(s is sock for s in ready):
                     self._last_heard = time.monotonic()
                     for _ in range(256):
                         frames = recv_ready(sock)
