@@ -1,0 +1,163 @@
+"""One aten op on mesh tensors -> one CallFunction on the mesh.
+
+The op's output layouts come from ``propagate`` once per (op, argument key),
+where the key holds every input tensor's layout, which inputs are the same
+tensor, and the other arguments with their types; a repeated op costs a key,
+a dict lookup, a pickle and a send.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..context import resolve_target
+from ..protocol import messages as m
+from ..protocol.aten import run_op
+from ..protocol.wire import RefUseError, function_ref, pack_args
+from ..remote import check_refs
+from .propagate import layout_of, op_name, propagate
+from .tensor import Tensor
+
+_RUN_OP = function_ref(run_op)
+_GETITEM = function_ref(operator.getitem)
+_MARK = object()
+_marks = [(_MARK, i) for i in range(64)]
+_LOCAL = object()
+_SCALARS = (float, bool, complex)
+_LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_cache: dict = {}
+_CACHE_MAX = 100_000
+
+
+def _key(x, tensors: list, local: list):
+    """A hashable stand-in for an argument; collects mesh tensors and local ones."""
+    tp = type(x)
+    if tp is int or tp is str or x is None:
+        return x
+    if tp is Tensor:
+        for i, y in enumerate(tensors):
+            if y is x:
+                return _marks[i] if i < 64 else (_MARK, i)
+        i = len(tensors)
+        tensors.append(x)
+        return _marks[i] if i < 64 else (_MARK, i)
+    if tp is list or tp is tuple:
+        return tuple([_key(y, tensors, local) for y in x])
+    if tp in _SCALARS:  # 1.0 == 1 == True, but they promote differently
+        return (tp, x)
+    if isinstance(x, torch.Tensor):
+        if isinstance(x, Tensor):  # a subclass of ours
+            tensors.append(x)
+            return (_MARK, len(tensors) - 1)
+        local.append(x)
+        return (_LOCAL, len(local) - 1)
+    return x
+
+
+def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
+    where = f"mesh {mesh.name!r}" if mesh is not None else "mesh tensors"
+    return RefUseError(
+        f"{name} got a local tensor (shape {tuple(t.shape)}, {t.dtype}) under {where}: "
+        f"create it under the mesh (factories and torch.tensor(...) inside "
+        f"'with mesh.activate():' make mesh tensors), or compute locally inside "
+        f"'with mnb.no_mesh():'"
+    )
+
+
+def dispatch(func, args, kwargs, mesh=None):
+    """Run ``func`` on the shards of its mesh tensors (or, for a factory, on
+    ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
+    tensors: list = []
+    local: list = []
+    key = (func, _key(args, tensors, local), _key(tuple(kwargs.items()), tensors, local))
+    if tensors:
+        key += tuple([t._layout for t in tensors])
+    if mesh is None:
+        if not tensors:
+            raise RuntimeError(f"{op_name(func)}: no mesh tensor among its arguments")
+        mesh = tensors[0].mesh
+    if local:
+        if func not in _LIFTS:
+            raise _local_error(op_name(func), local[0], mesh)
+        entry = ("one", layout_of(local[0]))
+    else:
+        try:
+            entry = _cache.get(key)
+        except TypeError:  # an unhashable argument: propagate every time
+            key, entry = None, None
+        if entry is None:
+            entry = propagate(func, args, kwargs, tensors, _is_mesh)
+            if key is not None:
+                if len(_cache) >= _CACHE_MAX:
+                    _cache.clear()
+                _cache[key] = entry
+    mesh, stream = resolve_target(mesh, None)
+    if tensors:
+        check_refs(tensors, mesh, stream)
+    ctrl = mesh._controller
+    ctrl.check_usable()
+    what = op_name(func)
+    packed, _ = pack_args((func.name(), *args), kwargs)
+    result, ident = ctrl.next_id(), ctrl.next_ident()
+    ctrl.send(
+        m.CallFunction(ident, result, _RUN_OP, packed, stream.id, mesh.id, what),
+        mesh.targets,
+        stream.id,
+        what,
+    )
+    kind = entry[0]
+    if kind == "one":
+        return _output(entry[1], result, ident, mesh, stream, tensors)
+    if kind == "value":
+        ctrl.delete_ref(result)
+        return entry[1]
+    outs = []
+    for i, spec in enumerate(entry[2]):
+        if spec is None:
+            outs.append(None)
+            continue
+        args, _ = pack_args((_Holder(result, mesh), i), {})
+        rid, rident = ctrl.next_id(), ctrl.next_ident()
+        ctrl.send(
+            m.CallFunction(rident, rid, _GETITEM, args, stream.id, mesh.id, what),
+            mesh.targets,
+            stream.id,
+            what,
+        )
+        outs.append(_output(spec, rid, rident, mesh, stream, tensors))
+    ctrl.delete_ref(result)
+    return entry[1](outs)
+
+
+def _output(spec, ref_id: int, ident: int, mesh, stream, tensors: list):
+    if spec is None:
+        mesh._controller.delete_ref(ref_id)
+        return None
+    if type(spec) is int:  # in place: the input itself, naming the op's value from now on
+        t = tensors[spec]
+        if t._borrow is None and t.stream.id == stream.id:
+            t._rebind(ref_id, ident)
+        else:
+            mesh._controller.delete_ref(ref_id)
+        return t
+    return Tensor(spec, ref_id, mesh, stream, ident)
+
+
+class _Holder:
+    """The worker-side tuple of a multi-output op, named in the getitem calls."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, ref_id: int, mesh):
+        self.id = ref_id
+
+
+def _is_mesh(x) -> bool:
+    return isinstance(x, Tensor)
+
+
+from ..protocol.wire import register_ref_type  # noqa: E402
+
+register_ref_type(_Holder, operator.attrgetter("id"))

@@ -1,0 +1,109 @@
+"""Output layouts of an aten op, from FakeTensor propagation on the controller.
+
+``propagate`` runs the op on fake tensors with the inputs' layouts and
+describes its outputs; the dispatcher caches the description by (op, input
+layouts, arguments), so a repeated op never reaches FakeTensorMode again.
+
+A description is ``("one", spec)``, ``("many", container type, [spec, ...])``
+or ``("value", v)`` (an op whose result is no tensor). A spec is a layout
+``(size, stride, storage_offset, dtype, device)``, an int ``i`` (the output is
+input tensor ``i`` itself: an in-place or ``out=`` op), or None.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._pytree import tree_map
+
+_tls = threading.local()
+
+
+def _fake_mode() -> FakeTensorMode:
+    mode = getattr(_tls, "mode", None)
+    if mode is None:
+        mode = _tls.mode = FakeTensorMode()
+    return mode
+
+
+def layout_of(t: torch.Tensor) -> tuple:
+    """The layout tuple of a (real, fake or mesh) tensor."""
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+
+
+def _fake(layout: tuple) -> torch.Tensor:
+    size, stride, offset, dtype, device = layout
+    extent = sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
+    base = torch.empty((offset + extent,), dtype=dtype, device=device)
+    return base.as_strided(size, stride, offset)
+
+
+def op_name(func) -> str:
+    """``aten.add.Tensor``: how errors and the dashboard name an op."""
+    return str(func)
+
+
+def needs_values_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} needs the values of a mesh tensor, which live on the workers: "
+        f"bring one shard back with mnb.inspect(t) (or every shard with t.fetch())"
+    )
+
+
+def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
+    """The description of ``func``'s outputs for mesh tensors ``tensors`` (in the
+    order the dispatcher numbered them) among ``args`` / ``kwargs``."""
+    mode = _fake_mode()
+    with mode:
+        fakes = [_fake(t._layout) for t in tensors]
+    index = {id(t): i for i, t in enumerate(tensors)}
+
+    def swap(x):
+        return fakes[index[id(x)]] if is_mesh(x) else x
+
+    fargs, fkwargs = tree_map(swap, (tuple(args), dict(kwargs)))
+    name = op_name(func)
+    try:
+        with mode:
+            out = func(*fargs, **fkwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        raise needs_values_error(f"{name} (its result depends on the data)") from None
+    except UnsupportedOperatorException:
+        raise NotImplementedError(
+            f"{name} has no fake (meta) kernel, so the layout of its result cannot be "
+            f"known on the controller; run it on the shards inside a function given to "
+            f"mnb.remote(...), or register a fake kernel (torch.library.register_fake)"
+        ) from None
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        # the user's error (shapes, dtypes), without FakeTensorMode's frames
+        raise type(e)(f"{name}: {e}") from None
+
+    def spec(o):
+        if o is None:
+            return None
+        if not isinstance(o, torch.Tensor):
+            raise NotImplementedError(f"{name} returns {type(o).__name__} among tensors")
+        for i, f in enumerate(fakes):
+            if o is f:
+                if layout_of(f) != tensors[i]._layout:
+                    raise NotImplementedError(
+                        f"{name} changes the layout of a mesh tensor in place: not supported "
+                        f"yet (use the out-of-place op)"
+                    )
+                return i
+        return layout_of(o)
+
+    if isinstance(out, torch.Tensor):
+        return ("one", spec(out))
+    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+        return ("many", type(out), [spec(o) for o in out])
+    if out is None:
+        return ("one", None)
+    return ("value", out)

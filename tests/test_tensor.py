@@ -1,0 +1,230 @@
+"""The tensor engine, first slice: torch under ``mesh.activate()`` runs on every
+rank of a real dp=2 mesh (real workers, ZeroMQ, gloo), layouts from FakeTensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import monarch_nb as mnb
+from monarch_nb.tensor import dispatch as tensor_dispatch
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = mnb.local_mesh(dp=2, name="tensor-engine")
+    try:
+        yield m
+    finally:
+        m.shutdown()
+
+
+def fill_rank(t):
+    """Remote: each rank writes its rank into its shard (in place)."""
+    t.fill_(mnb.current_rank())
+    return None
+
+
+def shard_sum(t):
+    return float(t.sum())
+
+
+def test_factories_ops_and_layouts(mesh):
+    with mesh.activate():
+        a = torch.ones(3, 4)
+        b = torch.arange(12.0).reshape(3, 4)
+        c = a + b
+        d = c @ c.T
+        s = d.sum(0)
+        z = torch.zeros(2, dtype=torch.int64)
+        f = torch.full((2, 2), 7.0)
+        e = torch.empty(5)
+        r = torch.rand(2, 3)
+        n = torch.randn(4)
+    for t in (a, b, c, d, s, z, f, e, r, n):
+        assert isinstance(t, mnb.Tensor) and isinstance(t, mnb.Ref)
+    assert d.shape == (3, 3) and s.shape == (3,) and z.dtype == torch.int64
+    assert e.shape == (5,) and r.shape == (2, 3) and n.dtype == torch.float32
+    expect = torch.ones(3, 4) + torch.arange(12.0).reshape(3, 4)
+    for rank in (0, 1):
+        assert torch.equal(mnb.inspect(c, dp=rank), expect)
+    assert torch.equal(mnb.inspect(d), expect @ expect.T)
+    assert torch.equal(mnb.inspect(s), (expect @ expect.T).sum(0))
+    assert torch.equal(mnb.inspect(f), torch.full((2, 2), 7.0))
+    assert mnb.inspect(r).shape == (2, 3)
+    # outside the block, ops on mesh tensors still go to their mesh
+    g = c * 2
+    assert isinstance(g, mnb.Tensor)
+    assert torch.equal(mnb.inspect(g, dp=1), expect * 2)
+
+
+def test_repr_names_layout_never_values(mesh):
+    with mesh.activate():
+        t = torch.full((2, 3), 123.25)
+    text = repr(t)
+    for part in ("mnb.Tensor", "(2, 3)", "float32", "tensor-engine", "dp=2", "default"):
+        assert part in text, text
+    assert "123" not in text and "123" not in str(t)
+    assert "mnb.inspect" in str(t)
+
+
+def test_views_share_the_base_storage_and_inplace_ops(mesh):
+    with mesh.activate():
+        base = torch.zeros(3, 4)
+        row = base[1]
+        col = base[:, 2]
+        row.add_(5)
+        col.fill_(-1)
+        view = base.view(12)
+    assert row.shape == (4,) and col.shape == (3,) and view.shape == (12,)
+    expect = torch.zeros(3, 4)
+    expect[1] += 5
+    expect[:, 2] = -1
+    assert torch.equal(mnb.inspect(base, dp=1), expect)
+    assert torch.equal(mnb.inspect(view), expect.view(12))
+    assert torch.equal(mnb.inspect(row), expect[1])
+
+
+def test_multi_output_ops_and_torch_tensor(mesh):
+    with mesh.activate():
+        x = torch.tensor([[1.0, 9.0, 3.0], [7.0, 2.0, 8.0]])
+        values, indices = x.max(dim=1)
+    assert isinstance(values, mnb.Tensor) and indices.dtype == torch.int64
+    assert torch.equal(mnb.inspect(values), torch.tensor([9.0, 8.0]))
+    assert torch.equal(mnb.inspect(indices, dp=1), torch.tensor([1, 2]))
+
+
+def test_mesh_tensor_is_a_ref(mesh):
+    with mesh.activate():
+        t = torch.ones(4)
+    mnb.remote(fill_rank)(t, mesh=mesh)
+    shards = t.fetch()
+    assert [s.tolist() for s in shards] == [[0.0] * 4, [1.0] * 4]
+    assert mnb.fetch_shard(t, dp=1).result().tolist() == [1.0] * 4
+    assert mnb.remote(shard_sum)(t, mesh=mesh).fetch() == [0.0, 4.0]
+    total = t.reduce("dp", "sum")
+    assert isinstance(total, mnb.Tensor) and total.shape == (4,)
+    assert mnb.inspect(total, dp=1).tolist() == [1.0] * 4
+    stacked = t.reduce("dp", "stack")
+    assert stacked.shape == (2, 4)
+    assert mnb.inspect(stacked).tolist() == [[0.0] * 4, [1.0] * 4]
+    with mesh.activate():
+        after = total * 3
+    assert mnb.inspect(after).tolist() == [3.0] * 4
+
+
+def test_fetch_shard_is_an_async_result(mesh):
+    with mesh.activate():
+        t = torch.arange(3)
+    r = mnb.fetch_shard(t, dp=1)
+    assert isinstance(r, mnb.AsyncResult)
+    assert r.result(timeout=30).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="no dim 'tp'"):
+        mnb.inspect(t, tp=0)
+    with pytest.raises(IndexError, match="out of range"):
+        mnb.inspect(t, dp=2)
+
+
+def test_no_mesh_runs_local_torch(mesh):
+    with mesh.activate():
+        with mnb.no_mesh():
+            local = torch.ones(2) * 3
+        remote = torch.ones(2)
+    assert type(local) is torch.Tensor and local.tolist() == [3.0, 3.0]
+    assert isinstance(remote, mnb.Tensor)
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda t: t.item(),
+        lambda t: bool(t),
+        lambda t: float(t),
+        lambda t: t.tolist(),
+        lambda t: torch.nonzero(t),
+    ],
+    ids=["item", "bool", "float", "tolist", "nonzero"],
+)
+def test_values_stay_remote_errors_name_inspect(mesh, use):
+    with mesh.activate():
+        t = torch.ones(1)
+        with pytest.raises(RuntimeError, match=r"mnb\.inspect"):
+            use(t)
+        assert mnb.inspect(t + 1).tolist() == [2.0]  # the mesh keeps working
+
+
+def test_local_tensor_under_the_mesh_is_refused(mesh):
+    local = torch.ones(3)
+    with mesh.activate():
+        t = torch.ones(3)
+        with pytest.raises(mnb.RefUseError, match=r"local tensor .*no_mesh"):
+            t + local
+        with pytest.raises(mnb.RefUseError, match="local tensor"):
+            local * 2
+    assert mnb.inspect(t * 2).tolist() == [2.0] * 3
+
+
+def test_shape_errors_at_the_call(mesh):
+    with mesh.activate():
+        a, b = torch.ones(3), torch.ones(4)
+        with pytest.raises(RuntimeError, match=r"aten\.add\.Tensor: .*broadcast"):
+            a + b
+        assert mnb.inspect(a + 1).tolist() == [2.0] * 3
+
+
+def test_op_without_fake_kernel_names_the_op(mesh):
+    lib = torch.library.Library("mnbtest", "FRAGMENT")  # noqa: TOR901 - a test-only op
+    lib.define("nofake(Tensor x) -> Tensor")
+    lib.impl("nofake", lambda x: x.clone(), "CPU")
+    with mesh.activate():
+        t = torch.ones(2)
+        with pytest.raises(NotImplementedError, match=r"mnbtest\.nofake.*mnb\.remote"):
+            torch.ops.mnbtest.nofake(t)
+        assert mnb.inspect(t + 1).tolist() == [2.0, 2.0]
+
+
+def test_tensor_of_another_mesh(mesh):
+    other = mnb.local_mesh(dp=1, name="tensor-other")
+    try:
+        with other.activate():
+            theirs = torch.ones(2)
+        with mesh.activate():
+            ours = torch.ones(2)
+            with pytest.raises(mnb.RefUseError, match="to_mesh"):
+                ours + theirs
+        assert mnb.inspect(ours + 1).tolist() == [2.0, 2.0]
+    finally:
+        other.shutdown()
+
+
+def test_failure_on_one_rank_surfaces_once_and_the_mesh_survives(mesh):
+    with mesh.activate():
+        x = torch.arange(4.0)
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)  # rank 0: index 0, rank 1: index 1
+    with mesh.activate():
+        big = idx * 10  # rank 1: index 10, out of range
+        picked = x[big]
+        dependent = picked + 1
+    assert mnb.inspect(dependent, dp=0).tolist() == [1.0]
+    with pytest.raises(mnb.RemoteError, match="rank 1") as info:
+        mnb.inspect(dependent, dp=1)
+    assert "index" in str(info.value).lower()
+    mesh.wait()  # reported once: the wait does not raise it again
+    with mesh.activate():
+        fine = x + 1
+    assert mnb.inspect(fine, dp=1).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_repeated_op_uses_the_layout_cache(mesh):
+    with mesh.activate():
+        x = torch.ones(8)
+        y = x + 1
+        before = len(tensor_dispatch._cache)
+        for _ in range(20):
+            y = y + 1
+        assert len(tensor_dispatch._cache) == before
+        z = x.double() + 1  # another dtype: another entry
+        assert len(tensor_dispatch._cache) > before
+    assert z.dtype == torch.float64
+    assert mnb.inspect(y, dp=1).tolist() == [22.0] * 8
