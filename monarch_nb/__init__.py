@@ -64,6 +64,7 @@ def __getattr__(name):
         return getattr(tensor, name)
     raise AttributeError(f"module 'monarch_nb' has no attribute {name!r}")
 
+
 __all__ = [
     "AsyncResult",
     "Compiled",

@@ -293,3 +293,23 @@ def resolve_function(f: Function) -> Callable:
             _function_cache.clear()
         _function_cache[f.payload] = fn
     return fn
+
+
+
+def ref_placeholder(ref_id: int) -> tuple:
+    """What a Ref reduces to in a pickle (for a Ref class's own ``__reduce_ex__``):
+    on a worker, inside a command, it unpickles as the value ``ref_id`` names."""
+    return (_load_ref, (ref_id,))
+
+
+def pack_ref_args(args: tuple, kwargs: dict, ref_ids: tuple) -> Args:
+    """``pack_args`` for plain data and objects that reduce themselves to
+    ``ref_placeholder`` (no tensors, no functions by value): the C pickler alone.
+    ``ref_ids``: the ids of the Refs inside."""
+    try:
+        payload = pickle.dumps((args, kwargs), 5)
+    except RefUseError:
+        raise
+    except Exception as e:
+        raise TypeError(f"cannot send the arguments: {type(e).__name__}: {e}") from None
+    return Args(payload, (), ref_ids)

@@ -15,7 +15,8 @@ import torch
 from ..context import resolve_target
 from ..protocol import messages as m
 from ..protocol.aten import run_op
-from ..protocol.wire import RefUseError, function_ref, pack_args
+from ..protocol.pickling import pack_ref_args, ref_placeholder
+from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
 from .propagate import layout_of, op_name, propagate
 from .tensor import Tensor
@@ -28,6 +29,7 @@ _LOCAL = object()
 _SCALARS = (float, bool, complex)
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _cache: dict = {}
+_names: dict = {}  # op -> (qualified name for run_op, display name)
 _CACHE_MAX = 100_000
 
 
@@ -57,12 +59,12 @@ def _key(x, tensors: list, local: list):
 
 
 def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
-    where = f"mesh {mesh.name!r}" if mesh is not None else "mesh tensors"
     return RefUseError(
-        f"{name} got a local tensor (shape {tuple(t.shape)}, {t.dtype}) under {where}: "
-        f"create it under the mesh (factories and torch.tensor(...) inside "
-        f"'with mesh.activate():' make mesh tensors), or compute locally inside "
-        f"'with mnb.no_mesh():'"
+        f"{name} mixes a local tensor (shape {tuple(t.shape)}, {t.dtype}) with mesh "
+        f"tensors of mesh {mesh.name!r}: create it on the mesh instead (factories and "
+        f"torch.tensor(...) inside 'with mesh.activate():' make mesh tensors), or bring "
+        f"the mesh tensor's shard here with mnb.inspect(t) and compute locally "
+        f"(inside 'with mnb.no_mesh():' factories are local too)"
     )
 
 
@@ -79,9 +81,12 @@ def dispatch(func, args, kwargs, mesh=None):
             raise RuntimeError(f"{op_name(func)}: no mesh tensor among its arguments")
         mesh = tensors[0].mesh
     if local:
-        if func not in _LIFTS:
+        if func in _LIFTS:  # torch.tensor(data) under the mesh: the data goes to every rank
+            entry = ("one", layout_of(local[0]))
+        elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
+            return func(*args, **kwargs)
+        else:
             raise _local_error(op_name(func), local[0], mesh)
-        entry = ("one", layout_of(local[0]))
     else:
         try:
             entry = _cache.get(key)
@@ -98,8 +103,14 @@ def dispatch(func, args, kwargs, mesh=None):
         check_refs(tensors, mesh, stream)
     ctrl = mesh._controller
     ctrl.check_usable()
-    what = op_name(func)
-    packed, _ = pack_args((func.name(), *args), kwargs)
+    names = _names.get(func)
+    if names is None:
+        names = _names[func] = (func.name(), op_name(func))
+    what = names[1]
+    if local:
+        packed, _ = pack_args((names[0], *args), kwargs)
+    else:
+        packed = pack_ref_args((names[0], *args), kwargs, tuple([t.id for t in tensors]))
     result, ident = ctrl.next_id(), ctrl.next_ident()
     ctrl.send(
         m.CallFunction(ident, result, _RUN_OP, packed, stream.id, mesh.id, what),
@@ -118,7 +129,7 @@ def dispatch(func, args, kwargs, mesh=None):
         if spec is None:
             outs.append(None)
             continue
-        args, _ = pack_args((_Holder(result, mesh), i), {})
+        args = pack_ref_args((_Holder(result, mesh), i), {}, (result,))
         rid, rident = ctrl.next_id(), ctrl.next_ident()
         ctrl.send(
             m.CallFunction(rident, rid, _GETITEM, args, stream.id, mesh.id, what),
@@ -153,11 +164,12 @@ class _Holder:
     def __init__(self, ref_id: int, mesh):
         self.id = ref_id
 
+    def __reduce_ex__(self, protocol):
+        return ref_placeholder(self.id)
+
 
 def _is_mesh(x) -> bool:
     return isinstance(x, Tensor)
 
-
-from ..protocol.wire import register_ref_type  # noqa: E402
 
 register_ref_type(_Holder, operator.attrgetter("id"))

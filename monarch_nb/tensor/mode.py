@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .dispatch import dispatch
 
 _tls = threading.local()
+# ops about the controller itself (torch.autograd.profiler's record_function)
+_LOCAL_NAMESPACES = frozenset({"profiler"})
 
 
 class MeshMode(TorchDispatchMode):
@@ -22,7 +24,7 @@ class MeshMode(TorchDispatchMode):
         self.mesh = mesh
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if getattr(_tls, "local", 0):
+        if getattr(_tls, "local", 0) or func.namespace in _LOCAL_NAMESPACES:
             return func(*args, **(kwargs or {}))
         return dispatch(func, args, kwargs or {}, self.mesh)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..protocol.pickling import ref_placeholder
 from ..protocol.wire import register_ref_type
 from ..remote import Ref
 from .propagate import needs_values_error
@@ -42,6 +43,10 @@ class Tensor(torch.Tensor, Ref):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch.dispatch(func, args, kwargs or {})
+
+    def __reduce_ex__(self, protocol):
+        # pickled (call arguments), a mesh tensor is a reference to its shard
+        return ref_placeholder(self._wire_id())
 
     def _rebind(self, ref_id: int, ident: int) -> None:
         """An in-place op made the value ``ref_id`` (the same storage on each rank):
