@@ -262,3 +262,59 @@ def test_linear_data_parallel_training(mesh):
         assert last < first / 4, (rank, first, last)
     w0, w1 = model.weight.fetch()
     assert torch.allclose(w0, w1)  # averaged gradients keep the replicas equal
+
+
+def test_failing_inplace_op_marks_the_mutated_tensor(mesh):
+    with mesh.activate():
+        x = torch.zeros(4)
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)
+    with mesh.activate():
+        x[idx * 10] = 1.0  # index_put_: out of range on rank 1 only
+    assert mnb.inspect(x, dp=0).tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(mnb.RemoteError, match="rank 1"):
+        mnb.inspect(x, dp=1)
+    with mesh.activate():
+        y = torch.ones(2) * 2
+    assert mnb.inspect(y, dp=1).tolist() == [2.0, 2.0]
+
+
+def test_push_a_mesh_tensor_to_the_workers_namespace(mesh):
+    # what %%monarch --push t sends: the name bound to each rank's shard
+    with mesh.activate():
+        t = torch.arange(3.0) + 1
+    mesh.push(pushed=t)
+    mesh.exec("pushed_sum = float(pushed.sum())").fetch()
+    assert mesh.pull("pushed_sum") == [6.0, 6.0]
+
+
+def test_borrow_on_another_stream(mesh):
+    comms = mesh.stream("tensor-comms")
+    with mesh.activate():
+        t = torch.ones(3)
+        with pytest.raises(mnb.RefUseError, match="borrow"):
+            with comms.activate():
+                t + 1
+        b = t.borrow(comms)
+        assert isinstance(b, mnb.Tensor) and b.stream.name == "tensor-comms"
+        with comms.activate():
+            c = b * 5
+    assert c.stream.name == "tensor-comms"
+    assert mnb.inspect(c, dp=1).tolist() == [5.0] * 3
+    del b
+    assert mnb.inspect(t + 1).tolist() == [2.0] * 3
+
+
+def test_sub_meshes_and_to_mesh(mesh):
+    first, second = mesh.slice(dp=slice(0, 1)), mesh.slice(dp=slice(1, 2))
+    with first.activate():
+        a = torch.arange(3.0) * 2
+    assert a.mesh is first
+    b = a.to_mesh(second)
+    assert isinstance(b, mnb.Tensor) and b.mesh is second and b.shape == (3,)
+    assert mnb.inspect(b).tolist() == [0.0, 2.0, 4.0]
+    with mesh.activate():
+        with pytest.raises(mnb.RefUseError, match="ranks"):
+            a + 1  # its values are on rank 0 only; the op would run on both
+    with second.activate():
+        assert mnb.inspect(b + 1).tolist() == [1.0, 3.0, 5.0]

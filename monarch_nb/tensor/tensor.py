@@ -127,6 +127,15 @@ class Tensor(torch.Tensor, Ref):
         ref = Ref.to_mesh(self, other)
         return _from_ref(ref, tuple(self.shape), self.dtype, self.device)
 
+    def borrow(self, stream):
+        """``Ref.borrow``: this tensor (same layout) for use on ``stream``; ``del``
+        (or ``delete()``) drops the borrow."""
+        ref = Ref.borrow(self, stream)
+        t = Tensor(self._layout, ref.id, ref.mesh, ref.stream, ref.ident)
+        t._borrow, ref._borrow = ref._borrow, None
+        ref._deleted = True
+        return t
+
 
 def _from_ref(ref: Ref, shape: tuple, dtype, device) -> Tensor:
     """A contiguous mesh tensor naming ``ref``'s value (which ``ref`` gives up)."""
