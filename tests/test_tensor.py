@@ -318,3 +318,15 @@ def test_sub_meshes_and_to_mesh(mesh):
             a + 1  # its values are on rank 0 only; the op would run on both
     with second.activate():
         assert mnb.inspect(b + 1).tolist() == [1.0, 3.0, 5.0]
+
+
+def test_public_names_are_documented():
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    table = api.split("| name | what |", 1)[1].split("\n\n", 1)[0]
+    first_cells = [row.split("|")[1] for row in table.strip().splitlines()[1:]]
+    documented = {w.strip("` ") for cell in first_cells for w in cell.split(",")}
+    assert set(mnb.__all__) == documented
+    for name in ("Tensor", "inspect", "fetch_shard", "no_mesh"):
+        assert getattr(mnb, name) is getattr(mnb.tensor, name)
