@@ -45,6 +45,27 @@ def _fake(layout: tuple) -> torch.Tensor:
     return base.as_strided(size, stride, offset)
 
 
+def _fakes_for(layouts: list, mode: FakeTensorMode) -> list:
+    """Fake inputs of these layouts, made once each (making one costs more than most
+    ops): the k-th input of a layout in a call reuses the k-th fake of that layout,
+    so distinct inputs stay distinct tensors (an ``out=`` must be told apart)."""
+    cache = getattr(_tls, "fakes", None)
+    if cache is None:
+        cache = _tls.fakes = {}
+    seen: dict = {}
+    out = []
+    for layout in layouts:
+        k = seen[layout] = seen.get(layout, -1) + 1
+        f = cache.get((layout, k))
+        if f is None:
+            with mode:
+                f = cache[(layout, k)] = _fake(layout)
+            if len(cache) > 4096:
+                cache.clear()
+        out.append(f)
+    return out
+
+
 def op_name(func) -> str:
     """``aten.add.Tensor``: how errors and the dashboard name an op."""
     return str(func)
@@ -61,8 +82,7 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
     """The description of ``func``'s outputs for mesh tensors ``tensors`` (in the
     order the dispatcher numbered them) among ``args`` / ``kwargs``."""
     mode = _fake_mode()
-    with mode:
-        fakes = [_fake(t._layout) for t in tensors]
+    fakes = _fakes_for([t._layout for t in tensors], mode)
     index = {id(t): i for i, t in enumerate(tensors)}
 
     def swap(x):
@@ -93,6 +113,7 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
         for i, f in enumerate(fakes):
             if o is f:
                 if layout_of(f) != tensors[i]._layout:
+                    _tls.fakes = {}  # that fake's layout changed: make new ones
                     raise NotImplementedError(
                         f"{name} changes the layout of a mesh tensor in place: not supported "
                         f"yet (use the out-of-place op)"
