@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import mesh_kernel, plain
 
 import monarch_nb as mnb
 from monarch_nb.tensor import dispatch as tensor_dispatch
@@ -330,3 +331,18 @@ def test_public_names_are_documented():
     assert set(mnb.__all__) == documented
     for name in ("Tensor", "inspect", "fetch_shard", "no_mesh"):
         assert getattr(mnb, name) is getattr(mnb.tensor, name)
+
+
+def test_notebook_repr_and_monarch_push(tmp_path):
+    # a real kernel: the cell shows the layout, and %%monarch --push t binds each shard
+    with mesh_kernel(tmp_path) as k:
+        k.ok("import torch\nwith mnb.get_mesh().activate():\n    t = torch.arange(4.0) * 2")
+        (shown,) = plain(k.ok("t"))
+        assert "mnb.Tensor(shape=(4,)" in shown and "'default' (dp=2)" in shown
+        assert "6." not in shown
+        out = plain(
+            k.ok(
+                "%%monarch --push t\nimport monarch_nb\nfloat(t.sum()) + monarch_nb.current_rank()"
+            )
+        )
+        assert out == ["[rank 0] 12.0", "[rank 1] 13.0"], out
