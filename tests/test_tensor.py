@@ -199,6 +199,13 @@ def test_tensor_of_another_mesh(mesh):
         assert mnb.inspect(ours + 1).tolist() == [2.0, 2.0]
     finally:
         other.shutdown()
+    with pytest.raises(mnb.MeshClosedError, match="shut down"):
+        theirs + 1
+    ours.delete()
+    with pytest.raises(mnb.RefUseError, match="was deleted"):
+        ours * 2
+    with mesh.activate():
+        assert mnb.inspect(torch.ones(1)).tolist() == [1.0]
 
 
 def test_failure_on_one_rank_surfaces_once_and_the_mesh_survives(mesh):
