@@ -29,7 +29,7 @@ _LOCAL = object()
 _SCALARS = (float, bool, complex)
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _cache: dict = {}
-_names: dict = {}  # op -> (qualified name for run_op, display name)
+_names: dict = {}  # id(op) -> (qualified name for run_op, display name)
 _CACHE_MAX = 100_000
 
 
@@ -73,7 +73,8 @@ def dispatch(func, args, kwargs, mesh=None):
     ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
     tensors: list = []
     local: list = []
-    key = (func, _key(args, tensors, local), _key(tuple(kwargs.items()), tensors, local))
+    # id(func): OpOverloads live as long as torch, and their __hash__ is Python code
+    key = (id(func), _key(args, tensors, local), _key(tuple(kwargs.items()), tensors, local))
     if tensors:
         key += tuple([t._layout for t in tensors])
     if mesh is None:
@@ -103,9 +104,9 @@ def dispatch(func, args, kwargs, mesh=None):
         check_refs(tensors, mesh, stream)
     ctrl = mesh._controller
     ctrl.check_usable()
-    names = _names.get(func)
+    names = _names.get(id(func))
     if names is None:
-        names = _names[func] = (func.name(), op_name(func))
+        names = _names[id(func)] = (func.name(), op_name(func))
     what = names[1]
     if local:
         packed, _ = pack_args((names[0], *args), kwargs)
