@@ -353,3 +353,15 @@ def test_notebook_repr_and_monarch_push(tmp_path):
             )
         )
         assert out == ["[rank 0] 12.0", "[rank 1] 13.0"], out
+
+
+def test_commands_are_named_after_their_ops(mesh):
+    with mesh.activate():
+        a = torch.ones(2, 2)
+        b = a @ a
+        c = b + 1
+    # what the dashboard's running column shows for each command
+    state = mesh._controller.state
+    assert state.what_of(0, b.ident) == "aten.mm"
+    assert state.what_of(0, c.ident) == "aten.add.Tensor"
+    mnb.inspect(c)

@@ -67,8 +67,9 @@ def _fakes_for(layouts: list, mode: FakeTensorMode) -> list:
 
 
 def op_name(func) -> str:
-    """``aten.add.Tensor``: how errors and the dashboard name an op."""
-    return str(func)
+    """``aten.add.Tensor``, ``aten.mm`` (a default overload unnamed): how errors and
+    the dashboard name an op."""
+    return str(func).removesuffix(".default")
 
 
 def needs_values_error(what: str) -> RuntimeError:
