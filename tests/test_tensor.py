@@ -365,3 +365,22 @@ def test_commands_are_named_after_their_ops(mesh):
     assert state.what_of(0, b.ident) == "aten.mm"
     assert state.what_of(0, c.ident) == "aten.add.Tensor"
     mnb.inspect(c)
+
+
+def test_failing_inplace_op_on_a_view_marks_its_base(mesh):
+    with mesh.activate():
+        base = torch.zeros(2, 3)
+        row = base[1]
+        other = base[0]
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)
+    with mesh.activate():
+        row[idx * 10] = 5.0  # out of range on rank 1 only
+    assert mnb.inspect(base, dp=0).tolist() == [[0.0] * 3, [5.0, 0.0, 0.0]]
+    assert mnb.inspect(other, dp=0).tolist() == [0.0] * 3
+    for alias in (base, other, row):
+        with pytest.raises(mnb.RemoteError, match="rank 1"):
+            mnb.inspect(alias, dp=1)
+    with mesh.activate():
+        fresh = torch.ones(2)
+    assert mnb.inspect(fresh, dp=1).tolist() == [1.0, 1.0]

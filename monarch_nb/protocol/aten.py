@@ -26,3 +26,9 @@ def run_op(name: str, *args, **kwargs):
     if op is None:
         op = _ops[name] = resolve_op(name)
     return op(*args, **kwargs)
+
+
+def alias_after(value, mutated):
+    """``value`` itself, once ``mutated`` (an in-place op on storage it shares) has
+    run: the new name of a view fails when that op failed."""
+    return value

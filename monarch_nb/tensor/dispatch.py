@@ -9,12 +9,13 @@ a dict lookup, a pickle and a send.
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 
 from ..context import resolve_target
 from ..protocol import messages as m
-from ..protocol.aten import run_op
+from ..protocol.aten import alias_after, run_op
 from ..protocol.pickling import pack_ref_args, ref_placeholder
 from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
@@ -23,6 +24,7 @@ from .tensor import Tensor
 
 _RUN_OP = function_ref(run_op)
 _GETITEM = function_ref(operator.getitem)
+_ALIAS = function_ref(alias_after)
 _MARK = object()
 _marks = [(_MARK, i) for i in range(64)]
 _LOCAL = object()
@@ -83,7 +85,7 @@ def dispatch(func, args, kwargs, mesh=None):
         mesh = tensors[0].mesh
     if local:
         if func in _LIFTS:  # torch.tensor(data) under the mesh: the data goes to every rank
-            entry = ("one", layout_of(local[0]))
+            entry = ("one", layout_of(local[0]), None)
         elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
             return func(*args, **kwargs)
         else:
@@ -121,12 +123,12 @@ def dispatch(func, args, kwargs, mesh=None):
     )
     kind = entry[0]
     if kind == "one":
-        return _output(entry[1], result, ident, mesh, stream, tensors)
+        return _output(entry[1], entry[2], result, ident, mesh, stream, tensors)
     if kind == "value":
         ctrl.delete_ref(result)
         return entry[1]
     outs = []
-    for i, spec in enumerate(entry[2]):
+    for i, (spec, base) in enumerate(zip(entry[2], entry[3])):
         if spec is None:
             outs.append(None)
             continue
@@ -138,12 +140,12 @@ def dispatch(func, args, kwargs, mesh=None):
             stream.id,
             what,
         )
-        outs.append(_output(spec, rid, rident, mesh, stream, tensors))
+        outs.append(_output(spec, base, rid, rident, mesh, stream, tensors))
     ctrl.delete_ref(result)
     return entry[1](outs)
 
 
-def _output(spec, ref_id: int, ident: int, mesh, stream, tensors: list):
+def _output(spec, base, ref_id: int, ident: int, mesh, stream, tensors: list):
     if spec is None:
         mesh._controller.delete_ref(ref_id)
         return None
@@ -151,10 +153,58 @@ def _output(spec, ref_id: int, ident: int, mesh, stream, tensors: list):
         t = tensors[spec]
         if t._borrow is None and t.stream.id == stream.id:
             t._rebind(ref_id, ident)
+            if t._aliases is not None:
+                _rename_aliases(t, mesh, stream)
         else:
             mesh._controller.delete_ref(ref_id)
         return t
-    return Tensor(spec, ref_id, mesh, stream, ident)
+    out = Tensor(spec, ref_id, mesh, stream, ident)
+    if base is not None:
+        _join(out, tensors[base])
+    return out
+
+
+def _join(view: Tensor, base: Tensor) -> None:
+    """``view`` shares ``base``'s storage on every rank: one alias group."""
+    group = base._aliases
+    if group is None:
+        group = base._aliases = [weakref.ref(base)]
+    elif len(group) >= 16:
+        group[:] = [r for r in group if r() is not None]
+    group.append(weakref.ref(view))
+    view._aliases = group
+
+
+def _rename_aliases(t: Tensor, mesh, stream) -> None:
+    """After an in-place op on ``t``, every live tensor sharing its storage names
+    its value anew, after that op: a failure of the op reaches their readers too
+    (as the reference's ``mutates`` marks every alias)."""
+    ctrl = mesh._controller
+    live = []
+    for r in t._aliases:
+        u = r()
+        if u is None:
+            continue
+        live.append(r)
+        if (
+            u is t
+            or u._deleted
+            or u._borrow is not None
+            or u.stream.id != stream.id
+            or u.mesh.targets != mesh.targets
+            or u.generation != t.generation
+        ):
+            continue
+        args = pack_ref_args((u, t), {}, (u.id, t.id))
+        rid, rident = ctrl.next_id(), ctrl.next_ident()
+        ctrl.send(
+            m.CallFunction(rident, rid, _ALIAS, args, stream.id, mesh.id, "alias"),
+            mesh.targets,
+            stream.id,
+            "alias",
+        )
+        u._rebind(rid, rident)
+    t._aliases[:] = live
 
 
 class _Holder:

@@ -4,10 +4,11 @@
 describes its outputs; the dispatcher caches the description by (op, input
 layouts, arguments), so a repeated op never reaches FakeTensorMode again.
 
-A description is ``("one", spec)``, ``("many", container type, [spec, ...])``
-or ``("value", v)`` (an op whose result is no tensor). A spec is a layout
-``(size, stride, storage_offset, dtype, device)``, an int ``i`` (the output is
-input tensor ``i`` itself: an in-place or ``out=`` op), or None.
+A description is ``("one", spec, base)``, ``("many", container type, [spec,
+...], [base, ...])`` or ``("value", v)`` (an op whose result is no tensor). A
+spec is a layout ``(size, stride, storage_offset, dtype, device)``, an int
+``i`` (the output is input tensor ``i`` itself: an in-place or ``out=`` op),
+or None; a base is the index of the input a new output is a view of, or None.
 """
 
 from __future__ import annotations
@@ -122,10 +123,15 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
                 return i
         return layout_of(o)
 
+    def base(o):  # the input a new output is a view of (it shares its storage)
+        if not isinstance(o, torch.Tensor) or any(o is f for f in fakes):
+            return None
+        return next((i for i, f in enumerate(fakes) if torch._C._is_alias_of(o, f)), None)
+
     if isinstance(out, torch.Tensor):
-        return ("one", spec(out))
+        return ("one", spec(out), base(out))
     if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
-        return ("many", type(out), [spec(o) for o in out])
+        return ("many", type(out), [spec(o) for o in out], [base(o) for o in out])
     if out is None:
-        return ("one", None)
+        return ("one", None, None)
     return ("value", out)

@@ -35,6 +35,7 @@ class Tensor(torch.Tensor, Ref):
         )
         Ref.__init__(t, ref_id, mesh, stream, ident)
         t._layout = layout
+        t._aliases = None  # weakrefs to the tensors sharing its storage (dispatch._join)
         return t
 
     def __init__(self, *args, **kwargs):  # everything happened in __new__
