@@ -384,3 +384,21 @@ def test_failing_inplace_op_on_a_view_marks_its_base(mesh):
     with mesh.activate():
         fresh = torch.ones(2)
     assert mnb.inspect(fresh, dp=1).tolist() == [1.0, 1.0]
+
+
+def test_mesh_tensor_from_a_worker_variable(mesh):
+    mesh.exec(
+        "import monarch_nb\nworker_made = torch.arange(6.0).reshape(2, 3) + monarch_nb.current_rank()"
+    ).fetch()
+    t = mesh.tensor("worker_made")
+    assert isinstance(t, mnb.Tensor) and t.shape == (2, 3) and t.dtype == torch.float32
+    with mesh.activate():
+        doubled = t * 2
+    assert mnb.inspect(doubled, dp=1).tolist() == [[2.0, 4.0, 6.0], [8.0, 10.0, 12.0]]
+    mesh.exec("not_a_tensor = 3").fetch()
+    with pytest.raises(mnb.RemoteError, match="expected a torch.Tensor"):
+        mesh.tensor("not_a_tensor")
+    with pytest.raises(mnb.RemoteError, match="NameError"):
+        mesh.tensor("no_such_variable")
+    with pytest.raises(ValueError, match="variable name"):
+        mesh.tensor("1x")

@@ -32,3 +32,18 @@ def alias_after(value, mutated):
     """``value`` itself, once ``mutated`` (an in-place op on storage it shares) has
     run: the new name of a view fails when that op failed."""
     return value
+
+
+def layout(value) -> tuple:
+    """The layout of a worker's tensor, as the controller's mesh tensors keep it."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(value).__name__}")
+    return (
+        tuple(value.shape),
+        tuple(value.stride()),
+        value.storage_offset(),
+        value.dtype,
+        value.device,
+    )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from ..controller import AsyncResult
+from ..protocol import aten
+from ..remote import remote
 from .tensor import Tensor
 
 
@@ -37,3 +39,20 @@ def inspect(t: Tensor, timeout: float | None = None, **coords):
     """The shard of ``t`` at ``coords`` (default: the mesh's first rank) as a local
     tensor; blocks. A failure of the ops behind it on that rank is raised here."""
     return fetch_shard(t, timeout=timeout, **coords).result()
+
+
+def worker_tensor(mesh, name: str) -> Tensor:
+    """``mesh.tensor(name)``: the workers' variable ``name`` (a torch.Tensor on each
+    rank, e.g. made by a ``%%monarch`` cell) as a mesh tensor; its layout is read
+    once, from the mesh's first rank, and must be the same on every rank."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"mesh.tensor() needs a variable name, got {name!r}")
+    ref = mesh.exec(name)
+    try:
+        layout = remote(aten.layout)(ref, mesh=mesh).fetch(rank=mesh.targets[0])
+    except Exception:
+        ref.delete()
+        raise
+    t = Tensor(layout, ref.id, mesh, ref.stream, ref.ident)
+    ref._deleted = True  # t names the value now
+    return t
