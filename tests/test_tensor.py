@@ -402,3 +402,15 @@ def test_mesh_tensor_from_a_worker_variable(mesh):
         mesh.tensor("no_such_variable")
     with pytest.raises(ValueError, match="variable name"):
         mesh.tensor("1x")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a controller without CUDA")
+def test_cuda_on_a_cpu_mesh_fails_at_the_call(mesh):
+    # torch's own check on the controller, before any op reaches the mesh
+    with mesh.activate():
+        t = torch.ones(2)
+        with pytest.raises(AssertionError, match="CUDA"):
+            t.to("cuda")
+        with pytest.raises(AssertionError, match="CUDA"):
+            torch.nn.Linear(2, 2).to("cuda")
+        assert mnb.inspect(t + 1).tolist() == [2.0, 2.0]
