@@ -414,3 +414,17 @@ def test_cuda_on_a_cpu_mesh_fails_at_the_call(mesh):
         with pytest.raises(AssertionError, match="CUDA"):
             torch.nn.Linear(2, 2).to("cuda")
         assert mnb.inspect(t + 1).tolist() == [2.0, 2.0]
+
+
+def test_deepcopy_of_a_module_on_the_mesh(mesh):
+    import copy
+
+    with mesh.activate():
+        model = torch.nn.Linear(3, 2)
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the copy has storage of its own
+    w, tw = twin.weight, model.weight
+    assert isinstance(w, mnb.Tensor) and isinstance(w, torch.nn.Parameter) and w.requires_grad
+    assert w.id != tw.id and w.shape == (2, 3)
+    assert torch.allclose(mnb.inspect(tw, dp=1), mnb.inspect(w, dp=1) + 1)

@@ -49,6 +49,20 @@ class Tensor(torch.Tensor, Ref):
         # pickled (call arguments), a mesh tensor is a reference to its shard
         return ref_placeholder(self._wire_id())
 
+    def __deepcopy__(self, memo):
+        """A copy on the same mesh and stream (one clone per rank); a parameter's copy
+        is a parameter (``copy.deepcopy(model)`` under a mesh)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copy = torch.ops.aten.clone.default(self)
+        if self.requires_grad:
+            copy.requires_grad_(True)
+        if getattr(self, "_is_param", False):
+            copy._is_param = True
+        memo[id(self)] = copy
+        return copy
+
     def _rebind(self, ref_id: int, ident: int) -> None:
         """An in-place op made the value ``ref_id`` (the same storage on each rank):
         from now on this tensor names it, so a failure of that op reaches its users."""
