@@ -162,10 +162,16 @@ def test_local_tensor_mixed_with_mesh_tensors_is_refused(mesh):
             t + local
         with pytest.raises(mnb.RefUseError, match="mixes a local tensor"):
             torch.mm(local.view(1, 3), t.view(3, 1))
+        # a 0-dim local tensor goes with the op by value, as a CPU scalar does with CUDA
+        host = torch.tensor(2.5, dtype=torch.float64)  # a 0-dim torch.tensor stays local
+        assert type(host) is torch.Tensor
+        scaled = t * host
+        assert isinstance(scaled, mnb.Tensor) and scaled.dtype == torch.float32
         # local tensors alone stay local: an inspected shard can be read and printed
         shard = mnb.inspect(t * 2)
         assert type(local * 2) is torch.Tensor
         assert float(shard.sum()) == 6.0 and "tensor([2., 2., 2.])" in repr(shard)
+    assert mnb.inspect(scaled, dp=1).tolist() == [2.5] * 3
 
 
 def test_shape_errors_at_the_call(mesh):
@@ -239,6 +245,25 @@ def test_repeated_op_uses_the_layout_cache(mesh):
         assert len(tensor_dispatch._cache) > before
     assert z.dtype == torch.float64
     assert mnb.inspect(y, dp=1).tolist() == [22.0] * 8
+
+
+def test_adam_steps_on_the_mesh(mesh):
+    with mesh.activate():
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        x = torch.randn(32, 4)
+        y = x.sum(1, keepdim=True)
+        losses = []
+        for _ in range(30):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        step = opt.state[model.weight]["step"]
+        assert type(step) is torch.Tensor and float(step) == 30.0  # the host step count
+        assert isinstance(opt.state[model.weight]["exp_avg"], mnb.Tensor)
+    assert float(mnb.inspect(losses[-1])) < float(mnb.inspect(losses[0])) / 2
 
 
 def test_linear_data_parallel_training(mesh):

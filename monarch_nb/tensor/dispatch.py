@@ -56,7 +56,7 @@ def _key(x, tensors: list, local: list):
             tensors.append(x)
             return (_MARK, len(tensors) - 1)
         local.append(x)
-        return (_LOCAL, len(local) - 1)
+        return (_LOCAL, len(local) - 1, x.dtype, x.dim())
     return x
 
 
@@ -83,14 +83,19 @@ def dispatch(func, args, kwargs, mesh=None):
         if not tensors:
             raise RuntimeError(f"{op_name(func)}: no mesh tensor among its arguments")
         mesh = tensors[0].mesh
+    entry = None
     if local:
-        if func in _LIFTS:  # torch.tensor(data) under the mesh: the data goes to every rank
-            entry = ("one", layout_of(local[0]), None)
+        if func in _LIFTS:
+            if local[0].dim() == 0:  # torch.tensor(0.0): a host scalar, as torch.optim wants
+                return func(*args, **kwargs)
+            entry = ("one", layout_of(local[0]), None)  # torch.tensor(data): data to every rank
         elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
             return func(*args, **kwargs)
         else:
-            raise _local_error(op_name(func), local[0], mesh)
-    else:
+            for t in local:  # like CPU scalars with CUDA tensors: 0-dim ones go by value
+                if t.dim() != 0 or t.requires_grad:
+                    raise _local_error(op_name(func), t, mesh)
+    if entry is None:
         try:
             entry = _cache.get(key)
         except TypeError:  # an unhashable argument: propagate every time

@@ -88,7 +88,11 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
     index = {id(t): i for i, t in enumerate(tensors)}
 
     def swap(x):
-        return fakes[index[id(x)]] if is_mesh(x) else x
+        if is_mesh(x):
+            return fakes[index[id(x)]]
+        if isinstance(x, torch.Tensor):  # a local 0-dim tensor, sent by value
+            return mode.from_tensor(x)
+        return x
 
     fargs, fkwargs = tree_map(swap, (tuple(args), dict(kwargs)))
     name = op_name(func)
