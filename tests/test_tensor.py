@@ -365,6 +365,7 @@ def test_public_names_are_documented():
         assert getattr(mnb, name) is getattr(mnb.tensor, name)
 
 
+@pytest.mark.kernel
 def test_notebook_repr_and_monarch_push(tmp_path):
     # a real kernel: the cell shows the layout, and %%monarch --push t binds each shard
     with mesh_kernel(tmp_path) as k:

@@ -137,7 +137,7 @@ def dispatch(func, args, kwargs, mesh=None):
         if spec is None:
             outs.append(None)
             continue
-        args = pack_ref_args((_Holder(result, mesh), i), {}, (result,))
+        args = pack_ref_args((_Holder(result), i), {}, (result,))
         rid, rident = ctrl.next_id(), ctrl.next_ident()
         ctrl.send(
             m.CallFunction(rident, rid, _GETITEM, args, stream.id, mesh.id, what),
@@ -217,7 +217,7 @@ class _Holder:
 
     __slots__ = ("id",)
 
-    def __init__(self, ref_id: int, mesh):
+    def __init__(self, ref_id: int):
         self.id = ref_id
 
     def __reduce_ex__(self, protocol):
