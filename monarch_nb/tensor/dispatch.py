@@ -31,7 +31,7 @@ _LOCAL = object()
 _SCALARS = (float, bool, complex)
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _cache: dict = {}
-_names: dict = {}  # id(op) -> (qualified name for run_op, display name)
+_names: dict = {}  # id(op) -> (qualified name for run_op, display name, the op)
 _CACHE_MAX = 100_000
 
 
@@ -102,6 +102,7 @@ def dispatch(func, args, kwargs, mesh=None):
             key, entry = None, None
         if entry is None:
             entry = propagate(func, args, kwargs, tensors, _is_mesh)
+            _names_of(func)  # keeps func alive: its id in the key stays its own
             if key is not None:
                 if len(_cache) >= _CACHE_MAX:
                     _cache.clear()
@@ -111,9 +112,7 @@ def dispatch(func, args, kwargs, mesh=None):
         check_refs(tensors, mesh, stream)
     ctrl = mesh._controller
     ctrl.check_usable()
-    names = _names.get(id(func))
-    if names is None:
-        names = _names[id(func)] = (func.name(), op_name(func))
+    names = _names.get(id(func)) or _names_of(func)
     what = names[1]
     if local:
         packed, _ = pack_args((names[0], *args), kwargs)
@@ -148,6 +147,13 @@ def dispatch(func, args, kwargs, mesh=None):
         outs.append(_output(spec, base, rid, rident, mesh, stream, tensors))
     ctrl.delete_ref(result)
     return entry[1](outs)
+
+
+def _names_of(func) -> tuple:
+    names = _names.get(id(func))
+    if names is None:
+        names = _names[id(func)] = (func.name(), op_name(func), func)
+    return names
 
 
 def _output(spec, base, ref_id: int, ident: int, mesh, stream, tensors: list):
