@@ -454,3 +454,15 @@ def test_deepcopy_of_a_module_on_the_mesh(mesh):
     assert isinstance(w, mnb.Tensor) and isinstance(w, torch.nn.Parameter) and w.requires_grad
     assert w.id != tw.id and w.shape == (2, 3)
     assert torch.allclose(mnb.inspect(tw, dp=1), mnb.inspect(w, dp=1) + 1)
+
+
+def test_seeding_every_rank_makes_factories_agree(mesh):
+    mnb.remote(torch.manual_seed)(1234, mesh=mesh)
+    with mesh.activate():
+        r = torch.randn(5)
+    first, second = r.fetch()
+    assert torch.equal(first, second)
+    mnb.remote(torch.manual_seed)(1234, mesh=mesh)
+    with mesh.activate():
+        again = torch.randn(5)
+    assert torch.equal(mnb.inspect(again), first)
