@@ -457,12 +457,12 @@ def test_deepcopy_of_a_module_on_the_mesh(mesh):
 
 
 def test_seeding_every_rank_makes_factories_agree(mesh):
-    mnb.remote(torch.manual_seed)(1234, mesh=mesh)
+    mnb.remote(torch.random.manual_seed)(1234, mesh=mesh)
     with mesh.activate():
         r = torch.randn(5)
     first, second = r.fetch()
     assert torch.equal(first, second)
-    mnb.remote(torch.manual_seed)(1234, mesh=mesh)
+    mnb.remote(torch.random.manual_seed)(1234, mesh=mesh)
     with mesh.activate():
         again = torch.randn(5)
     assert torch.equal(mnb.inspect(again), first)
