@@ -112,6 +112,8 @@ def test_mesh_tensor_is_a_ref(mesh):
     with mesh.activate():
         after = total * 3
     assert mnb.inspect(after).tolist() == [3.0] * 4
+    assert t.reduce_("dp", "max") is t
+    assert [s.tolist() for s in t.fetch()] == [[1.0] * 4, [1.0] * 4]
 
 
 def test_fetch_shard_is_an_async_result(mesh):

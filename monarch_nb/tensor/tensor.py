@@ -137,6 +137,10 @@ class Tensor(torch.Tensor, Ref):
             return ref
         return _from_ref(ref, shape, self.dtype, self.device)
 
+    def reduce_(self, dims, reduction: str = "sum", scatter: bool = False):
+        """``reduce(..., inplace=True)``: this tensor holds the result; returns it."""
+        return self.reduce(dims, reduction, scatter, inplace=True)
+
     def to_mesh(self, other):
         """``Ref.to_mesh``: a mesh tensor of the same layout on ``other``."""
         ref = Ref.to_mesh(self, other)
