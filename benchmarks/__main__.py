@@ -39,6 +39,7 @@ MODULES = (
     "benchmarks.pdb",
     "benchmarks.dashboard",
     "benchmarks.soak",
+    "benchmarks.tensor",
 )
 
 PEERS_FOOTER = (

@@ -10,6 +10,9 @@ The notebook kernel (or any Python process) is the single controller::
 In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 """
 
+import contextlib
+import sys
+
 from . import context
 from ._version import __version__ as __version__
 from .controller.async_result import AsyncResult
@@ -38,6 +41,30 @@ def _dashboard(mesh, **kw):
 
 context.set_dashboard(_dashboard)
 
+_TENSOR_NAMES = ("Tensor", "fetch_shard", "inspect", "no_mesh")
+
+
+def _tensor_mode(mesh):
+    """``mesh.activate()`` enters the tensor engine's dispatch mode once torch is
+    imported (the engine imports torch, which ``import monarch_nb`` does not)."""
+    if "torch" not in sys.modules:
+        return contextlib.nullcontext()
+    from .tensor import mesh_mode
+
+    return mesh_mode(mesh)
+
+
+context.on_mesh_activation(_tensor_mode)
+
+
+def __getattr__(name):
+    if name in _TENSOR_NAMES:  # the tensor engine (and torch) load on first use
+        from . import tensor
+
+        return getattr(tensor, name)
+    raise AttributeError(f"module 'monarch_nb' has no attribute {name!r}")
+
+
 __all__ = [
     "AsyncResult",
     "Compiled",
@@ -53,14 +80,18 @@ __all__ = [
     "RemoteError",
     "RemoteFunction",
     "Stream",
+    "Tensor",
     "WorkerCrashed",
     "WorkerUnresponsive",
     "connect_mesh",
     "current_coords",
     "current_rank",
     "current_size",
+    "fetch_shard",
     "get_mesh",
+    "inspect",
     "local_mesh",
+    "no_mesh",
     "remote",
 ]
 

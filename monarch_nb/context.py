@@ -60,13 +60,28 @@ def _stack(kind: str) -> list:
     return s
 
 
+_activation_hooks: list = []  # mesh -> context manager, entered by each mesh activation
+
+
+def on_mesh_activation(hook) -> None:
+    """``hook(mesh)`` returns a context manager entered while ``mesh`` is active
+    (the tensor engine enters its torch dispatch mode this way)."""
+    _activation_hooks.append(hook)
+
+
 @contextlib.contextmanager
 def activated(kind: str, obj):
     """``obj`` is this thread's active ``kind`` ("meshes" or "streams") within the block."""
     stack = _stack(kind)
     stack.append(obj)
     try:
-        yield obj
+        if kind == "meshes" and _activation_hooks:
+            with contextlib.ExitStack() as hooks:
+                for hook in _activation_hooks:
+                    hooks.enter_context(hook(obj))
+                yield obj
+        else:
+            yield obj
     finally:
         stack.pop()
 

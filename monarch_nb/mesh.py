@@ -193,6 +193,12 @@ class DeviceMesh(NamespaceCommands, BaseMesh):
         ctrl.send(m.CreatePipe(pipe_id, function, packed, max_messages), self.targets)
         return Pipe(self, pipe_id)
 
+    def tensor(self, name: str):
+        """The workers' variable ``name`` (a tensor on each rank) as an ``mnb.Tensor``."""
+        from .tensor.values import worker_tensor  # loads torch: only when asked
+
+        return worker_tensor(self, name)
+
     def process_group(self, dims) -> ProcessGroup:
         """A handle that a remote function receives as the torch.distributed group
         over ``dims`` (a name or several) for the stream the call runs on."""

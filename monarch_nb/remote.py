@@ -31,16 +31,8 @@ class Ref:
     workers. Passing a Ref to a remote function uses the value on each rank.
     """
 
-    __slots__ = (
-        "id",
-        "ident",
-        "mesh",
-        "stream",
-        "generation",
-        "_deleted",
-        "_borrow",
-        "__weakref__",
-    )
+    # no __slots__: a mesh tensor (``mnb.Tensor``) derives from torch.Tensor and Ref,
+    # and slots would conflict with torch.Tensor's instance layout
 
     def __init__(self, ref_id: int, mesh: DeviceMesh, stream: Stream, ident: int):
         self.id = ref_id
@@ -339,7 +331,7 @@ class RemoteFunction:
         else:
             packed, refs = None, ()
         if refs:
-            check_refs([r for r in refs if type(r) is Ref], mesh, stream)
+            check_refs([r for r in refs if isinstance(r, Ref)], mesh, stream)
         function = self._function()
         result = ctrl.next_id()
         ident = ctrl.next_ident()

@@ -132,7 +132,26 @@ def _load_by_value(payload: bytes, sources: dict):
     return pickle.loads(payload)
 
 
+def _local_torch(build):
+    """``build`` with no torch dispatch mode active: a received or sent tensor is
+    plain local torch even inside ``mesh.activate()`` (the tensor engine's mode)."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is None:
+        return build
+
+    def run(*args):
+        with _disable_current_modes():
+            return build(*args)
+
+    return run
+
+
 def _rebuild_tensor(buf, dtype: str, shape: tuple, requires_grad: bool):
+    return _local_torch(_build_tensor)(buf, dtype, shape, requires_grad)
+
+
+def _build_tensor(buf, dtype: str, shape: tuple, requires_grad: bool):
     import torch
 
     dt = getattr(torch, dtype)
@@ -194,7 +213,7 @@ class _Pickler(pickle.Pickler):
             return (_load_ref, (ref_id,))
         torch = sys.modules.get("torch")
         if torch is not None and cls is torch.Tensor:
-            return _reduce_tensor(obj)
+            return _local_torch(_reduce_tensor)(obj)
         if cls is types.FunctionType or isinstance(obj, type):
             if is_by_value(obj):
                 return (_load_by_value, dumps_by_value(obj))
@@ -274,3 +293,23 @@ def resolve_function(f: Function) -> Callable:
             _function_cache.clear()
         _function_cache[f.payload] = fn
     return fn
+
+
+
+def ref_placeholder(ref_id: int) -> tuple:
+    """What a Ref reduces to in a pickle (for a Ref class's own ``__reduce_ex__``):
+    on a worker, inside a command, it unpickles as the value ``ref_id`` names."""
+    return (_load_ref, (ref_id,))
+
+
+def pack_ref_args(args: tuple, kwargs: dict, ref_ids: tuple) -> Args:
+    """``pack_args`` for plain data and objects that reduce themselves to
+    ``ref_placeholder`` (no tensors, no functions by value): the C pickler alone.
+    ``ref_ids``: the ids of the Refs inside."""
+    try:
+        payload = pickle.dumps((args, kwargs), 5)
+    except RefUseError:
+        raise
+    except Exception as e:
+        raise TypeError(f"cannot send the arguments: {type(e).__name__}: {e}") from None
+    return Args(payload, (), ref_ids)

@@ -1,0 +1,13 @@
+"""The tensor engine: torch code on the controller, shards on the mesh.
+
+``with mesh.activate():`` enters ``mode.MeshMode``: every aten op becomes one
+CallFunction on the mesh (``dispatch``), with output layouts from FakeTensor
+propagation cached by input layout (``propagate``). ``mnb.Tensor`` (``tensor``)
+is the result: a torch wrapper subclass and a Ref. ``values`` brings shards back.
+"""
+
+from .mode import mesh_mode, no_mesh
+from .tensor import Tensor
+from .values import fetch_shard, inspect
+
+__all__ = ["Tensor", "fetch_shard", "inspect", "mesh_mode", "no_mesh"]

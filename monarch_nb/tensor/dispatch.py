@@ -1,0 +1,237 @@
+"""One aten op on mesh tensors -> one CallFunction on the mesh.
+
+The op's output layouts come from ``propagate`` once per (op, argument key),
+where the key holds every input tensor's layout, which inputs are the same
+tensor, and the other arguments with their types; a repeated op costs a key,
+a dict lookup, a pickle and a send.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+
+import torch
+
+from ..context import resolve_target
+from ..protocol import messages as m
+from ..protocol.aten import alias_after, run_op
+from ..protocol.pickling import pack_ref_args, ref_placeholder
+from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
+from ..remote import check_refs
+from .propagate import layout_of, op_name, propagate
+from .tensor import Tensor
+
+_RUN_OP = function_ref(run_op)
+_GETITEM = function_ref(operator.getitem)
+_ALIAS = function_ref(alias_after)
+_MARK = object()
+_marks = [(_MARK, i) for i in range(64)]
+_LOCAL = object()
+_SCALARS = (float, bool, complex)
+_LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_cache: dict = {}
+_names: dict = {}  # id(op) -> (qualified name for run_op, display name, the op)
+_CACHE_MAX = 100_000
+
+
+def _key(x, tensors: list, local: list):
+    """A hashable stand-in for an argument; collects mesh tensors and local ones."""
+    tp = type(x)
+    if tp is int or tp is str or x is None:
+        return x
+    if tp is Tensor:
+        for i, y in enumerate(tensors):
+            if y is x:
+                return _marks[i] if i < 64 else (_MARK, i)
+        i = len(tensors)
+        tensors.append(x)
+        return _marks[i] if i < 64 else (_MARK, i)
+    if tp is list or tp is tuple:
+        return tuple([_key(y, tensors, local) for y in x])
+    if tp in _SCALARS:  # 1.0 == 1 == True, but they promote differently
+        return (tp, x)
+    if isinstance(x, torch.Tensor):
+        if isinstance(x, Tensor):  # a subclass of ours
+            tensors.append(x)
+            return (_MARK, len(tensors) - 1)
+        local.append(x)
+        return (_LOCAL, len(local) - 1, x.dtype, x.dim())
+    return x
+
+
+def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
+    return RefUseError(
+        f"{name} mixes a local tensor (shape {tuple(t.shape)}, {t.dtype}) with mesh "
+        f"tensors of mesh {mesh.name!r}: create it on the mesh instead (factories and "
+        f"torch.tensor(...) inside 'with mesh.activate():' make mesh tensors), or bring "
+        f"the mesh tensor's shard here with mnb.inspect(t) and compute locally "
+        f"(inside 'with mnb.no_mesh():' factories are local too)"
+    )
+
+
+def dispatch(func, args, kwargs, mesh=None):
+    """Run ``func`` on the shards of its mesh tensors (or, for a factory, on
+    ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
+    tensors: list = []
+    local: list = []
+    # id(func): OpOverloads live as long as torch, and their __hash__ is Python code
+    key = (id(func), _key(args, tensors, local), _key(tuple(kwargs.items()), tensors, local))
+    if tensors:
+        key += tuple([t._layout for t in tensors])
+    if mesh is None:
+        if not tensors:
+            raise RuntimeError(f"{op_name(func)}: no mesh tensor among its arguments")
+        mesh = tensors[0].mesh
+    entry = None
+    if local:
+        if func in _LIFTS:
+            if local[0].dim() == 0:  # torch.tensor(0.0): a host scalar, as torch.optim wants
+                return func(*args, **kwargs)
+            entry = ("one", layout_of(local[0]), None)  # torch.tensor(data): data to every rank
+        elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
+            return func(*args, **kwargs)
+        else:
+            for t in local:  # like CPU scalars with CUDA tensors: 0-dim ones go by value
+                if t.dim() != 0 or t.requires_grad:
+                    raise _local_error(op_name(func), t, mesh)
+    if entry is None:
+        try:
+            entry = _cache.get(key)
+        except TypeError:  # an unhashable argument: propagate every time
+            key, entry = None, None
+        if entry is None:
+            entry = propagate(func, args, kwargs, tensors, _is_mesh)
+            _names_of(func)  # keeps func alive: its id in the key stays its own
+            if key is not None:
+                if len(_cache) >= _CACHE_MAX:
+                    _cache.clear()
+                _cache[key] = entry
+    mesh, stream = resolve_target(mesh, None)
+    if tensors:
+        check_refs(tensors, mesh, stream)
+    ctrl = mesh._controller
+    ctrl.check_usable()
+    names = _names.get(id(func)) or _names_of(func)
+    what = names[1]
+    if local:
+        packed, _ = pack_args((names[0], *args), kwargs)
+    else:
+        packed = pack_ref_args((names[0], *args), kwargs, tuple([t.id for t in tensors]))
+    result, ident = ctrl.next_id(), ctrl.next_ident()
+    ctrl.send(
+        m.CallFunction(ident, result, _RUN_OP, packed, stream.id, mesh.id, what),
+        mesh.targets,
+        stream.id,
+        what,
+    )
+    kind = entry[0]
+    if kind == "one":
+        return _output(entry[1], entry[2], result, ident, mesh, stream, tensors)
+    if kind == "value":
+        ctrl.delete_ref(result)
+        return entry[1]
+    outs = []
+    for i, (spec, base) in enumerate(zip(entry[2], entry[3])):
+        if spec is None:
+            outs.append(None)
+            continue
+        args = pack_ref_args((_Holder(result), i), {}, (result,))
+        rid, rident = ctrl.next_id(), ctrl.next_ident()
+        ctrl.send(
+            m.CallFunction(rident, rid, _GETITEM, args, stream.id, mesh.id, what),
+            mesh.targets,
+            stream.id,
+            what,
+        )
+        outs.append(_output(spec, base, rid, rident, mesh, stream, tensors))
+    ctrl.delete_ref(result)
+    return entry[1](outs)
+
+
+def _names_of(func) -> tuple:
+    names = _names.get(id(func))
+    if names is None:
+        names = _names[id(func)] = (func.name(), op_name(func), func)
+    return names
+
+
+def _output(spec, base, ref_id: int, ident: int, mesh, stream, tensors: list):
+    if spec is None:
+        mesh._controller.delete_ref(ref_id)
+        return None
+    if type(spec) is int:  # in place: the input itself, naming the op's value from now on
+        t = tensors[spec]
+        if t._borrow is None and t.stream.id == stream.id:
+            t._rebind(ref_id, ident)
+            if t._aliases is not None:
+                _rename_aliases(t, mesh, stream)
+        else:
+            mesh._controller.delete_ref(ref_id)
+        return t
+    out = Tensor(spec, ref_id, mesh, stream, ident)
+    if base is not None:
+        _join(out, tensors[base])
+    return out
+
+
+def _join(view: Tensor, base: Tensor) -> None:
+    """``view`` shares ``base``'s storage on every rank: one alias group."""
+    group = base._aliases
+    if group is None:
+        group = base._aliases = [weakref.ref(base)]
+    elif len(group) >= 16:
+        group[:] = [r for r in group if r() is not None]
+    group.append(weakref.ref(view))
+    view._aliases = group
+
+
+def _rename_aliases(t: Tensor, mesh, stream) -> None:
+    """After an in-place op on ``t``, every live tensor sharing its storage names
+    its value anew, after that op: a failure of the op reaches their readers too
+    (as the reference's ``mutates`` marks every alias)."""
+    ctrl = mesh._controller
+    live = []
+    for r in t._aliases:
+        u = r()
+        if u is None:
+            continue
+        live.append(r)
+        if (
+            u is t
+            or u._deleted
+            or u._borrow is not None
+            or u.stream.id != stream.id
+            or u.mesh.targets != mesh.targets
+            or u.generation != t.generation
+        ):
+            continue
+        args = pack_ref_args((u, t), {}, (u.id, t.id))
+        rid, rident = ctrl.next_id(), ctrl.next_ident()
+        ctrl.send(
+            m.CallFunction(rident, rid, _ALIAS, args, stream.id, mesh.id, "alias"),
+            mesh.targets,
+            stream.id,
+            "alias",
+        )
+        u._rebind(rid, rident)
+    t._aliases[:] = live
+
+
+class _Holder:
+    """The worker-side tuple of a multi-output op, named in the getitem calls."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, ref_id: int):
+        self.id = ref_id
+
+    def __reduce_ex__(self, protocol):
+        return ref_placeholder(self.id)
+
+
+def _is_mesh(x) -> bool:
+    return isinstance(x, Tensor)
+
+
+register_ref_type(_Holder, operator.attrgetter("id"))

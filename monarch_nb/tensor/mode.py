@@ -1,0 +1,59 @@
+"""Torch on the active mesh: ``mesh.activate()`` enters a TorchDispatchMode
+that sends every aten op (factories included) to that mesh; ``no_mesh()``
+lets torch run locally again inside such a block."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .dispatch import dispatch
+
+_tls = threading.local()
+# ops about the controller itself (torch.autograd.profiler's record_function)
+_LOCAL_NAMESPACES = frozenset({"profiler"})
+
+
+class MeshMode(TorchDispatchMode):
+    """Within it, aten ops run on ``mesh`` as mesh tensors (see ``dispatch``)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ in torch._disable_dynamo (~3 us an op);
+        # nothing is compiled under a mesh, so there is nothing to keep dynamo out of
+        return False
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(_tls, "local", 0) or func.namespace in _LOCAL_NAMESPACES:
+            return func(*args, **(kwargs or {}))
+        return dispatch(func, args, kwargs or {}, self.mesh)
+
+
+@contextlib.contextmanager
+def no_mesh():
+    """Within this block torch runs locally, even under an active mesh (ops on
+    mesh tensors still go to their mesh)."""
+    _tls.local = getattr(_tls, "local", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.local -= 1
+
+
+@contextlib.contextmanager
+def mesh_mode(mesh):
+    """The dispatch mode of ``mesh`` for the length of the block (entered by
+    ``mesh.activate()``); ``no_mesh`` blocks outside it stay local."""
+    saved = getattr(_tls, "local", 0)
+    _tls.local = 0
+    try:
+        with MeshMode(mesh):
+            yield
+    finally:
+        _tls.local = saved

@@ -1,0 +1,141 @@
+"""Output layouts of an aten op, from FakeTensor propagation on the controller.
+
+``propagate`` runs the op on fake tensors with the inputs' layouts and
+describes its outputs; the dispatcher caches the description by (op, input
+layouts, arguments), so a repeated op never reaches FakeTensorMode again.
+
+A description is ``("one", spec, base)``, ``("many", container type, [spec,
+...], [base, ...])`` or ``("value", v)`` (an op whose result is no tensor). A
+spec is a layout ``(size, stride, storage_offset, dtype, device)``, an int
+``i`` (the output is input tensor ``i`` itself: an in-place or ``out=`` op),
+or None; a base is the index of the input a new output is a view of, or None.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._pytree import tree_map
+
+_tls = threading.local()
+
+
+def _fake_mode() -> FakeTensorMode:
+    mode = getattr(_tls, "mode", None)
+    if mode is None:
+        mode = _tls.mode = FakeTensorMode()
+    return mode
+
+
+def layout_of(t: torch.Tensor) -> tuple:
+    """The layout tuple of a (real, fake or mesh) tensor."""
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+
+
+def _fake(layout: tuple) -> torch.Tensor:
+    size, stride, offset, dtype, device = layout
+    extent = sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
+    base = torch.empty((offset + extent,), dtype=dtype, device=device)
+    return base.as_strided(size, stride, offset)
+
+
+def _fakes_for(layouts: list, mode: FakeTensorMode) -> list:
+    """Fake inputs of these layouts, made once each (making one costs more than most
+    ops): the k-th input of a layout in a call reuses the k-th fake of that layout,
+    so distinct inputs stay distinct tensors (an ``out=`` must be told apart)."""
+    cache = getattr(_tls, "fakes", None)
+    if cache is None:
+        cache = _tls.fakes = {}
+    seen: dict = {}
+    out = []
+    for layout in layouts:
+        k = seen[layout] = seen.get(layout, -1) + 1
+        f = cache.get((layout, k))
+        if f is None:
+            with mode:
+                f = cache[(layout, k)] = _fake(layout)
+            if len(cache) > 4096:
+                cache.clear()
+        out.append(f)
+    return out
+
+
+def op_name(func) -> str:
+    """``aten.add.Tensor``, ``aten.mm`` (a default overload unnamed): how errors and
+    the dashboard name an op."""
+    return str(func).removesuffix(".default")
+
+
+def needs_values_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} needs the values of a mesh tensor, which live on the workers: "
+        f"bring one shard back with mnb.inspect(t) (or every shard with t.fetch())"
+    )
+
+
+def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
+    """The description of ``func``'s outputs for mesh tensors ``tensors`` (in the
+    order the dispatcher numbered them) among ``args`` / ``kwargs``."""
+    mode = _fake_mode()
+    fakes = _fakes_for([t._layout for t in tensors], mode)
+    index = {id(t): i for i, t in enumerate(tensors)}
+
+    def swap(x):
+        if is_mesh(x):
+            return fakes[index[id(x)]]
+        if isinstance(x, torch.Tensor):  # a local 0-dim tensor, sent by value
+            return mode.from_tensor(x)
+        return x
+
+    fargs, fkwargs = tree_map(swap, (tuple(args), dict(kwargs)))
+    name = op_name(func)
+    try:
+        with mode:
+            out = func(*fargs, **fkwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        raise needs_values_error(f"{name} (its result depends on the data)") from None
+    except UnsupportedOperatorException:
+        raise NotImplementedError(
+            f"{name} has no fake (meta) kernel, so the layout of its result cannot be "
+            f"known on the controller; run it on the shards inside a function given to "
+            f"mnb.remote(...), or register a fake kernel (torch.library.register_fake)"
+        ) from None
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        # the user's error (shapes, dtypes), without FakeTensorMode's frames
+        raise type(e)(f"{name}: {e}") from None
+
+    def spec(o):
+        if o is None:
+            return None
+        if not isinstance(o, torch.Tensor):
+            raise NotImplementedError(f"{name} returns {type(o).__name__} among tensors")
+        for i, f in enumerate(fakes):
+            if o is f:
+                if layout_of(f) != tensors[i]._layout:
+                    _tls.fakes = {}  # that fake's layout changed: make new ones
+                    raise NotImplementedError(
+                        f"{name} changes the layout of a mesh tensor in place: not supported "
+                        f"yet (use the out-of-place op)"
+                    )
+                return i
+        return layout_of(o)
+
+    def base(o):  # the input a new output is a view of (it shares its storage)
+        if not isinstance(o, torch.Tensor) or any(o is f for f in fakes):
+            return None
+        return next((i for i, f in enumerate(fakes) if torch._C._is_alias_of(o, f)), None)
+
+    if isinstance(out, torch.Tensor):
+        return ("one", spec(out), base(out))
+    if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+        return ("many", type(out), [spec(o) for o in out], [base(o) for o in out])
+    if out is None:
+        return ("one", None, None)
+    return ("value", out)

@@ -1,0 +1,173 @@
+"""``mnb.Tensor``: a torch tensor whose shards live on the ranks of a mesh.
+
+It is a wrapper subclass: the controller knows its layout (size, stride,
+dtype, device; from FakeTensor propagation) but holds no data, and each rank
+holds one shard of that layout. It is also a ``Ref`` to those shards, so it
+goes wherever a Ref goes (remote-function arguments, ``fetch``, ``reduce``,
+``%%monarch --push``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..protocol.pickling import ref_placeholder
+from ..protocol.wire import register_ref_type
+from ..remote import Ref
+from .propagate import needs_values_error
+
+
+class Tensor(torch.Tensor, Ref):
+    """A tensor on a mesh: torch ops on it run on every rank (one remote call
+    each); its values come back with ``mnb.inspect(t)`` or ``t.fetch()``."""
+
+    @staticmethod
+    def __new__(cls, layout: tuple, ref_id: int, mesh, stream, ident: int):
+        size, stride, offset, dtype, device = layout
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            size,
+            strides=stride,
+            storage_offset=offset,
+            dtype=dtype,
+            device=device,
+            requires_grad=False,
+        )
+        Ref.__init__(t, ref_id, mesh, stream, ident)
+        t._layout = layout
+        t._aliases = None  # weakrefs to the tensors sharing its storage (dispatch._join)
+        return t
+
+    def __init__(self, *args, **kwargs):  # everything happened in __new__
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.dispatch(func, args, kwargs or {})
+
+    def __reduce_ex__(self, protocol):
+        # pickled (call arguments), a mesh tensor is a reference to its shard
+        return ref_placeholder(self._wire_id())
+
+    def __deepcopy__(self, memo):
+        """A copy on the same mesh and stream (one clone per rank); a parameter's copy
+        is a parameter (``copy.deepcopy(model)`` under a mesh)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copy = torch.ops.aten.clone.default(self)
+        if self.requires_grad:
+            copy.requires_grad_(True)
+        if getattr(self, "_is_param", False):
+            copy._is_param = True
+        memo[id(self)] = copy
+        return copy
+
+    def _rebind(self, ref_id: int, ident: int) -> None:
+        """An in-place op made the value ``ref_id`` (the same storage on each rank):
+        from now on this tensor names it, so a failure of that op reaches its users."""
+        old = self.id
+        self.id, self.ident = ref_id, ident
+        self.mesh._controller.delete_ref(old)
+
+    # ---------------------------------------------------------------- display
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        dims = ", ".join(f"{k}={v}" for k, v in self.mesh.dims.items())
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        state = ", deleted" if self._deleted else ""
+        return (
+            f"mnb.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"mesh={self.mesh.name!r} ({dims}), stream={self.stream.name!r}{grad}{state})"
+        )
+
+    def __str__(self) -> str:
+        return f"{self.__repr__()}  [values: mnb.inspect(t)]"
+
+    def __format__(self, spec: str) -> str:
+        return self.__str__() if not spec else format(self.__str__(), spec)
+
+    # ---------------------------------------------------------------- values stay remote
+
+    def item(self):
+        raise needs_values_error("t.item()")
+
+    def tolist(self):
+        raise needs_values_error("t.tolist()")
+
+    def numpy(self, *args, **kwargs):
+        raise needs_values_error("t.numpy()")
+
+    def __bool__(self):
+        raise needs_values_error("bool(t)")
+
+    def __float__(self):
+        raise needs_values_error("float(t)")
+
+    def __int__(self):
+        raise needs_values_error("int(t)")
+
+    def __index__(self):
+        raise needs_values_error("using a mesh tensor as an index")
+
+    def __array__(self, *args, **kwargs):
+        raise needs_values_error("numpy.asarray(t)")
+
+    # ---------------------------------------------------------------- collectives
+
+    def reduce(self, dims, reduction: str = "sum", scatter: bool = False, inplace=False, out=None):
+        """``Ref.reduce`` (see there) returning a mesh tensor with the result's layout."""
+        ref = Ref.reduce(self, dims, reduction, scatter, inplace, out)
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        sizes = [self.mesh.dims[d] for d in dict.fromkeys(dims)]
+        n = 1
+        for s in sizes:
+            n *= s
+        shape = tuple(self.shape)
+        if reduction == "stack":
+            shape = shape if scatter else (*sizes, *shape)
+        elif scatter:
+            shape = shape[1:]
+        if inplace or out is not None:
+            target = self if inplace else out
+            if isinstance(target, Tensor):
+                target._rebind(ref.id, ref.ident)
+                ref._deleted = True  # the target names it now
+                return target
+            return ref
+        return _from_ref(ref, shape, self.dtype, self.device)
+
+    def reduce_(self, dims, reduction: str = "sum", scatter: bool = False):
+        """``reduce(..., inplace=True)``: this tensor holds the result; returns it."""
+        return self.reduce(dims, reduction, scatter, inplace=True)
+
+    def to_mesh(self, other):
+        """``Ref.to_mesh``: a mesh tensor of the same layout on ``other``."""
+        ref = Ref.to_mesh(self, other)
+        return _from_ref(ref, tuple(self.shape), self.dtype, self.device)
+
+    def borrow(self, stream):
+        """``Ref.borrow``: this tensor (same layout) for use on ``stream``; ``del``
+        (or ``delete()``) drops the borrow."""
+        ref = Ref.borrow(self, stream)
+        t = Tensor(self._layout, ref.id, ref.mesh, ref.stream, ref.ident)
+        t._borrow, ref._borrow = ref._borrow, None
+        ref._deleted = True
+        return t
+
+
+def _from_ref(ref: Ref, shape: tuple, dtype, device) -> Tensor:
+    """A contiguous mesh tensor naming ``ref``'s value (which ``ref`` gives up)."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    layout = (shape, tuple(reversed(stride)), 0, dtype, device)
+    t = Tensor(layout, ref.id, ref.mesh, ref.stream, ref.ident)
+    ref._deleted = True
+    return t
+
+
+register_ref_type(Tensor, Ref._wire_id)
+
+from . import dispatch as _dispatch  # noqa: E402 - dispatch builds Tensors

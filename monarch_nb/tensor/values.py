@@ -1,0 +1,58 @@
+"""Values of mesh tensors on the controller: one shard, or every shard."""
+
+from __future__ import annotations
+
+from ..controller import AsyncResult
+from ..protocol import aten
+from ..remote import remote
+from .tensor import Tensor
+
+
+def shard_rank(t: Tensor, coords: dict) -> int:
+    """The global rank at ``coords`` of ``t``'s mesh (dims not named: index 0)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"expected a mesh tensor (mnb.Tensor), got {type(t).__name__}")
+    mesh = t.mesh
+    names = list(mesh.dims)
+    for d in coords:
+        if d not in names:
+            raise ValueError(f"mesh {mesh.name!r} has no dim {d!r} (dims: {names})")
+    sl = mesh._slice
+    rank = sl.offset
+    for name, size, stride in zip(names, sl.sizes, sl.strides):
+        i = coords.get(name, 0)
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"coordinate {name}={i!r}: expected an int")
+        if not -size <= i < size:
+            raise IndexError(f"coordinate {name}={i} out of range for dim {name!r} of size {size}")
+        rank += (i % size) * stride
+    return rank
+
+
+def fetch_shard(t: Tensor, timeout: float | None = None, **coords) -> AsyncResult:
+    """The AsyncResult of the shard of ``t`` at mesh coordinates ``coords``
+    (``dp=1``; dims not named: 0), a local torch.Tensor."""
+    return t.fetch_async(rank=shard_rank(t, coords), timeout=timeout)
+
+
+def inspect(t: Tensor, timeout: float | None = None, **coords):
+    """The shard of ``t`` at ``coords`` (default: the mesh's first rank) as a local
+    tensor; blocks. A failure of the ops behind it on that rank is raised here."""
+    return fetch_shard(t, timeout=timeout, **coords).result()
+
+
+def worker_tensor(mesh, name: str) -> Tensor:
+    """``mesh.tensor(name)``: the workers' variable ``name`` (a torch.Tensor on each
+    rank, e.g. made by a ``%%monarch`` cell) as a mesh tensor; its layout is read
+    once, from the mesh's first rank, and must be the same on every rank."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"mesh.tensor() needs a variable name, got {name!r}")
+    ref = mesh.exec(name)
+    try:
+        layout = remote(aten.layout)(ref, mesh=mesh).fetch(rank=mesh.targets[0])
+    except Exception:
+        ref.delete()
+        raise
+    t = Tensor(layout, ref.id, mesh, ref.stream, ref.ident)
+    ref._deleted = True  # t names the value now
+    return t

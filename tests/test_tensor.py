@@ -1,0 +1,470 @@
+"""The tensor engine, first slice: torch under ``mesh.activate()`` runs on every
+rank of a real dp=2 mesh (real workers, ZeroMQ, gloo), layouts from FakeTensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import mesh_kernel, plain
+
+import monarch_nb as mnb
+from monarch_nb.tensor import dispatch as tensor_dispatch
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = mnb.local_mesh(dp=2, name="tensor-engine")
+    try:
+        yield m
+    finally:
+        m.shutdown()
+
+
+def fill_rank(t):
+    """Remote: each rank writes its rank into its shard (in place)."""
+    t.fill_(mnb.current_rank())
+    return None
+
+
+def shard_sum(t):
+    return float(t.sum())
+
+
+def test_factories_ops_and_layouts(mesh):
+    with mesh.activate():
+        a = torch.ones(3, 4)
+        b = torch.arange(12.0).reshape(3, 4)
+        c = a + b
+        d = c @ c.T
+        s = d.sum(0)
+        z = torch.zeros(2, dtype=torch.int64)
+        f = torch.full((2, 2), 7.0)
+        e = torch.empty(5)
+        r = torch.rand(2, 3)
+        n = torch.randn(4)
+    for t in (a, b, c, d, s, z, f, e, r, n):
+        assert isinstance(t, mnb.Tensor) and isinstance(t, mnb.Ref)
+    assert d.shape == (3, 3) and s.shape == (3,) and z.dtype == torch.int64
+    assert e.shape == (5,) and r.shape == (2, 3) and n.dtype == torch.float32
+    expect = torch.ones(3, 4) + torch.arange(12.0).reshape(3, 4)
+    for rank in (0, 1):
+        assert torch.equal(mnb.inspect(c, dp=rank), expect)
+    assert torch.equal(mnb.inspect(d), expect @ expect.T)
+    assert torch.equal(mnb.inspect(s), (expect @ expect.T).sum(0))
+    assert torch.equal(mnb.inspect(f), torch.full((2, 2), 7.0))
+    assert mnb.inspect(r).shape == (2, 3)
+    # outside the block, ops on mesh tensors still go to their mesh
+    g = c * 2
+    assert isinstance(g, mnb.Tensor)
+    assert torch.equal(mnb.inspect(g, dp=1), expect * 2)
+
+
+def test_repr_names_layout_never_values(mesh):
+    with mesh.activate():
+        t = torch.full((2, 3), 123.25)
+    text = repr(t)
+    for part in ("mnb.Tensor", "(2, 3)", "float32", "tensor-engine", "dp=2", "default"):
+        assert part in text, text
+    assert "123" not in text and "123" not in str(t)
+    assert "mnb.inspect" in str(t)
+
+
+def test_views_share_the_base_storage_and_inplace_ops(mesh):
+    with mesh.activate():
+        base = torch.zeros(3, 4)
+        row = base[1]
+        col = base[:, 2]
+        row.add_(5)
+        col.fill_(-1)
+        view = base.view(12)
+    assert row.shape == (4,) and col.shape == (3,) and view.shape == (12,)
+    expect = torch.zeros(3, 4)
+    expect[1] += 5
+    expect[:, 2] = -1
+    assert torch.equal(mnb.inspect(base, dp=1), expect)
+    assert torch.equal(mnb.inspect(view), expect.view(12))
+    assert torch.equal(mnb.inspect(row), expect[1])
+
+
+def test_multi_output_ops_and_torch_tensor(mesh):
+    with mesh.activate():
+        x = torch.tensor([[1.0, 9.0, 3.0], [7.0, 2.0, 8.0]])
+        values, indices = x.max(dim=1)
+    assert isinstance(values, mnb.Tensor) and indices.dtype == torch.int64
+    assert torch.equal(mnb.inspect(values), torch.tensor([9.0, 8.0]))
+    assert torch.equal(mnb.inspect(indices, dp=1), torch.tensor([1, 2]))
+
+
+def test_mesh_tensor_is_a_ref(mesh):
+    with mesh.activate():
+        t = torch.ones(4)
+    mnb.remote(fill_rank)(t, mesh=mesh)
+    shards = t.fetch()
+    assert [s.tolist() for s in shards] == [[0.0] * 4, [1.0] * 4]
+    assert mnb.fetch_shard(t, dp=1).result().tolist() == [1.0] * 4
+    assert mnb.remote(shard_sum)(t, mesh=mesh).fetch() == [0.0, 4.0]
+    total = t.reduce("dp", "sum")
+    assert isinstance(total, mnb.Tensor) and total.shape == (4,)
+    assert mnb.inspect(total, dp=1).tolist() == [1.0] * 4
+    stacked = t.reduce("dp", "stack")
+    assert stacked.shape == (2, 4)
+    assert mnb.inspect(stacked).tolist() == [[0.0] * 4, [1.0] * 4]
+    with mesh.activate():
+        after = total * 3
+    assert mnb.inspect(after).tolist() == [3.0] * 4
+    assert t.reduce_("dp", "max") is t
+    assert [s.tolist() for s in t.fetch()] == [[1.0] * 4, [1.0] * 4]
+
+
+def test_fetch_shard_is_an_async_result(mesh):
+    with mesh.activate():
+        t = torch.arange(3)
+    r = mnb.fetch_shard(t, dp=1)
+    assert isinstance(r, mnb.AsyncResult)
+    assert r.result(timeout=30).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="no dim 'tp'"):
+        mnb.inspect(t, tp=0)
+    with pytest.raises(IndexError, match="out of range"):
+        mnb.inspect(t, dp=2)
+
+
+def test_no_mesh_runs_local_torch(mesh):
+    with mesh.activate():
+        with mnb.no_mesh():
+            local = torch.ones(2) * 3
+        remote = torch.ones(2)
+    assert type(local) is torch.Tensor and local.tolist() == [3.0, 3.0]
+    assert isinstance(remote, mnb.Tensor)
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda t: t.item(),
+        lambda t: bool(t),
+        lambda t: float(t),
+        lambda t: t.tolist(),
+        lambda t: torch.nonzero(t),
+    ],
+    ids=["item", "bool", "float", "tolist", "nonzero"],
+)
+def test_values_stay_remote_errors_name_inspect(mesh, use):
+    with mesh.activate():
+        t = torch.ones(1)
+        with pytest.raises(RuntimeError, match=r"mnb\.inspect"):
+            use(t)
+        assert mnb.inspect(t + 1).tolist() == [2.0]  # the mesh keeps working
+
+
+def test_local_tensor_mixed_with_mesh_tensors_is_refused(mesh):
+    local = torch.ones(3)
+    with mesh.activate():
+        t = torch.ones(3)
+        with pytest.raises(mnb.RefUseError, match=r"mixes a local tensor .*mnb\.inspect"):
+            t + local
+        with pytest.raises(mnb.RefUseError, match="mixes a local tensor"):
+            torch.mm(local.view(1, 3), t.view(3, 1))
+        # a 0-dim local tensor goes with the op by value, as a CPU scalar does with CUDA
+        host = torch.tensor(2.5, dtype=torch.float64)  # a 0-dim torch.tensor stays local
+        assert type(host) is torch.Tensor
+        scaled = t * host
+        assert isinstance(scaled, mnb.Tensor) and scaled.dtype == torch.float32
+        # local tensors alone stay local: an inspected shard can be read and printed
+        shard = mnb.inspect(t * 2)
+        assert type(local * 2) is torch.Tensor
+        assert float(shard.sum()) == 6.0 and "tensor([2., 2., 2.])" in repr(shard)
+    assert mnb.inspect(scaled, dp=1).tolist() == [2.5] * 3
+
+
+def test_shape_errors_at_the_call(mesh):
+    with mesh.activate():
+        a, b = torch.ones(3), torch.ones(4)
+        with pytest.raises(RuntimeError, match=r"aten\.add\.Tensor: .*broadcast"):
+            a + b
+        assert mnb.inspect(a + 1).tolist() == [2.0] * 3
+
+
+def test_op_without_fake_kernel_names_the_op(mesh):
+    lib = torch.library.Library("mnbtest", "FRAGMENT")  # noqa: TOR901 - a test-only op
+    lib.define("nofake(Tensor x) -> Tensor")
+    lib.impl("nofake", lambda x: x.clone(), "CPU")
+    with mesh.activate():
+        t = torch.ones(2)
+        with pytest.raises(NotImplementedError, match=r"mnbtest\.nofake.*mnb\.remote"):
+            torch.ops.mnbtest.nofake(t)
+        assert mnb.inspect(t + 1).tolist() == [2.0, 2.0]
+
+
+def test_tensor_of_another_mesh(mesh):
+    other = mnb.local_mesh(dp=1, name="tensor-other")
+    try:
+        with other.activate():
+            theirs = torch.ones(2)
+        with mesh.activate():
+            ours = torch.ones(2)
+            with pytest.raises(mnb.RefUseError, match="to_mesh"):
+                ours + theirs
+        assert mnb.inspect(ours + 1).tolist() == [2.0, 2.0]
+    finally:
+        other.shutdown()
+    with pytest.raises(mnb.MeshClosedError, match="shut down"):
+        theirs + 1
+    ours.delete()
+    with pytest.raises(mnb.RefUseError, match="was deleted"):
+        ours * 2
+    with mesh.activate():
+        assert mnb.inspect(torch.ones(1)).tolist() == [1.0]
+
+
+def test_failure_on_one_rank_surfaces_once_and_the_mesh_survives(mesh):
+    with mesh.activate():
+        x = torch.arange(4.0)
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)  # rank 0: index 0, rank 1: index 1
+    with mesh.activate():
+        big = idx * 10  # rank 1: index 10, out of range
+        picked = x[big]
+        dependent = picked + 1
+    assert mnb.inspect(dependent, dp=0).tolist() == [1.0]
+    with pytest.raises(mnb.RemoteError, match="rank 1") as info:
+        mnb.inspect(dependent, dp=1)
+    assert "index" in str(info.value).lower()
+    mesh.wait()  # reported once: the wait does not raise it again
+    with mesh.activate():
+        fine = x + 1
+    assert mnb.inspect(fine, dp=1).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_repeated_op_uses_the_layout_cache(mesh):
+    with mesh.activate():
+        x = torch.ones(8)
+        y = x + 1
+        before = len(tensor_dispatch._cache)
+        for _ in range(20):
+            y = y + 1
+        assert len(tensor_dispatch._cache) == before
+        z = x.double() + 1  # another dtype: another entry
+        assert len(tensor_dispatch._cache) > before
+    assert z.dtype == torch.float64
+    assert mnb.inspect(y, dp=1).tolist() == [22.0] * 8
+
+
+def test_adam_steps_on_the_mesh(mesh):
+    with mesh.activate():
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        x = torch.randn(32, 4)
+        y = x.sum(1, keepdim=True)
+        losses = []
+        for _ in range(30):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        step = opt.state[model.weight]["step"]
+        assert type(step) is torch.Tensor and float(step) == 30.0  # the host step count
+        assert isinstance(opt.state[model.weight]["exp_avg"], mnb.Tensor)
+    assert float(mnb.inspect(losses[-1])) < float(mnb.inspect(losses[0])) / 2
+
+
+def test_linear_data_parallel_training(mesh):
+    with mesh.activate():
+        model = torch.nn.Linear(4, 1)
+        w = model.weight
+        assert isinstance(w, mnb.Tensor) and isinstance(w, torch.nn.Parameter)
+        assert w.requires_grad and w.shape == (1, 4)
+        with torch.no_grad():  # the same start on every rank
+            for p in model.parameters():
+                p.copy_(p.reduce("dp", "avg"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x = torch.randn(32, 4)
+        y = x @ torch.arange(1.0, 5.0).view(4, 1)
+        losses = []
+        for _ in range(40):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            for p in model.parameters():
+                assert isinstance(p.grad, mnb.Tensor) and p.grad.shape == p.shape
+                p.grad.reduce("dp", "avg", inplace=True)
+            opt.step()
+            losses.append(loss)
+        assert isinstance(loss, mnb.Tensor) and loss.shape == ()
+    for rank in (0, 1):
+        first = float(mnb.inspect(losses[0], dp=rank))
+        last = float(mnb.inspect(losses[-1], dp=rank))
+        assert last < first / 4, (rank, first, last)
+    w0, w1 = model.weight.fetch()
+    assert torch.allclose(w0, w1)  # averaged gradients keep the replicas equal
+
+
+def test_failing_inplace_op_marks_the_mutated_tensor(mesh):
+    with mesh.activate():
+        x = torch.zeros(4)
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)
+    with mesh.activate():
+        x[idx * 10] = 1.0  # index_put_: out of range on rank 1 only
+    assert mnb.inspect(x, dp=0).tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(mnb.RemoteError, match="rank 1"):
+        mnb.inspect(x, dp=1)
+    with mesh.activate():
+        y = torch.ones(2) * 2
+    assert mnb.inspect(y, dp=1).tolist() == [2.0, 2.0]
+
+
+def test_push_a_mesh_tensor_to_the_workers_namespace(mesh):
+    # what %%monarch --push t sends: the name bound to each rank's shard
+    with mesh.activate():
+        t = torch.arange(3.0) + 1
+    mesh.push(pushed=t)
+    mesh.exec("pushed_sum = float(pushed.sum())").fetch()
+    assert mesh.pull("pushed_sum") == [6.0, 6.0]
+
+
+def test_borrow_on_another_stream(mesh):
+    comms = mesh.stream("tensor-comms")
+    with mesh.activate():
+        t = torch.ones(3)
+        with pytest.raises(mnb.RefUseError, match="borrow"):
+            with comms.activate():
+                t + 1
+        b = t.borrow(comms)
+        assert isinstance(b, mnb.Tensor) and b.stream.name == "tensor-comms"
+        with comms.activate():
+            c = b * 5
+    assert c.stream.name == "tensor-comms"
+    assert mnb.inspect(c, dp=1).tolist() == [5.0] * 3
+    del b
+    assert mnb.inspect(t + 1).tolist() == [2.0] * 3
+
+
+def test_sub_meshes_and_to_mesh(mesh):
+    first, second = mesh.slice(dp=slice(0, 1)), mesh.slice(dp=slice(1, 2))
+    with first.activate():
+        a = torch.arange(3.0) * 2
+    assert a.mesh is first
+    b = a.to_mesh(second)
+    assert isinstance(b, mnb.Tensor) and b.mesh is second and b.shape == (3,)
+    assert mnb.inspect(b).tolist() == [0.0, 2.0, 4.0]
+    with mesh.activate():
+        with pytest.raises(mnb.RefUseError, match="ranks"):
+            a + 1  # its values are on rank 0 only; the op would run on both
+    with second.activate():
+        assert mnb.inspect(b + 1).tolist() == [1.0, 3.0, 5.0]
+
+
+def test_public_names_are_documented():
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    table = api.split("| name | what |", 1)[1].split("\n\n", 1)[0]
+    first_cells = [row.split("|")[1] for row in table.strip().splitlines()[1:]]
+    documented = {w.strip("` ") for cell in first_cells for w in cell.split(",")}
+    assert set(mnb.__all__) == documented
+    for name in ("Tensor", "inspect", "fetch_shard", "no_mesh"):
+        assert getattr(mnb, name) is getattr(mnb.tensor, name)
+
+
+@pytest.mark.kernel
+def test_notebook_repr_and_monarch_push(tmp_path):
+    # a real kernel: the cell shows the layout, and %%monarch --push t binds each shard
+    with mesh_kernel(tmp_path) as k:
+        k.ok("import torch\nwith mnb.get_mesh().activate():\n    t = torch.arange(4.0) * 2")
+        (shown,) = plain(k.ok("t"))
+        assert "mnb.Tensor(shape=(4,)" in shown and "'default' (dp=2)" in shown
+        assert "6." not in shown
+        out = plain(
+            k.ok(
+                "%%monarch --push t\nimport monarch_nb\nfloat(t.sum()) + monarch_nb.current_rank()"
+            )
+        )
+        assert out == ["[rank 0] 12.0", "[rank 1] 13.0"], out
+
+
+def test_commands_are_named_after_their_ops(mesh):
+    with mesh.activate():
+        a = torch.ones(2, 2)
+        b = a @ a
+        c = b + 1
+    # what the dashboard's running column shows for each command
+    state = mesh._controller.state
+    assert state.what_of(0, b.ident) == "aten.mm"
+    assert state.what_of(0, c.ident) == "aten.add.Tensor"
+    mnb.inspect(c)
+
+
+def test_failing_inplace_op_on_a_view_marks_its_base(mesh):
+    with mesh.activate():
+        base = torch.zeros(2, 3)
+        row = base[1]
+        other = base[0]
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)
+    with mesh.activate():
+        row[idx * 10] = 5.0  # out of range on rank 1 only
+    assert mnb.inspect(base, dp=0).tolist() == [[0.0] * 3, [5.0, 0.0, 0.0]]
+    assert mnb.inspect(other, dp=0).tolist() == [0.0] * 3
+    for alias in (base, other, row):
+        with pytest.raises(mnb.RemoteError, match="rank 1"):
+            mnb.inspect(alias, dp=1)
+    with mesh.activate():
+        fresh = torch.ones(2)
+    assert mnb.inspect(fresh, dp=1).tolist() == [1.0, 1.0]
+
+
+def test_mesh_tensor_from_a_worker_variable(mesh):
+    mesh.exec(
+        "import monarch_nb\nworker_made = torch.arange(6.0).reshape(2, 3) + monarch_nb.current_rank()"
+    ).fetch()
+    t = mesh.tensor("worker_made")
+    assert isinstance(t, mnb.Tensor) and t.shape == (2, 3) and t.dtype == torch.float32
+    with mesh.activate():
+        doubled = t * 2
+    assert mnb.inspect(doubled, dp=1).tolist() == [[2.0, 4.0, 6.0], [8.0, 10.0, 12.0]]
+    mesh.exec("not_a_tensor = 3").fetch()
+    with pytest.raises(mnb.RemoteError, match="expected a torch.Tensor"):
+        mesh.tensor("not_a_tensor")
+    with pytest.raises(mnb.RemoteError, match="NameError"):
+        mesh.tensor("no_such_variable")
+    with pytest.raises(ValueError, match="variable name"):
+        mesh.tensor("1x")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a controller without CUDA")
+def test_cuda_on_a_cpu_mesh_fails_at_the_call(mesh):
+    # torch's own check on the controller, before any op reaches the mesh
+    with mesh.activate():
+        t = torch.ones(2)
+        with pytest.raises(AssertionError, match="CUDA"):
+            t.to("cuda")
+        with pytest.raises(AssertionError, match="CUDA"):
+            torch.nn.Linear(2, 2).to("cuda")
+        assert mnb.inspect(t + 1).tolist() == [2.0, 2.0]
+
+
+def test_deepcopy_of_a_module_on_the_mesh(mesh):
+    import copy
+
+    with mesh.activate():
+        model = torch.nn.Linear(3, 2)
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the copy has storage of its own
+    w, tw = twin.weight, model.weight
+    assert isinstance(w, mnb.Tensor) and isinstance(w, torch.nn.Parameter) and w.requires_grad
+    assert w.id != tw.id and w.shape == (2, 3)
+    assert torch.allclose(mnb.inspect(tw, dp=1), mnb.inspect(w, dp=1) + 1)
+
+
+def test_seeding_every_rank_makes_factories_agree(mesh):
+    mnb.remote(torch.random.manual_seed)(1234, mesh=mesh)
+    with mesh.activate():
+        r = torch.randn(5)
+    first, second = r.fetch()
+    assert torch.equal(first, second)
+    mnb.remote(torch.random.manual_seed)(1234, mesh=mesh)
+    with mesh.activate():
+        again = torch.randn(5)
+    assert torch.equal(mnb.inspect(again), first)
