@@ -35,6 +35,9 @@ RECV_HWM = 256  # messages queued per worker socket before ZeroMQ stops reading 
 TICK = 0.1  # seconds between process checks and housekeeping
 SIGINT = int(_signal.SIGINT)
 GRACE = 0.005  # seconds the IO thread leaves the socket to a caller that just drove it
+# ... and to one that just sent a request (and most likely waits for it now, driving)
+# or is waiting for the lease: short, as a caller that awaits instead never drives
+SENT_GRACE = 0.0005
 
 
 class IOLoop:
@@ -97,8 +100,9 @@ class IOLoop:
     def submit(self, item) -> None:
         """Hand ``item`` over. A request (someone waits for its replies) leaves at
         once, with everything handed over before it, when the socket is free to
-        drive; other messages go with the next batch (the IO thread's, within
-        GRACE s)."""
+        drive; other messages go with the next batch: the lease holder's (woken),
+        or, right after a caller drove, its next request's (or the IO thread's
+        within GRACE s)."""
         self._outq.append(item)
         if item[0] == "req" and self._lease.acquire(blocking=False):
             try:
@@ -106,22 +110,25 @@ class IOLoop:
                     self._critical(self._drain)
                     return
             finally:
-                self._release_by_caller()
+                self._release_by_caller(SENT_GRACE)
         elif item[0] != "req" and time.monotonic() < self._callers_until:
-            return  # a caller drives these days: it (or the IO thread, after GRACE) sends it
+            return  # a caller drove just now: its next request (or the IO thread) sends it
         self._wake()
 
     def _wake(self) -> None:
-        self._callers_until = time.monotonic() + GRACE
+        """Whoever drives sends what was handed over: the pipe wakes its poll, and
+        the event ends the IO thread's grace."""
         if not self._wake_pending:
             self._wake_pending = True
             try:
                 os.write(self._wake_w, b"x")
             except OSError:
                 pass
+            if not self._io_needed.is_set():
+                self._io_needed.set()
 
-    def _release_by_caller(self) -> None:
-        self._callers_until = time.monotonic() + GRACE
+    def _release_by_caller(self, grace: float = GRACE) -> None:
+        self._callers_until = max(self._callers_until, time.monotonic() + grace)
         self._lease.release()
         if self._outq and not self._io_needed.is_set():
             self._io_needed.set()  # what another caller handed over meanwhile
@@ -141,8 +148,8 @@ class IOLoop:
                     self._step(left)
                 finally:
                     self._release_by_caller()
-            else:
-                self._callers_until = time.monotonic() + GRACE
+            else:  # the IO thread drives: it leaves the lease to us after this step
+                self._callers_until = max(self._callers_until, time.monotonic() + SENT_GRACE)
                 try:
                     future.exception(left)
                 except BaseException as e:  # noqa: B036 - a timeout here; Ctrl-C goes up
@@ -150,7 +157,7 @@ class IOLoop:
                         raise
 
     def submit_quiet(self, item) -> None:
-        """Hand over without waking the loop (sent with the next batch)."""
+        """Hand over without waking anyone (sent with the next batch)."""
         self._outq.append(item)
 
     def call(self, fn) -> Future:
@@ -179,15 +186,16 @@ class IOLoop:
     def _run(self) -> None:
         while not self._stop:
             try:
+                needed = self._io_needed.is_set()  # handed over: send it now
                 wait = self._callers_until - time.monotonic()
-                if wait > 0 and not self._io_needed.is_set():
+                if wait > 0 and not needed:
                     self._io_needed.wait(wait)
                     continue
                 self._io_needed.clear()
                 if not self._lease.acquire(timeout=TICK):
                     continue
                 try:
-                    if time.monotonic() < self._callers_until and not self._io_needed.is_set():
+                    if not needed and time.monotonic() < self._callers_until:
                         continue  # a caller drove just now: let it keep the socket
                     self._step(TICK)
                 finally:
