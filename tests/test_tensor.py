@@ -464,7 +464,32 @@ def test_seeding_every_rank_makes_factories_agree(mesh):
         r = torch.randn(5)
     first, second = r.fetch()
     assert torch.equal(first, second)
-    mnb.remote(torch.random.manual_seed)(1234, mesh=mesh)
+    mnb.remote(torch.manual_seed)(1234, mesh=mesh)  # sent by reference
     with mesh.activate():
         again = torch.randn(5)
     assert torch.equal(mnb.inspect(again), first)
+
+
+def test_manual_seed_under_the_mesh_seeds_every_rank(mesh):
+    with mesh.activate():
+        torch.manual_seed(7)
+        a = torch.rand(6)
+        b = torch.randn(2, 3)
+        torch.manual_seed(7)  # a rerun: the same shards
+        a2 = torch.rand(6)
+        torch.manual_seed(8)
+        c = torch.rand(6)
+    a0, a1 = a.fetch()
+    assert torch.equal(a0, a1)  # every rank the same stream (as Monarch's default)
+    assert torch.equal(mnb.inspect(a2, dp=1), a0)
+    assert not torch.equal(mnb.inspect(c), a0)
+    assert not torch.equal(mnb.inspect(b).flatten()[:6], a0)
+    # the controller is seeded too, and inside no_mesh() the seed is local only
+    torch.manual_seed(7)
+    assert torch.equal(torch.rand(6), a0)
+    with mesh.activate():
+        torch.manual_seed(8)
+        with mnb.no_mesh():
+            torch.manual_seed(7)
+        d = torch.rand(6)
+    assert torch.equal(mnb.inspect(d, dp=1), mnb.inspect(c))

@@ -47,3 +47,10 @@ def layout(value) -> tuple:
         value.dtype,
         value.device,
     )
+
+
+def manual_seed(seed: int) -> None:
+    """Seed this rank's torch generators (CPU, and CUDA where there is one)."""
+    import torch
+
+    torch.manual_seed(seed)
