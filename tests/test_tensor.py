@@ -493,3 +493,66 @@ def test_manual_seed_under_the_mesh_seeds_every_rank(mesh):
             torch.manual_seed(7)
         d = torch.rand(6)
     assert torch.equal(mnb.inspect(d, dp=1), mnb.inspect(c))
+
+
+def double_plus_rank(t):
+    return t * 2 + mnb.current_rank()
+
+
+def halves(t):
+    return t[:1].clone(), t[1:] + 0
+
+
+def test_remote_with_a_propagator_returns_mesh_tensors(mesh):
+    with mesh.activate():
+        a = torch.arange(4.0)
+    out = mnb.remote(double_plus_rank, propagate=lambda t: torch.empty_like(t))(a)
+    assert isinstance(out, mnb.Tensor) and out.shape == (4,) and out.dtype == torch.float32
+    assert mnb.inspect(out, dp=1).tolist() == [1.0, 3.0, 5.0, 7.0]
+    with mesh.activate():
+        assert mnb.inspect(out + 1).tolist() == [1.0, 3.0, 5.0, 7.0]
+    # a factory-like function: no mesh tensor in, a mesh tensor out
+    ones = mnb.remote(torch.ones, propagate=lambda *size: torch.ones(*size))(2, 3, mesh=mesh)
+    assert isinstance(ones, mnb.Tensor) and ones.shape == (2, 3)
+    assert mnb.inspect(ones, dp=1).sum().item() == 6.0
+
+
+def test_remote_cached_and_inspect_propagation(mesh):
+    with mesh.activate():
+        a = torch.arange(4.0)
+        b = torch.zeros(6)
+    # "cached" (the default with mesh tensors): the first call per layout asks rank 0
+    f = mnb.remote(halves)
+    first, rest = f(a)
+    assert isinstance(first, mnb.Tensor) and first.shape == (1,) and rest.shape == (3,)
+    assert mnb.inspect(rest, dp=1).tolist() == [1.0, 2.0, 3.0]
+    from monarch_nb.tensor import remote_call
+
+    key_count = len(remote_call._layouts[halves])
+    first2, rest2 = mnb.remote(halves)(a)  # the same layout: cached, nothing asked
+    assert len(remote_call._layouts[halves]) == key_count
+    _, rest3 = f(b)  # another layout: asked again
+    assert rest3.shape == (5,) and len(remote_call._layouts[halves]) == key_count + 1
+    # "inspect": asked every time; the result list keeps its type
+    g = mnb.remote(lambda t: [t.sum(), t], propagate="inspect")
+    s, same = g(b)
+    assert s.shape == () and same.shape == (6,)
+    # a result that is no tensor stays a plain Ref
+    v = mnb.remote(shard_sum)(a)
+    assert type(v) is mnb.Ref and v.fetch() == [6.0, 6.0]
+
+
+def test_remote_propagator_with_the_wrong_shape_fails_at_first_inspect(mesh):
+    with mesh.activate():
+        a = torch.arange(4.0)
+    bad = mnb.remote(double_plus_rank, propagate=lambda t: t[:2])(a)
+    assert bad.shape == (2,)  # what the propagator said
+    with pytest.raises(mnb.RemoteError, match=r"returned shape \(4,\).*propagator said shape \(2,\)"):
+        mnb.inspect(bad)
+    with mesh.activate():
+        fine = torch.ones(2)
+    assert mnb.inspect(fine, dp=1).tolist() == [1.0, 1.0]  # the mesh keeps serving
+    with pytest.raises(ValueError, match="propagate must be"):
+        mnb.remote(double_plus_rank, propagate="sometimes")
+    with pytest.raises(TypeError, match="must return the fake outputs"):
+        mnb.remote(double_plus_rank, propagate=lambda t: 3)(a)
