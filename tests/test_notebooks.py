@@ -331,7 +331,8 @@ def test_recordings_pipes_groups_notebook(tmp_path):
 
 
 def test_tensor_engine_notebook(tmp_path):
-    """The tour of the tensor engine: its cells assert what they show (layouts,
+    """The tour of the tensor engine on a {host: 2, gpu: 2} CPU mesh: its cells
+    assert what they show (layouts,
     per-rank matmuls, a failure on rank 1 and the mesh going on, reductions,
     sub-meshes, data-parallel training with and without a comms stream)."""
     nb = nbformat.read(NOTEBOOKS / "05_tensor_engine.ipynb", as_version=4)
@@ -347,6 +348,9 @@ def test_tensor_engine_notebook(tmp_path):
     )
     assert "tensor([ 9., 27.])" in outputs_text(cells["cell-03"])
     assert "aten.index.Tensor failed on rank 1" in outputs_text(cells["cell-07"])
+    assert "{'dp': 4} {'host': 2, 'tp': 2} {'gpu': 2} [2, 3] [0, 2]" in outputs_text(
+        cells["cell-11"]
+    )
     losses = re.search(r"loss: ([\d.]+) -> ([\d.]+)", outputs_text(cells["cell-13"]))
     assert losses and float(losses[2]) < float(losses[1]) / 2, outputs_text(cells["cell-13"])
     assert "loss after 10 more steps" in outputs_text(cells["cell-15"])
