@@ -332,9 +332,9 @@ def test_recordings_pipes_groups_notebook(tmp_path):
 
 def test_tensor_engine_notebook(tmp_path):
     """The tour of the tensor engine on a {host: 2, gpu: 2} CPU mesh: its cells
-    assert what they show (layouts,
-    per-rank matmuls, a failure on rank 1 and the mesh going on, reductions,
-    sub-meshes, data-parallel training with and without a comms stream)."""
+    assert what they show (layouts, per-rank matmuls, a failure on rank 1 and the
+    mesh going on, reductions, sub-meshes, data-parallel training with and
+    without a comms stream)."""
     nb = nbformat.read(NOTEBOOKS / "05_tensor_engine.ipynb", as_version=4)
     client = notebook_client(nb, tmp_path, timeout=120)
     client.execute(env=kernel_env(tmp_path))

@@ -547,7 +547,9 @@ def test_remote_propagator_with_the_wrong_shape_fails_at_first_inspect(mesh):
         a = torch.arange(4.0)
     bad = mnb.remote(double_plus_rank, propagate=lambda t: t[:2])(a)
     assert bad.shape == (2,)  # what the propagator said
-    with pytest.raises(mnb.RemoteError, match=r"returned shape \(4,\).*propagator said shape \(2,\)"):
+    with pytest.raises(
+        mnb.RemoteError, match=r"returned shape \(4,\).*propagator said shape \(2,\)"
+    ):
         mnb.inspect(bad)
     with mesh.activate():
         fine = torch.ones(2)
@@ -556,3 +558,36 @@ def test_remote_propagator_with_the_wrong_shape_fails_at_first_inspect(mesh):
         mnb.remote(double_plus_rank, propagate="sometimes")
     with pytest.raises(TypeError, match="must return the fake outputs"):
         mnb.remote(double_plus_rank, propagate=lambda t: 3)(a)
+
+
+def wait_for_file(path: str) -> None:
+    """Remote: hold this stream until ``path`` exists (at most 60 s)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_cached_propagation_does_not_wait_for_the_workers(mesh, tmp_path):
+    import threading
+
+    from wait_helpers import wait_for
+
+    with mesh.activate():
+        a = torch.arange(4.0)
+    mnb.remote(halves)(a)  # the first call of this layout asks rank 0 (and waits)
+    gate = tmp_path / "open"
+    mnb.remote(wait_for_file)(str(gate), mesh=mesh)  # the stream is busy until the gate opens
+    got = []
+    caller = threading.Thread(target=lambda: got.append(mnb.remote(halves)(a)), daemon=True)
+    try:
+        caller.start()
+        # the layout is cached: the call returns while the workers are still busy
+        wait_for(lambda: got, timeout=30, what="the cached call to return")
+    finally:
+        gate.touch()
+    caller.join(timeout=60)
+    first, rest = got[0]
+    assert rest.shape == (3,) and mnb.inspect(rest, dp=1).tolist() == [1.0, 2.0, 3.0]
