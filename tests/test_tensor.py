@@ -508,6 +508,7 @@ def test_remote_with_a_propagator_returns_mesh_tensors(mesh):
         a = torch.arange(4.0)
     out = mnb.remote(double_plus_rank, propagate=lambda t: torch.empty_like(t))(a)
     assert isinstance(out, mnb.Tensor) and out.shape == (4,) and out.dtype == torch.float32
+    assert mesh._controller.state.what_of(0, out.ident) == "double_plus_rank"  # the dashboard
     assert mnb.inspect(out, dp=1).tolist() == [1.0, 3.0, 5.0, 7.0]
     with mesh.activate():
         assert mnb.inspect(out + 1).tolist() == [1.0, 3.0, 5.0, 7.0]

@@ -100,11 +100,14 @@ def _fits(got, want) -> bool:
     return True
 
 
-def call_checked(fn, expected, name: str, /, *args, **kwargs):
-    """Run ``fn`` on this rank's values; its result must fit ``expected`` (the
-    layout description the controller built its mesh tensors from), else a
-    LayoutMismatchError naming both."""
-    out = fn(*args, **kwargs)
+def call_checked(function, expected, /, *args, **kwargs):
+    """Run ``function`` (a messages.Function, resolved once per payload) on this
+    rank's values; its result must fit ``expected`` (the layout description the
+    controller built its mesh tensors from), else a LayoutMismatchError naming both."""
+    from .pickling import resolve_function
+
+    name = function.name
+    out = resolve_function(function)(*args, **kwargs)
     if expected is not None:
         got = describe(out)
         if not _fits(got, expected):

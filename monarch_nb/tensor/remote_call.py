@@ -7,7 +7,8 @@ default for a function without a propagator called with mesh tensors): read
 like that the first time per input-metadata key, then remembered. A result
 that is no tensor (nor a tuple or list of tensors) stays a plain Ref.
 
-Each call runs ``protocol.aten.call_checked`` on the workers, which compares
+Each call runs ``protocol.aten.call_checked`` on the workers (the dashboard
+shows the function's own name), which compares
 the result with the layout the controller used, so a wrong propagator fails
 the value (a ``LayoutMismatchError`` at its first inspect or fetch).
 """
@@ -89,7 +90,6 @@ def _cache_of(fn) -> dict:
 def call(rf, args: tuple, kwargs: dict, mesh, stream):
     """Call remote function ``rf`` on ``mesh`` / ``stream``; mesh tensors out."""
     fn, propagate = rf._fn, rf._propagate or "cached"
-    name = getattr(fn, "__name__", None) or type(fn).__name__
     tensors: list = []
     local: list = []
     key = (
@@ -107,11 +107,11 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
     except TypeError:  # an unhashable argument: no cache
         key, desc = None, None
     if desc is None and callable(propagate):
-        desc = _fake_describe(propagate, args, kwargs, tensors, name)
+        desc = _fake_describe(propagate, args, kwargs, tensors, getattr(fn, "__name__", "fn"))
         if key is not None:
             cache[key] = desc
-    function = _CALL._replace(name=name)
-    ref = rf._send((fn, desc, name, *args), kwargs, mesh, stream, function)
+    target = rf._function()  # importable: pickled once for the life of rf
+    ref = rf._send((target, desc, *args), kwargs, mesh, stream, _CALL._replace(name=target.name))
     if desc is None:  # "inspect", or "cached" the first time: ask the first rank
         try:
             desc = _describe._send((ref,), {}, mesh, stream).fetch(rank=mesh.targets[0])
