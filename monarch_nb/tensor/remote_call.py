@@ -93,7 +93,7 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
     tensors: list = []
     local: list = []
     key = (
-        propagate if isinstance(propagate, str) else id(propagate),
+        propagate,  # the object, not its id: a collected lambda's id is reused
         _key(tuple(args), tensors, local),
         _key(tuple(kwargs.items()), tensors, local),
         *[t._layout for t in tensors],
