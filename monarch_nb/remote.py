@@ -325,12 +325,12 @@ class RemoteFunction:
     def __call__(
         self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs
     ) -> Ref:
-        mesh, stream = resolve_target(mesh, stream)
         if self._propagate is not None and _tensor_engine[0] is None:
             _tensor_engine[1]()  # loads the engine, which registers itself
         engine = _tensor_engine[0]
         if engine is not None and (self._propagate is not None or engine.takes(args, kwargs)):
-            return engine.call(self, args, kwargs, mesh, stream)
+            return engine.call(self, args, kwargs, mesh, stream)  # it resolves the target
+        mesh, stream = resolve_target(mesh, stream)
         return self._send(args, kwargs, mesh, stream)
 
     def _send(self, args, kwargs, mesh, stream, function: m.Function | None = None) -> Ref:

@@ -512,6 +512,12 @@ def test_remote_with_a_propagator_returns_mesh_tensors(mesh):
     assert mnb.inspect(out, dp=1).tolist() == [1.0, 3.0, 5.0, 7.0]
     with mesh.activate():
         assert mnb.inspect(out + 1).tolist() == [1.0, 3.0, 5.0, 7.0]
+    # outside a mesh block the call goes where its mesh tensors live (as ops do)
+    second = mesh.slice(dp=slice(1, 2))
+    with second.activate():
+        b = torch.ones(2)
+    on_second = mnb.remote(double_plus_rank)(b)
+    assert on_second.mesh is second and mnb.inspect(on_second).tolist() == [3.0, 3.0]
     # a factory-like function: no mesh tensor in, a mesh tensor out
     ones = mnb.remote(torch.ones, propagate=lambda *size: torch.ones(*size))(2, 3, mesh=mesh)
     assert isinstance(ones, mnb.Tensor) and ones.shape == (2, 3)

@@ -22,10 +22,12 @@ import weakref
 import torch
 from torch.utils._pytree import tree_map
 
+from ..context import resolve_target
 from ..protocol import aten
 from ..protocol.wire import function_ref
 from ..remote import Ref, _tensor_engine, remote
 from .dispatch import _key
+from .mode import active_mesh
 from .propagate import _fake_mode, _fakes_for, layout_of
 from .tensor import Tensor
 
@@ -88,7 +90,8 @@ def _cache_of(fn) -> dict:
 
 
 def call(rf, args: tuple, kwargs: dict, mesh, stream):
-    """Call remote function ``rf`` on ``mesh`` / ``stream``; mesh tensors out."""
+    """Call remote function ``rf`` on ``mesh`` / ``stream`` (None: the active
+    mesh, else the first mesh tensor's, else the default); mesh tensors out."""
     fn, propagate = rf._fn, rf._propagate or "cached"
     tensors: list = []
     local: list = []
@@ -101,6 +104,9 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
     )
     if propagate == "inspect":
         key = None
+    if mesh is None and stream is None and tensors and active_mesh() is None:
+        mesh = tensors[0].mesh  # outside a mesh block: where the inputs live, as ops do
+    mesh, stream = resolve_target(mesh, stream)
     cache = _cache_of(fn)
     try:
         desc = cache.get(key) if key is not None else None
