@@ -598,3 +598,27 @@ def test_cached_propagation_does_not_wait_for_the_workers(mesh, tmp_path):
     caller.join(timeout=60)
     first, rest = got[0]
     assert rest.shape == (3,) and mnb.inspect(rest, dp=1).tolist() == [1.0, 2.0, 3.0]
+
+
+@mnb.remote(propagate=lambda t: t.sum(0))
+def column_sums(t):
+    return t.sum(0)
+
+
+def fail_on_first_rank(t):
+    if mnb.current_rank() == 0:
+        raise ValueError("rank 0 refuses")
+    return t
+
+
+def test_remote_decorator_with_propagate_and_a_failing_first_call(mesh):
+    with mesh.activate():
+        m = torch.ones(3, 2)
+    sums = column_sums(m, mesh=mesh)
+    assert isinstance(sums, mnb.Tensor) and sums.shape == (2,)
+    assert mnb.inspect(sums, dp=1).tolist() == [3.0, 3.0]
+    # "cached", first call: the layout is read from rank 0, so its failure shows at the call
+    with pytest.raises(mnb.RemoteError, match="rank 0 refuses"):
+        mnb.remote(fail_on_first_rank)(m)
+    with mesh.activate():
+        assert mnb.inspect(m + 1, dp=1).tolist() == [[2.0, 2.0]] * 3
