@@ -622,3 +622,17 @@ def test_remote_decorator_with_propagate_and_a_failing_first_call(mesh):
         mnb.remote(fail_on_first_rank)(m)
     with mesh.activate():
         assert mnb.inspect(m + 1, dp=1).tolist() == [[2.0, 2.0]] * 3
+
+
+def test_remote_without_propagator_inside_compile_names_propagate(mesh):
+    with mesh.activate():
+        m = torch.ones(2)
+
+    @mnb.compile
+    def step(t):
+        return mnb.remote(double_plus_rank)(t)
+
+    with pytest.raises(RuntimeError, match="propagate="):
+        step(m)
+    with mesh.activate():
+        assert mnb.inspect(m * 2, dp=1).tolist() == [2.0, 2.0]

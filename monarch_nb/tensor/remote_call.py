@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_map
 
-from ..context import resolve_target
+from ..context import recording_trace, resolve_target
 from ..protocol import aten
 from ..protocol.wire import function_ref
 from ..remote import Ref, _tensor_engine, remote
@@ -116,6 +116,12 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
         desc = _fake_describe(propagate, args, kwargs, tensors, getattr(fn, "__name__", "fn"))
         if key is not None:
             cache[key] = desc
+    if desc is None and recording_trace.active is not None:
+        raise RuntimeError(
+            f"{getattr(fn, '__name__', 'fn')} inside mnb.compile: the layout of its result "
+            f"must be known without asking the workers; give it a propagator: "
+            f"mnb.remote(fn, propagate=lambda *fake_args: fake_result)"
+        )
     target = rf._function()  # importable: pickled once for the life of rf
     ref = rf._send((target, desc, *args), kwargs, mesh, stream, _CALL._replace(name=target.name))
     if desc is None:  # "inspect", or "cached" the first time: ask the first rank
