@@ -518,6 +518,9 @@ def test_remote_with_a_propagator_returns_mesh_tensors(mesh):
         b = torch.ones(2)
     on_second = mnb.remote(double_plus_rank)(b)
     assert on_second.mesh is second and mnb.inspect(on_second).tolist() == [3.0, 3.0]
+    # mesh tensors inside a dict reach the propagator as fakes too
+    pick = mnb.remote(lambda d: d["x"] + 1, propagate=lambda d: d["x"].clone())({"x": a})
+    assert pick.shape == (4,) and mnb.inspect(pick).tolist() == [1.0, 2.0, 3.0, 4.0]
     # a factory-like function: no mesh tensor in, a mesh tensor out
     ones = mnb.remote(torch.ones, propagate=lambda *size: torch.ones(*size))(2, 3, mesh=mesh)
     assert isinstance(ones, mnb.Tensor) and ones.shape == (2, 3)
@@ -628,9 +631,12 @@ def test_remote_without_propagator_inside_compile_names_propagate(mesh):
     with mesh.activate():
         m = torch.ones(2)
 
+    def plus_one(t):  # new here: no layout of it is cached yet
+        return t + 1
+
     @mnb.compile
     def step(t):
-        return mnb.remote(double_plus_rank)(t)
+        return mnb.remote(plus_one)(t)
 
     with pytest.raises(RuntimeError, match="propagate="):
         step(m)

@@ -20,7 +20,7 @@ import sys
 import weakref
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..context import recording_trace, resolve_target
 from ..protocol import aten
@@ -104,6 +104,11 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
     )
     if propagate == "inspect":
         key = None
+    seen = {id(t) for t in tensors}
+    for x in tree_leaves((tuple(args), dict(kwargs))):  # those in dicts, which _key skips
+        if isinstance(x, Tensor) and id(x) not in seen:
+            seen.add(id(x))
+            tensors.append(x)
     if mesh is None and stream is None and tensors and active_mesh() is None:
         mesh = tensors[0].mesh  # outside a mesh block: where the inputs live, as ops do
     mesh, stream = resolve_target(mesh, stream)
