@@ -29,6 +29,7 @@ from .mesh import DeviceMesh, Stream, get_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
 from .remote import ProcessGroup, Ref, RemoteFunction, remote
+from .remote import _tensor_engine as _tensor_engine_slot
 from .worker.context import current_coords, current_rank, current_size
 
 
@@ -55,6 +56,14 @@ def _tensor_mode(mesh):
 
 
 context.on_mesh_activation(_tensor_mode)
+
+
+def _load_tensor_engine() -> None:
+    """``mnb.remote(fn, propagate=...)`` before the engine loaded: load it now."""
+    from . import tensor  # noqa: F401 - registers itself with remote functions
+
+
+_tensor_engine_slot[1] = _load_tensor_engine
 
 
 def __getattr__(name):

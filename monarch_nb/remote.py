@@ -301,11 +301,17 @@ def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
 class RemoteFunction:
     """A function that runs on the workers: calling it returns a Ref at once."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, propagate=None):
         if not callable(fn):
             raise TypeError(f"remote() needs a callable, got {type(fn).__name__}")
+        if not (propagate is None or callable(propagate) or propagate in _PROPAGATE):
+            raise ValueError(
+                f"propagate must be a function (fake inputs -> fake outputs), 'cached' "
+                f"or 'inspect', got {propagate!r}"
+            )
         self._fn = fn
         self._cached = None
+        self._propagate = propagate
         functools.update_wrapper(self, fn, updated=())
 
     def _function(self) -> m.Function:
@@ -319,7 +325,16 @@ class RemoteFunction:
     def __call__(
         self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs
     ) -> Ref:
+        if self._propagate is not None and _tensor_engine[0] is None:
+            _tensor_engine[1]()  # loads the engine, which registers itself
+        engine = _tensor_engine[0]
+        if engine is not None and (self._propagate is not None or engine.takes(args, kwargs)):
+            return engine.call(self, args, kwargs, mesh, stream)  # it resolves the target
         mesh, stream = resolve_target(mesh, stream)
+        return self._send(args, kwargs, mesh, stream)
+
+    def _send(self, args, kwargs, mesh, stream, function: m.Function | None = None) -> Ref:
+        """Send the call (``function`` instead of this one's, if given); its Ref."""
         ctrl = mesh._controller
         ctrl.check_usable()
         if args or kwargs:
@@ -332,7 +347,8 @@ class RemoteFunction:
             packed, refs = None, ()
         if refs:
             check_refs([r for r in refs if isinstance(r, Ref)], mesh, stream)
-        function = self._function()
+        if function is None:
+            function = self._function()
         result = ctrl.next_id()
         ident = ctrl.next_ident()
         ctrl.send(
@@ -347,15 +363,29 @@ class RemoteFunction:
         return f"<remote {getattr(self._fn, '__qualname__', self._fn)!r}>"
 
 
-def remote(fn=None):
+_PROPAGATE = ("cached", "inspect")
+# the tensor engine, once loaded (it registers itself): .takes(args, kwargs) says whether
+# a call has mesh tensors among its arguments, .call(...) makes it return mesh tensors;
+# and how to load it (the package sets that: this layer never imports the engine)
+_tensor_engine: list = [None, lambda: None]
+
+
+def remote(fn=None, *, propagate=None):
     """``remote(torch.ones)`` or ``@remote`` on a def: calls run on the workers.
 
     Call with ``mesh=`` and ``stream=`` keywords to choose where (default: the
     active mesh and stream); every other argument goes to the function. Refs
     among the arguments (at any depth) become their per-rank values.
+    ``propagate`` (a function of fake inputs returning fake outputs, ``"cached"``
+    or ``"inspect"``) makes calls return mesh tensors; called with mesh tensors,
+    a function without one is ``"cached"``.
     """
     if fn is None:
-        return RemoteFunction
-    if isinstance(fn, RemoteFunction):
+        if propagate is None:
+            return RemoteFunction
+        return functools.partial(RemoteFunction, propagate=propagate)
+    if isinstance(fn, RemoteFunction) and propagate is None:
         return fn
-    return RemoteFunction(fn)
+    if isinstance(fn, RemoteFunction):
+        fn = fn._fn
+    return RemoteFunction(fn, propagate)

@@ -74,6 +74,7 @@ def test_every_notebook_is_tested():
         "02_errors_and_interrupts.ipynb",
         "03_remote_pdb.ipynb",
         "04_recordings_pipes_groups.ipynb",
+        "05_tensor_engine.ipynb",
     ]
 
 
@@ -327,3 +328,30 @@ def test_recordings_pipes_groups_notebook(tmp_path):
     gens = re.search(r"worker pids \[([\d, ]+)\] -> \[([\d, ]+)\]", text("cell-14"))
     pids = [int(p) for g in gens.groups() for p in g.split(",")]
     assert wait_gone(pids) == []
+
+
+def test_tensor_engine_notebook(tmp_path):
+    """The tour of the tensor engine on a {host: 2, gpu: 2} CPU mesh: its cells
+    assert what they show (layouts, per-rank matmuls, a failure on rank 1 and the
+    mesh going on, reductions, sub-meshes, data-parallel training with and
+    without a comms stream, remote functions returning mesh tensors)."""
+    nb = nbformat.read(NOTEBOOKS / "05_tensor_engine.ipynb", as_version=4)
+    client = notebook_client(nb, tmp_path, timeout=120)
+    client.execute(env=kernel_env(tmp_path))
+    nbformat.validate(nb)
+    cells = {c.id: c for c in nb.cells}
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            assert o.output_type != "error", outputs_text(cell)
+    assert "mnb.Tensor(shape=(2,), dtype=torch.float32, mesh='tour'" in outputs_text(
+        cells["cell-03"]
+    )
+    assert "tensor([ 9., 27.])" in outputs_text(cells["cell-03"])
+    assert "aten.index.Tensor failed on rank 1" in outputs_text(cells["cell-07"])
+    assert "{'dp': 4} {'host': 2, 'tp': 2} {'gpu': 2} [2, 3] [0, 2]" in outputs_text(
+        cells["cell-11"]
+    )
+    losses = re.search(r"loss: ([\d.]+) -> ([\d.]+)", outputs_text(cells["cell-13"]))
+    assert losses and float(losses[2]) < float(losses[1]) / 2, outputs_text(cells["cell-13"])
+    assert "loss after 10 more steps" in outputs_text(cells["cell-15"])
+    assert "mnb.Tensor(shape=(4,), dtype=torch.float32" in outputs_text(cells["cell-17"])

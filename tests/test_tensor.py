@@ -464,7 +464,181 @@ def test_seeding_every_rank_makes_factories_agree(mesh):
         r = torch.randn(5)
     first, second = r.fetch()
     assert torch.equal(first, second)
-    mnb.remote(torch.random.manual_seed)(1234, mesh=mesh)
+    mnb.remote(torch.manual_seed)(1234, mesh=mesh)  # sent by reference
     with mesh.activate():
         again = torch.randn(5)
     assert torch.equal(mnb.inspect(again), first)
+
+
+def test_manual_seed_under_the_mesh_seeds_every_rank(mesh):
+    with mesh.activate():
+        torch.manual_seed(7)
+        a = torch.rand(6)
+        b = torch.randn(2, 3)
+        torch.manual_seed(7)  # a rerun: the same shards
+        a2 = torch.rand(6)
+        torch.manual_seed(8)
+        c = torch.rand(6)
+    a0, a1 = a.fetch()
+    assert torch.equal(a0, a1)  # every rank the same stream (as Monarch's default)
+    assert torch.equal(mnb.inspect(a2, dp=1), a0)
+    assert not torch.equal(mnb.inspect(c), a0)
+    assert not torch.equal(mnb.inspect(b).flatten()[:6], a0)
+    # the controller is seeded too, and inside no_mesh() the seed is local only
+    torch.manual_seed(7)
+    assert torch.equal(torch.rand(6), a0)
+    with mesh.activate():
+        torch.manual_seed(8)
+        with mnb.no_mesh():
+            torch.manual_seed(7)
+        d = torch.rand(6)
+    assert torch.equal(mnb.inspect(d, dp=1), mnb.inspect(c))
+
+
+def double_plus_rank(t):
+    return t * 2 + mnb.current_rank()
+
+
+def halves(t):
+    return t[:1].clone(), t[1:] + 0
+
+
+def test_remote_with_a_propagator_returns_mesh_tensors(mesh):
+    with mesh.activate():
+        a = torch.arange(4.0)
+    out = mnb.remote(double_plus_rank, propagate=lambda t: torch.empty_like(t))(a)
+    assert isinstance(out, mnb.Tensor) and out.shape == (4,) and out.dtype == torch.float32
+    assert mesh._controller.state.what_of(0, out.ident) == "double_plus_rank"  # the dashboard
+    assert mnb.inspect(out, dp=1).tolist() == [1.0, 3.0, 5.0, 7.0]
+    with mesh.activate():
+        assert mnb.inspect(out + 1).tolist() == [1.0, 3.0, 5.0, 7.0]
+    # outside a mesh block the call goes where its mesh tensors live (as ops do)
+    second = mesh.slice(dp=slice(1, 2))
+    with second.activate():
+        b = torch.ones(2)
+    on_second = mnb.remote(double_plus_rank)(b)
+    assert on_second.mesh is second and mnb.inspect(on_second).tolist() == [3.0, 3.0]
+    # mesh tensors inside a dict reach the propagator as fakes too
+    pick = mnb.remote(lambda d: d["x"] + 1, propagate=lambda d: d["x"].clone())({"x": a})
+    assert pick.shape == (4,) and mnb.inspect(pick).tolist() == [1.0, 2.0, 3.0, 4.0]
+    # a factory-like function: no mesh tensor in, a mesh tensor out
+    ones = mnb.remote(torch.ones, propagate=lambda *size: torch.ones(*size))(2, 3, mesh=mesh)
+    assert isinstance(ones, mnb.Tensor) and ones.shape == (2, 3)
+    assert mnb.inspect(ones, dp=1).sum().item() == 6.0
+
+
+def test_remote_cached_and_inspect_propagation(mesh):
+    with mesh.activate():
+        a = torch.arange(4.0)
+        b = torch.zeros(6)
+    # "cached" (the default with mesh tensors): the first call per layout asks rank 0
+    f = mnb.remote(halves)
+    first, rest = f(a)
+    assert isinstance(first, mnb.Tensor) and first.shape == (1,) and rest.shape == (3,)
+    assert mnb.inspect(rest, dp=1).tolist() == [1.0, 2.0, 3.0]
+    from monarch_nb.tensor import remote_call
+
+    key_count = len(remote_call._layouts[halves])
+    first2, rest2 = mnb.remote(halves)(a)  # the same layout: cached, nothing asked
+    assert len(remote_call._layouts[halves]) == key_count
+    _, rest3 = f(b)  # another layout: asked again
+    assert rest3.shape == (5,) and len(remote_call._layouts[halves]) == key_count + 1
+    # "inspect": asked every time; the result list keeps its type
+    g = mnb.remote(lambda t: [t.sum(), t], propagate="inspect")
+    s, same = g(b)
+    assert s.shape == () and same.shape == (6,)
+    # a result that is no tensor stays a plain Ref
+    v = mnb.remote(shard_sum)(a)
+    assert type(v) is mnb.Ref and v.fetch() == [6.0, 6.0]
+
+
+def test_remote_propagator_with_the_wrong_shape_fails_at_first_inspect(mesh):
+    with mesh.activate():
+        a = torch.arange(4.0)
+    bad = mnb.remote(double_plus_rank, propagate=lambda t: t[:2])(a)
+    assert bad.shape == (2,)  # what the propagator said
+    with pytest.raises(
+        mnb.RemoteError, match=r"returned shape \(4,\).*propagator said shape \(2,\)"
+    ):
+        mnb.inspect(bad)
+    with mesh.activate():
+        fine = torch.ones(2)
+    assert mnb.inspect(fine, dp=1).tolist() == [1.0, 1.0]  # the mesh keeps serving
+    with pytest.raises(ValueError, match="propagate must be"):
+        mnb.remote(double_plus_rank, propagate="sometimes")
+    with pytest.raises(TypeError, match="must return the fake outputs"):
+        mnb.remote(double_plus_rank, propagate=lambda t: 3)(a)
+
+
+def wait_for_file(path: str) -> None:
+    """Remote: hold this stream until ``path`` exists (at most 60 s)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_cached_propagation_does_not_wait_for_the_workers(mesh, tmp_path):
+    import threading
+
+    from wait_helpers import wait_for
+
+    with mesh.activate():
+        a = torch.arange(4.0)
+    mnb.remote(halves)(a)  # the first call of this layout asks rank 0 (and waits)
+    gate = tmp_path / "open"
+    mnb.remote(wait_for_file)(str(gate), mesh=mesh)  # the stream is busy until the gate opens
+    got = []
+    caller = threading.Thread(target=lambda: got.append(mnb.remote(halves)(a)), daemon=True)
+    try:
+        caller.start()
+        # the layout is cached: the call returns while the workers are still busy
+        wait_for(lambda: got, timeout=30, what="the cached call to return")
+    finally:
+        gate.touch()
+    caller.join(timeout=60)
+    first, rest = got[0]
+    assert rest.shape == (3,) and mnb.inspect(rest, dp=1).tolist() == [1.0, 2.0, 3.0]
+
+
+@mnb.remote(propagate=lambda t: t.sum(0))
+def column_sums(t):
+    return t.sum(0)
+
+
+def fail_on_first_rank(t):
+    if mnb.current_rank() == 0:
+        raise ValueError("rank 0 refuses")
+    return t
+
+
+def test_remote_decorator_with_propagate_and_a_failing_first_call(mesh):
+    with mesh.activate():
+        m = torch.ones(3, 2)
+    sums = column_sums(m, mesh=mesh)
+    assert isinstance(sums, mnb.Tensor) and sums.shape == (2,)
+    assert mnb.inspect(sums, dp=1).tolist() == [3.0, 3.0]
+    # "cached", first call: the layout is read from rank 0, so its failure shows at the call
+    with pytest.raises(mnb.RemoteError, match="rank 0 refuses"):
+        mnb.remote(fail_on_first_rank)(m)
+    with mesh.activate():
+        assert mnb.inspect(m + 1, dp=1).tolist() == [[2.0, 2.0]] * 3
+
+
+def test_remote_without_propagator_inside_compile_names_propagate(mesh):
+    with mesh.activate():
+        m = torch.ones(2)
+
+    def plus_one(t):  # new here: no layout of it is cached yet
+        return t + 1
+
+    @mnb.compile
+    def step(t):
+        return mnb.remote(plus_one)(t)
+
+    with pytest.raises(RuntimeError, match="propagate="):
+        step(m)
+    with mesh.activate():
+        assert mnb.inspect(m * 2, dp=1).tolist() == [2.0, 2.0]

@@ -47,3 +47,73 @@ def layout(value) -> tuple:
         value.dtype,
         value.device,
     )
+
+
+def manual_seed(seed: int) -> None:
+    """Seed this rank's torch generators (CPU, and CUDA where there is one)."""
+    import torch
+
+    torch.manual_seed(seed)
+
+
+class LayoutMismatchError(RuntimeError):
+    """A remote function's result differs from the layout its propagator gave."""
+
+
+def describe(value):
+    """The layout description of a remote function's result: ``("one", layout)``
+    for a tensor, ``("many", "tuple" | "list", [layout | None, ...])`` for a
+    sequence of tensors (None: not a tensor), ``("value", None)`` otherwise."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return ("one", layout(value))
+    if type(value) in (tuple, list) and value and any(isinstance(v, torch.Tensor) for v in value):
+        kind = type(value).__name__
+        return ("many", kind, [layout(v) if isinstance(v, torch.Tensor) else None for v in value])
+    return ("value", None)
+
+
+def _shown(desc) -> str:
+    def one(lay):
+        return "no tensor" if lay is None else f"shape {tuple(lay[0])} {lay[3]}"
+
+    if desc[0] == "one":
+        return one(desc[1])
+    if desc[0] == "many":
+        return f"{desc[1]} of [{', '.join(one(x) for x in desc[2])}]"
+    return "no tensor"
+
+
+def _fits(got, want) -> bool:
+    """Shapes and dtypes agree (strides may differ: the shard is what it is)."""
+    if got[0] != want[0]:
+        return False
+    if got[0] == "one":
+        return tuple(got[1][0]) == tuple(want[1][0]) and got[1][3] == want[1][3]
+    if got[0] == "many":
+        return len(got[2]) == len(want[2]) and all(
+            (a is None) == (b is None)
+            and (a is None or (tuple(a[0]) == tuple(b[0]) and a[3] == b[3]))
+            for a, b in zip(got[2], want[2])
+        )
+    return True
+
+
+def call_checked(function, expected, /, *args, **kwargs):
+    """Run ``function`` (a messages.Function, resolved once per payload) on this
+    rank's values; its result must fit ``expected`` (the layout description the
+    controller built its mesh tensors from), else a LayoutMismatchError naming both."""
+    from .pickling import resolve_function
+
+    name = function.name
+    out = resolve_function(function)(*args, **kwargs)
+    if expected is not None:
+        got = describe(out)
+        if not _fits(got, expected):
+            raise LayoutMismatchError(
+                f"{name} returned {_shown(got)}, but its propagator said "
+                f"{_shown(expected)}: the mesh tensors made from it have the wrong "
+                f"layout; fix the propagate= function (or use propagate='inspect')"
+            )
+    return out

@@ -46,14 +46,28 @@ def no_mesh():
         _tls.local -= 1
 
 
+def active_mesh():
+    """The mesh of the innermost ``mesh.activate()`` block of this thread, or None
+    (also inside ``no_mesh()``)."""
+    stack = getattr(_tls, "meshes", None)
+    if not stack or getattr(_tls, "local", 0):
+        return None
+    return stack[-1]
+
+
 @contextlib.contextmanager
 def mesh_mode(mesh):
     """The dispatch mode of ``mesh`` for the length of the block (entered by
     ``mesh.activate()``); ``no_mesh`` blocks outside it stay local."""
     saved = getattr(_tls, "local", 0)
+    stack = getattr(_tls, "meshes", None)
+    if stack is None:
+        stack = _tls.meshes = []
     _tls.local = 0
+    stack.append(mesh)
     try:
         with MeshMode(mesh):
             yield
     finally:
+        stack.pop()
         _tls.local = saved
