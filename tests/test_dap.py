@@ -1,0 +1,186 @@
+"""Kernel tier: JupyterLab's debugger protocol (DAP over the control channel) reaches the
+paused pdb sessions of the workers as threads of the kernel (notebook/dap.py). A real
+kernel, real debugpy, a dp=2 mesh; no front end but jupyter_client."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+
+import pytest
+from kernel_helpers import mesh_kernel
+
+from monarch_nb.notebook.dap import REF_BASE, THREAD_BASE
+
+pytestmark = pytest.mark.kernel
+
+CELL = """%%monarch --noblock -o held
+import torch
+x = rank * 10
+t = torch.zeros(3, 4)
+breakpoint()
+y = x + 1
+z = y * 2
+y"""
+
+
+class Dap:
+    """DAP requests as debug_request messages on the kernel's control channel."""
+
+    def __init__(self, kern):
+        self.kern = kern
+        self.seq = itertools.count(1)
+        self.events: list = []
+
+    def request(self, command: str, timeout: float = 30, **arguments) -> dict:
+        kc = self.kern.kc
+        content = {"seq": next(self.seq), "type": "request", "command": command}
+        content["arguments"] = arguments
+        msg = kc.session.msg("debug_request", content)
+        kc.control_channel.send(msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no debug_reply to {command} in {timeout} s"
+            try:
+                rep = kc.control_channel.get_msg(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if rep["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return rep["content"]
+
+    def ok(self, command: str, **arguments) -> dict:
+        rep = self.request(command, **arguments)
+        assert rep.get("success"), (command, rep)
+        return rep.get("body", {})
+
+    def hook(self, msg) -> None:
+        """An output_hook for the kernel's execute calls: keep the debug events they read."""
+        if msg["msg_type"] == "debug_event":
+            self.events.append(msg["content"])
+
+    def wait_event(self, match, timeout: float = 30) -> dict:
+        """The first debug_event (seen before or now) for which ``match(event)`` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, ev in enumerate(self.events):
+                if match(ev):
+                    return self.events.pop(i)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                got = [(e["event"], e.get("body")) for e in self.events]
+                raise TimeoutError(f"no matching debug_event in {timeout} s; got {got}")
+            try:
+                msg = self.kern.kc.get_iopub_msg(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "debug_event":
+                self.events.append(msg["content"])
+
+
+@pytest.fixture(scope="module")
+def k(tmp_path_factory):
+    with mesh_kernel(tmp_path_factory.mktemp("dap")) as kern:
+        yield kern
+
+
+def stopped(tid, reason=None):
+    def match(ev):
+        b = ev.get("body", {})
+        return (
+            ev["event"] == "stopped"
+            and b.get("threadId") == tid
+            and (reason is None or b.get("reason") == reason)
+        )
+
+    return match
+
+
+def test_paused_ranks_are_threads_of_the_kernels_debugger(k):
+    dap = Dap(k)
+    dap.ok(
+        "initialize",
+        clientID="test",
+        adapterID="python",
+        pathFormat="path",
+        linesStartAt1=True,
+        columnsStartAt1=True,
+        supportsVariableType=True,
+        supportsVariablePaging=True,
+    )
+    dap.ok("attach")
+    dap.ok("configurationDone")
+    try:
+        _drive(k, dap)
+    finally:
+        dap.request("disconnect", restart=False, terminateDebuggee=False)
+
+
+def _drive(k, dap):
+    k.ok(CELL, output_hook=dap.hook)
+    # both ranks pause; the kernel says so with a stopped event per thread
+    threads = {}
+    for rank in (0, 1):
+        ev = dap.wait_event(
+            lambda ev, rank=rank: (
+                ev["event"] == "stopped" and f"rank {rank} " in ev["body"].get("description", "")
+            )
+        )
+        threads[rank] = ev["body"]["threadId"]
+        assert ev["body"]["reason"] == "breakpoint"
+    listed = dap.ok("threads")["threads"]
+    names = {t["id"]: t["name"] for t in listed}
+    assert names[threads[0]] == "rank 0 · default" and names[threads[1]] == "rank 1 · default"
+    assert all(tid >= THREAD_BASE for tid in threads.values())
+    assert any(t["id"] < THREAD_BASE for t in listed), "the kernel's own threads are kept"
+
+    tid = threads[1]
+    frames = dap.ok("stackTrace", threadId=tid)["stackFrames"]
+    top = frames[0]
+    assert top["source"]["path"].startswith("<monarch In[") and top["line"] == 6
+    assert top["id"] >= REF_BASE
+    scopes = dap.ok("scopes", frameId=top["id"])["scopes"]
+    assert [s["name"] for s in scopes] == ["Locals", "Globals"]
+    local = {
+        v["name"]: v
+        for v in dap.ok("variables", variablesReference=scopes[0]["variablesReference"])[
+            "variables"
+        ]
+    }
+    assert local["x"]["value"] == "10" and local["x"]["variablesReference"] == 0
+    assert local["t"]["value"] == "tensor(shape=(3, 4), dtype=torch.float32, device=cpu)"
+    meta = dap.ok("variables", variablesReference=local["t"]["variablesReference"])["variables"]
+    assert {v["name"]: v["value"] for v in meta}["shape"] == "(3, 4)"
+    assert (
+        dap.ok("evaluate", expression="x + 5", frameId=top["id"], context="repl")["result"] == "15"
+    )
+    big = dap.ok("evaluate", expression="list(range(10_000_000))", frameId=top["id"])
+    assert big["result"].startswith("list(len=10000000) [0, 1, 2") and len(big["result"]) <= 300
+    bad = dap.request("evaluate", expression="nope + 1", frameId=top["id"])
+    assert bad["success"] is False and "NameError" in bad["message"]
+
+    dap.ok("next", threadId=tid)
+    dap.wait_event(stopped(tid, "step"))
+    assert dap.ok("stackTrace", threadId=tid)["stackFrames"][0]["line"] == 7
+    stale = dap.request("scopes", frameId=top["id"])  # a frame id of before the step
+    assert stale["success"] is False and "ran on" in stale["message"]
+
+    for t in (tid, threads[0]):
+        dap.ok("continue", threadId=t)
+        dap.wait_event(lambda ev, t=t: ev["event"] == "thread" and ev["body"]["threadId"] == t)
+    assert not {t["id"] for t in dap.ok("threads")["threads"]} & set(threads.values())
+    got = k.value(
+        "[r['data']['text/plain'] for r in held.result(timeout=30)]", output_hook=dap.hook
+    )
+    assert got == ["1", "11"]
+
+    # a thread that no longer exists: a clear error, at once
+    gone = dap.request("stackTrace", threadId=tid)
+    assert gone["success"] is False and f"thread id {tid}" in gone["message"]
+    assert dap.request("next", threadId=THREAD_BASE + 999)["success"] is False
+    # the mesh keeps serving
+    assert k.value("mnb.get_mesh().exec('rank + 1').fetch(timeout=20)", output_hook=dap.hook) == [
+        1,
+        2,
+    ]
