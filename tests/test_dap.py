@@ -8,6 +8,7 @@ import itertools
 import queue
 import time
 
+import psutil
 import pytest
 from kernel_helpers import mesh_kernel
 
@@ -97,7 +98,7 @@ def stopped(tid, reason=None):
     return match
 
 
-def test_paused_ranks_are_threads_of_the_kernels_debugger(k):
+def start(k) -> Dap:
     dap = Dap(k)
     dap.ok(
         "initialize",
@@ -110,9 +111,46 @@ def test_paused_ranks_are_threads_of_the_kernels_debugger(k):
         supportsVariablePaging=True,
     )
     dap.ok("attach")
+    return dap
+
+
+def test_paused_ranks_are_threads_of_the_kernels_debugger(k):
+    dap = start(k)
     dap.ok("configurationDone")
     try:
         _drive(k, dap)
+    finally:
+        dap.request("disconnect", restart=False, terminateDebuggee=False)
+
+
+def test_the_kernels_own_breakpoints_still_go_to_debugpy(k):
+    """A breakpoint in a plain cell stops the kernel (debugpy), as without monarch_nb."""
+    dap = start(k)
+    code = "def f(a, b):\n    c = a + b\n    return c\n\nf(2, 3)"
+    try:
+        path = dap.ok("dumpCell", code=code)["sourcePath"]
+        dap.ok("setBreakpoints", breakpoints=[{"line": 2}], source={"path": path})
+        dap.ok("configurationDone")
+        msg_id = k.kc.execute(code)
+        ev = dap.wait_event(lambda ev: ev["event"] == "stopped")
+        tid = ev["body"]["threadId"]
+        assert tid < THREAD_BASE
+        frame = dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
+        assert frame["line"] == 2 and frame["source"]["path"] == path
+        scopes = dap.ok("scopes", frameId=frame["id"])["scopes"]
+        local = dap.ok("variables", variablesReference=scopes[0]["variablesReference"])
+        assert {v["name"]: v["value"] for v in local["variables"]}["a"] == "2"
+        dap.ok("continue", threadId=tid)
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "the debugged cell did not finish"
+            try:
+                reply = k.kc.get_shell_msg(timeout=1.0)
+            except queue.Empty:
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert reply["content"]["status"] == "ok"
     finally:
         dap.request("disconnect", restart=False, terminateDebuggee=False)
 
@@ -184,3 +222,23 @@ def _drive(k, dap):
         1,
         2,
     ]
+
+
+def test_a_worker_that_dies_while_paused_leaves_the_threads(k):
+    """Last in the module: it breaks the mesh."""
+    dap = start(k)
+    dap.ok("configurationDone")
+    try:
+        k.ok("%%monarch --noblock\nif rank == 1:\n    breakpoint()\nrank", output_hook=dap.hook)
+        ev = dap.wait_event(
+            lambda ev: ev["event"] == "stopped" and ev["body"]["threadId"] >= THREAD_BASE
+        )
+        tid = ev["body"]["threadId"]
+        pid = k.value("mnb.get_mesh()._controller.worker_pids()[1]", output_hook=dap.hook)
+        psutil.Process(pid).kill()
+        dap.wait_event(lambda ev: ev["event"] == "thread" and ev["body"]["threadId"] == tid)
+        assert tid not in {t["id"] for t in dap.ok("threads")["threads"]}
+        gone = dap.request("stackTrace", threadId=tid)
+        assert gone["success"] is False and f"thread id {tid}" in gone["message"]
+    finally:
+        dap.request("disconnect", restart=False, terminateDebuggee=False)

@@ -197,6 +197,11 @@ class DebugSessions:
             s.output.clear()
             return text, s.prompt
 
+    def worker_alive(self, s: Session) -> bool:
+        """The worker of ``s`` is up (a dead one's session can never answer)."""
+        w = self._ctrl.state.workers.get(s.rank)
+        return w is not None and w.alive
+
     def inspect(self, s: Session, command: str, args: dict, timeout: float = 10.0):
         """A structured answer from the session's pdb (worker/inspect_frames.py):
         the reply body; LookupError when the session is not at its prompt or
@@ -212,7 +217,7 @@ class DebugSessions:
         with self._cond:
             while rid not in self._answers:
                 left = deadline - time.monotonic()
-                if s.ended:
+                if s.ended or not self.worker_alive(s):
                     raise LookupError(f"the session on rank {s.rank} has ended")
                 if left <= 0 or not self._ctrl.usable:
                     raise TimeoutError(f"rank {s.rank} did not answer {command!r} in {timeout} s")

@@ -137,15 +137,15 @@ class RemoteThreads:
             live = sorted(self._live.items(), key=lambda kv: self._tids[kv[0]])
         return [
             {"id": self._tids[key], "name": f"rank {s.rank} · {s.stream_name}"}
-            for key, (_, s) in live
-            if not s.ended
+            for key, (dbg, s) in live
+            if not s.ended and dbg.worker_alive(s)
         ]
 
     def _thread(self, tid) -> tuple:
         with self._lock:
             key = next((k for k, t in self._tids.items() if t == tid), None)
             dbg_s = self._live.get(key) if key is not None else None
-        if dbg_s is None or dbg_s[1].ended:
+        if dbg_s is None or dbg_s[1].ended or not dbg_s[0].worker_alive(dbg_s[1]):
             raise DapError(
                 f"no paused worker session has thread id {tid} "
                 "(it continued, or its worker is gone)"
