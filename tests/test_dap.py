@@ -224,6 +224,59 @@ def _drive(k, dap):
     ]
 
 
+STEP_CELL = """%%monarch --noblock -o stepped
+def f(a):
+    b = a * 3
+    return b
+
+breakpoint()
+r = f(rank)
+r + 100"""
+
+
+def test_step_in_and_out_of_a_function_on_a_rank(k):
+    dap = start(k)
+    dap.ok("configurationDone")
+    try:
+        k.ok(STEP_CELL, output_hook=dap.hook)
+        tids = {}
+        for _ in range(2):
+            ev = dap.wait_event(lambda ev: ev["event"] == "stopped")
+            tids[ev["body"]["description"].split(" ")[1]] = ev["body"]["threadId"]
+        tid = tids["1"]
+
+        def top():
+            return dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
+
+        assert (top()["name"], top()["line"]) == ("<module>", 7)
+        dap.ok("stepIn", threadId=tid)
+        dap.wait_event(stopped(tid, "step"))
+        frames = dap.ok("stackTrace", threadId=tid)["stackFrames"]
+        assert frames[0]["name"] == "f" and frames[1]["name"] == "<module>"
+        scopes = dap.ok("scopes", frameId=frames[0]["id"])["scopes"]
+        local = dap.ok("variables", variablesReference=scopes[0]["variablesReference"])
+        assert {v["name"]: v["value"] for v in local["variables"]} == {"a": "1"}
+        # the caller's frame is a frame too: evaluate there
+        assert dap.ok("evaluate", expression="rank", frameId=frames[1]["id"])["result"] == "1"
+        dap.ok("stepOut", threadId=tid)
+        dap.wait_event(stopped(tid, "step"))
+        after = top()
+        assert (after["name"], after["line"]) == ("<module>", 7)
+        assert (
+            dap.ok("evaluate", expression="r", frameId=after["id"])["result"] == "3"
+        )  # f returned
+        paused = dap.request("pause", threadId=tid)
+        assert paused["success"] is False and "not supported" in paused["message"]
+        for t in tids.values():
+            dap.ok("continue", threadId=t)
+        got = k.value(
+            "[r['data']['text/plain'] for r in stepped.result(timeout=30)]", output_hook=dap.hook
+        )
+        assert got == ["100", "103"]
+    finally:
+        dap.request("disconnect", restart=False, terminateDebuggee=False)
+
+
 def test_a_worker_that_dies_while_paused_leaves_the_threads(k):
     """Last in the module: it breaks the mesh."""
     dap = start(k)

@@ -23,7 +23,7 @@ from .. import context
 THREAD_BASE = 1 << 30
 REF_BASE = 1 << 31
 TIMEOUT = 10.0  # seconds a worker has to answer one request
-_STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "r"}
+_STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
 _THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
 
 

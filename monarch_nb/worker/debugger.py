@@ -155,6 +155,15 @@ class RemotePdb(pdb.Pdb):
             self.stream.paused = None
             self.send("resumed", None)
 
+    def do_stepout(self, arg):
+        """stepout: run until the current function has returned, and stop in its
+        caller (DAP's stepOut; pdb's ``return`` stops before the return)."""
+        caller = self.curframe.f_back if self.curframe is not None else None
+        if caller is None or is_machinery(caller.f_code.co_filename):
+            return self.do_return(arg)  # the cell itself: nothing of the user's calls it
+        self.set_next(caller)
+        return 1
+
     def do_interact(self, arg):
         """interact: an interactive interpreter in the current scope (input from the notebook)."""
         ns = {**self.curframe.f_globals, **self.curframe_locals}
