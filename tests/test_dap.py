@@ -98,6 +98,15 @@ def stopped(tid, reason=None):
     return match
 
 
+@pytest.fixture(scope="module")
+def dap(k):
+    """One debugger session for the module, as a JupyterLab tab keeps one."""
+    d = start(k)
+    d.ok("configurationDone")
+    yield d
+    d.request("disconnect", restart=False, terminateDebuggee=False)
+
+
 def start(k) -> Dap:
     dap = Dap(k)
     dap.ok(
@@ -114,25 +123,20 @@ def start(k) -> Dap:
     return dap
 
 
-def test_paused_ranks_are_threads_of_the_kernels_debugger(k):
-    dap = start(k)
-    dap.ok("configurationDone")
-    try:
-        _drive(k, dap)
-    finally:
-        dap.request("disconnect", restart=False, terminateDebuggee=False)
+def test_paused_ranks_are_threads_of_the_kernels_debugger(k, dap):
+    _drive(k, dap)
 
 
-def test_the_kernels_own_breakpoints_still_go_to_debugpy(k):
+def test_the_kernels_own_breakpoints_still_go_to_debugpy(k, dap):
     """A breakpoint in a plain cell stops the kernel (debugpy), as without monarch_nb."""
-    dap = start(k)
     code = "def f(a, b):\n    c = a + b\n    return c\n\nf(2, 3)"
+    path = dap.ok("dumpCell", code=code)["sourcePath"]
     try:
-        path = dap.ok("dumpCell", code=code)["sourcePath"]
         dap.ok("setBreakpoints", breakpoints=[{"line": 2}], source={"path": path})
-        dap.ok("configurationDone")
         msg_id = k.kc.execute(code)
-        ev = dap.wait_event(lambda ev: ev["event"] == "stopped")
+        ev = dap.wait_event(
+            lambda ev: ev["event"] == "stopped" and ev["body"]["threadId"] < THREAD_BASE
+        )
         tid = ev["body"]["threadId"]
         assert tid < THREAD_BASE
         frame = dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
@@ -152,7 +156,7 @@ def test_the_kernels_own_breakpoints_still_go_to_debugpy(k):
                 break
         assert reply["content"]["status"] == "ok"
     finally:
-        dap.request("disconnect", restart=False, terminateDebuggee=False)
+        dap.request("setBreakpoints", breakpoints=[], source={"path": path})
 
 
 def _drive(k, dap):
@@ -176,7 +180,10 @@ def _drive(k, dap):
     tid = threads[1]
     frames = dap.ok("stackTrace", threadId=tid)["stackFrames"]
     top = frames[0]
-    assert top["source"]["path"].startswith("<monarch In[") and top["line"] == 6
+    # the frame names the file JupyterLab knows the cell by (dumpCell), at the cell's line
+    cell_file = dap.ok("dumpCell", code=CELL)["sourcePath"]
+    assert top["source"]["path"] == cell_file and top["line"] == 6
+    assert dap.ok("source", source={"path": cell_file})["content"] == CELL
     assert top["id"] >= REF_BASE
     scopes = dap.ok("scopes", frameId=top["id"])["scopes"]
     assert [s["name"] for s in scopes] == ["Locals", "Globals"]
@@ -234,64 +241,56 @@ r = f(rank)
 r + 100"""
 
 
-def test_step_in_and_out_of_a_function_on_a_rank(k):
-    dap = start(k)
-    dap.ok("configurationDone")
-    try:
-        k.ok(STEP_CELL, output_hook=dap.hook)
-        tids = {}
-        for _ in range(2):
-            ev = dap.wait_event(lambda ev: ev["event"] == "stopped")
-            tids[ev["body"]["description"].split(" ")[1]] = ev["body"]["threadId"]
-        tid = tids["1"]
-
-        def top():
-            return dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
-
-        assert (top()["name"], top()["line"]) == ("<module>", 7)
-        dap.ok("stepIn", threadId=tid)
-        dap.wait_event(stopped(tid, "step"))
-        frames = dap.ok("stackTrace", threadId=tid)["stackFrames"]
-        assert frames[0]["name"] == "f" and frames[1]["name"] == "<module>"
-        scopes = dap.ok("scopes", frameId=frames[0]["id"])["scopes"]
-        local = dap.ok("variables", variablesReference=scopes[0]["variablesReference"])
-        assert {v["name"]: v["value"] for v in local["variables"]} == {"a": "1"}
-        # the caller's frame is a frame too: evaluate there
-        assert dap.ok("evaluate", expression="rank", frameId=frames[1]["id"])["result"] == "1"
-        dap.ok("stepOut", threadId=tid)
-        dap.wait_event(stopped(tid, "step"))
-        after = top()
-        assert (after["name"], after["line"]) == ("<module>", 7)
-        assert (
-            dap.ok("evaluate", expression="r", frameId=after["id"])["result"] == "3"
-        )  # f returned
-        paused = dap.request("pause", threadId=tid)
-        assert paused["success"] is False and "not supported" in paused["message"]
-        for t in tids.values():
-            dap.ok("continue", threadId=t)
-        got = k.value(
-            "[r['data']['text/plain'] for r in stepped.result(timeout=30)]", output_hook=dap.hook
-        )
-        assert got == ["100", "103"]
-    finally:
-        dap.request("disconnect", restart=False, terminateDebuggee=False)
-
-
-def test_a_worker_that_dies_while_paused_leaves_the_threads(k):
-    """Last in the module: it breaks the mesh."""
-    dap = start(k)
-    dap.ok("configurationDone")
-    try:
-        k.ok("%%monarch --noblock\nif rank == 1:\n    breakpoint()\nrank", output_hook=dap.hook)
+def test_step_in_and_out_of_a_function_on_a_rank(k, dap):
+    k.ok(STEP_CELL, output_hook=dap.hook)
+    tids = {}
+    for _ in range(2):
         ev = dap.wait_event(
             lambda ev: ev["event"] == "stopped" and ev["body"]["threadId"] >= THREAD_BASE
         )
-        tid = ev["body"]["threadId"]
-        pid = k.value("mnb.get_mesh()._controller.worker_pids()[1]", output_hook=dap.hook)
-        psutil.Process(pid).kill()
-        dap.wait_event(lambda ev: ev["event"] == "thread" and ev["body"]["threadId"] == tid)
-        assert tid not in {t["id"] for t in dap.ok("threads")["threads"]}
-        gone = dap.request("stackTrace", threadId=tid)
-        assert gone["success"] is False and f"thread id {tid}" in gone["message"]
-    finally:
-        dap.request("disconnect", restart=False, terminateDebuggee=False)
+        tids[ev["body"]["description"].split(" ")[1]] = ev["body"]["threadId"]
+    tid = tids["1"]
+
+    def top():
+        return dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
+
+    assert (top()["name"], top()["line"]) == ("<module>", 7)
+    dap.ok("stepIn", threadId=tid)
+    dap.wait_event(stopped(tid, "step"))
+    frames = dap.ok("stackTrace", threadId=tid)["stackFrames"]
+    assert frames[0]["name"] == "f" and frames[1]["name"] == "<module>"
+    scopes = dap.ok("scopes", frameId=frames[0]["id"])["scopes"]
+    local = dap.ok("variables", variablesReference=scopes[0]["variablesReference"])
+    assert {v["name"]: v["value"] for v in local["variables"]} == {"a": "1"}
+    # the caller's frame is a frame too: evaluate there
+    assert dap.ok("evaluate", expression="rank", frameId=frames[1]["id"])["result"] == "1"
+    dap.ok("stepOut", threadId=tid)
+    dap.wait_event(stopped(tid, "step"))
+    after = top()
+    assert (after["name"], after["line"]) == ("<module>", 7)
+    assert dap.ok("evaluate", expression="r", frameId=after["id"])["result"] == "3"  # f returned
+    paused = dap.request("pause", threadId=tid)
+    assert paused["success"] is False and "not supported" in paused["message"]
+    for t in tids.values():
+        dap.ok("continue", threadId=t)
+    got = k.value(
+        "[r['data']['text/plain'] for r in stepped.result(timeout=30)]", output_hook=dap.hook
+    )
+    assert got == ["100", "103"]
+
+
+def test_a_worker_that_dies_while_paused_leaves_the_threads(k, dap):
+    """Last in the module: it breaks the mesh."""
+    k.ok("%%monarch --noblock\nif rank == 1:\n    breakpoint()\nrank", output_hook=dap.hook)
+    ev = dap.wait_event(
+        lambda ev: ev["event"] == "stopped" and ev["body"]["threadId"] >= THREAD_BASE
+    )
+    tid, since = ev["body"]["threadId"], ev["seq"]
+    pid = k.value("mnb.get_mesh()._controller.worker_pids()[1]", output_hook=dap.hook)
+    psutil.Process(pid).kill()
+    dap.wait_event(
+        lambda ev: ev["event"] == "thread" and ev["body"]["threadId"] == tid and ev["seq"] > since
+    )
+    assert tid not in {t["id"] for t in dap.ok("threads")["threads"]}
+    gone = dap.request("stackTrace", threadId=tid)
+    assert gone["success"] is False and f"thread id {tid}" in gone["message"]

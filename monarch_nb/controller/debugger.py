@@ -207,13 +207,19 @@ class DebugSessions:
         the reply body; LookupError when the session is not at its prompt or
         ends, TimeoutError past ``timeout``, ValueError with the worker's reason."""
         rid = next(self._rids)
+        deadline = time.monotonic() + timeout
         with self._cond:
+            # "paused" comes just before "prompt": wait for the prompt, unless it runs
+            while s.prompt is None and not s.ended and not s.stepping:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._ctrl.usable:
+                    break
+                self._cond.wait(min(left, 0.5))
             if s.ended or s.prompt is None:
                 raise LookupError(f"rank {s.rank} ({s.stream_name}) is not paused at its prompt")
         self._ctrl.send(
             m.DebuggerMessage(s.rank, s.stream, ("dap", rid, command, args)), [s.rank], check=False
         )
-        deadline = time.monotonic() + timeout
         with self._cond:
             while rid not in self._answers:
                 left = deadline - time.monotonic()

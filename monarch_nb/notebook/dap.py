@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import re
 import threading
 
 from .. import context
@@ -25,6 +27,7 @@ REF_BASE = 1 << 31
 TIMEOUT = 10.0  # seconds a worker has to answer one request
 _STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
 _THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
+_CELL_FILE = re.compile(r"<monarch In\[(\d+)\]>")
 
 
 class DapError(Exception):
@@ -231,17 +234,36 @@ class RemoteThreads:
         levels = levels if levels > 0 else len(frames)
         out = []
         for f in frames[start : start + levels]:
-            path = f["file"]
             out.append(
                 {
                     "id": self._new_ref(key, "frame", f["index"]),
                     "name": f["name"],
                     "line": f["line"] or 0,
                     "column": 1,
-                    "source": {"name": path.rsplit("/", 1)[-1], "path": path},
+                    "source": self._source(f["file"]),
                 }
             )
         return {"stackFrames": out, "totalFrames": len(frames)}
+
+    def _source(self, path: str) -> dict:
+        """A frame's DAP source. A %%monarch cell's frame names the file ipykernel's
+        ``dumpCell`` gives that cell (JupyterLab finds the cell by it), written as
+        dumpCell writes it, so that ``source`` answers too."""
+        match = _CELL_FILE.fullmatch(path)
+        if match is not None:
+            try:
+                from ipykernel.compiler import get_file_name
+
+                code = self.kernel.shell.history_manager.input_hist_raw[int(match.group(1))]
+                cell_file = get_file_name(code)
+                if not os.path.exists(cell_file):
+                    os.makedirs(os.path.dirname(cell_file), exist_ok=True)
+                    with open(cell_file, "w", encoding="utf-8") as fh:
+                        fh.write(code)
+                return {"name": f"In[{match.group(1)}]", "path": cell_file}
+            except Exception:
+                pass  # no such cell in this kernel's history: the plain name
+        return {"name": path.rsplit("/", 1)[-1], "path": path}
 
     async def process_request(self, message: dict) -> dict:
         command = message.get("command")
