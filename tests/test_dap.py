@@ -202,6 +202,8 @@ def _drive(k, dap):
     )
     big = dap.ok("evaluate", expression="list(range(10_000_000))", frameId=top["id"])
     assert big["result"].startswith("list(len=10000000) [0, 1, 2") and len(big["result"]) <= 300
+    huge = dap.ok("evaluate", expression="torch.empty(2**28)", frameId=top["id"])  # 1 GB
+    assert huge["result"] == "tensor(shape=(268435456,), dtype=torch.float32, device=cpu)"
     bad = dap.request("evaluate", expression="nope + 1", frameId=top["id"])
     assert bad["success"] is False and "NameError" in bad["message"]
 

@@ -51,6 +51,7 @@ class DebugSessions:
         self._requested: set[int] = set()  # idents of post-mortems asked for, not yet over
         self._rids = itertools.count(1)
         self._answers: dict[int, tuple] = {}  # rid -> (ok, body) of structured requests
+        self._abandoned: set[int] = set()  # rids whose asker gave up: their answers are dropped
 
     # -------------------------------------------------------------- IO thread
 
@@ -88,7 +89,10 @@ class DebugSessions:
                 s.prompt = payload
             elif kind == "dap":
                 rid, ok, body = payload
-                self._answers[rid] = (ok, body)
+                if rid in self._abandoned:
+                    self._abandoned.discard(rid)
+                else:
+                    self._answers[rid] = (ok, body)
             elif kind == "running" and s is not None:
                 s.prompt = None
                 s.stepping = True
@@ -224,8 +228,10 @@ class DebugSessions:
             while rid not in self._answers:
                 left = deadline - time.monotonic()
                 if s.ended or not self.worker_alive(s):
+                    self._abandoned.add(rid)
                     raise LookupError(f"the session on rank {s.rank} has ended")
                 if left <= 0 or not self._ctrl.usable:
+                    self._abandoned.add(rid)
                     raise TimeoutError(f"rank {s.rank} did not answer {command!r} in {timeout} s")
                 self._cond.wait(min(left, 0.5))
             ok, body = self._answers.pop(rid)
