@@ -12,6 +12,7 @@ import psutil
 import pytest
 from kernel_helpers import mesh_kernel
 
+import monarch_nb as mnb
 from monarch_nb.notebook.dap import REF_BASE, THREAD_BASE
 
 pytestmark = pytest.mark.kernel
@@ -96,6 +97,48 @@ def stopped(tid, reason=None):
         )
 
     return match
+
+
+def test_structured_requests_are_bounded_and_refuse_bad_input(mesh):
+    """The worker half, driven through the controller (DebugSessions.inspect): paging of
+    a 10-million-item list, the cap per reply, and clear errors for bad requests."""
+    dbg = mesh.debugger
+    side = mesh.stream("dap-side")
+    r = mnb.remote(_paused_with_a_big_list)(mesh=mesh.slice(dp=1), stream=side)
+    try:
+        assert dbg.wait_any(20)
+        s = dbg.find(1)
+        frames = dbg.inspect(s, "stack", {})["frames"]
+        assert frames[0]["name"] == "_paused_with_a_big_list"
+        local = dbg.inspect(s, "scopes", {"frame": frames[0]["index"]})["scopes"][0]
+        kids = dbg.inspect(s, "variables", {"ref": local["variablesReference"]})["variables"]
+        big = next(v for v in kids if v["name"] == "big")
+        assert big["value"].startswith("list(len=10000000) [0, 1") and len(big["value"]) <= 300
+        page = dbg.inspect(s, "variables", {"ref": big["variablesReference"], "start": 5000})
+        assert [v["name"] for v in page["variables"][:2]] == ["5000", "5001"]
+        assert len(page["variables"]) == 500  # the cap, whatever was asked
+        many = {"ref": big["variablesReference"], "count": 10**9}
+        assert len(dbg.inspect(s, "variables", many)["variables"]) == 500
+        with pytest.raises(ValueError, match="no variable reference 999"):
+            dbg.inspect(s, "variables", {"ref": 999})
+        with pytest.raises(ValueError, match="no frame 42"):
+            dbg.inspect(s, "scopes", {"frame": 42})
+        with pytest.raises(ValueError, match="unknown debugger request 'launch'"):
+            dbg.inspect(s, "launch", {})
+        # the session still serves lines, and the mesh commands
+        assert "10000000" in dbg.run(1, "p len(big)")
+        assert mesh.exec("rank").fetch(timeout=20) == [0, 1]
+    finally:
+        dbg.continue_all()
+    assert r.fetch(rank=1, timeout=20) == 10_000_000
+    with pytest.raises(LookupError, match="not paused"):
+        dbg.inspect(s, "stack", {})
+
+
+def _paused_with_a_big_list():
+    big = list(range(10_000_000))
+    breakpoint()
+    return len(big)
 
 
 @pytest.fixture(scope="module")
