@@ -2,12 +2,18 @@
 
 The IO thread feeds ``on_message`` with DebuggerMessages from workers; user
 threads (the notebook's inline prompt, ``%monarch_debug``, the dashboard's
-debugger panel, tests) list sessions, send lines and wait for the output up to
-the next prompt.
+debugger panel, JupyterLab's debugger through notebook/dap.py, tests) list
+sessions, send lines and wait for the output up to the next prompt, or ask
+structured questions (``inspect``: frames, scopes, variables, evaluate).
+
+Listeners hear ``paused`` (once per session), ``running`` (it stepped or
+continued but keeps tracing), ``repaused`` (it stopped again after running)
+and ``resumed`` (the session is over, or its worker is gone).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +36,7 @@ class Session:
     announced: bool = False  # listeners heard of this pause
     requested: bool = False  # a post-mortem someone asked for (and so serves)
     told: bool = False  # the notebook told the user of this pause (once, see ``claim_notice``)
+    stepping: bool = False  # it ran on ("running") and has not stopped again yet
 
     def describe(self) -> dict:
         return {"rank": self.rank, "stream": self.stream_name, **self.location}
@@ -42,6 +49,9 @@ class DebugSessions:
         self._sessions: dict[tuple, Session] = {}
         self.listeners: list = []  # callables(event, session) on pause / resume (IO thread)
         self._requested: set[int] = set()  # idents of post-mortems asked for, not yet over
+        self._rids = itertools.count(1)
+        self._answers: dict[int, tuple] = {}  # rid -> (ok, body) of structured requests
+        self._abandoned: set[int] = set()  # rids whose asker gave up: their answers are dropped
 
     # -------------------------------------------------------------- IO thread
 
@@ -62,6 +72,9 @@ class DebugSessions:
                 if not s.announced:  # once per session, with its location known
                     s.announced = True
                     event = "paused"
+                elif s.stepping:
+                    event = "repaused"
+                s.stepping = False
                 w = state.workers.get(msg.rank)
                 if w is not None:
                     with state.lock:  # status() reads it under that lock
@@ -74,8 +87,16 @@ class DebugSessions:
                 if payload and text.endswith(payload):
                     s.output[:] = [text[: -len(payload)]] if len(text) > len(payload) else []
                 s.prompt = payload
+            elif kind == "dap":
+                rid, ok, body = payload
+                if rid in self._abandoned:
+                    self._abandoned.discard(rid)
+                else:
+                    self._answers[rid] = (ok, body)
             elif kind == "running" and s is not None:
                 s.prompt = None
+                s.stepping = True
+                event = "running" if s.announced else None
                 w = state.workers.get(msg.rank)
                 if w is not None:
                     with state.lock:
@@ -100,11 +121,18 @@ class DebugSessions:
     def clear(self) -> None:
         """Forget every session (the workers are gone)."""
         with self._cond:
+            gone = [s for s in self._sessions.values() if s.announced]
             for s in self._sessions.values():
                 s.ended = True
             self._sessions.clear()
             self._requested.clear()
             self._cond.notify_all()
+        for s in gone:
+            for fn in list(self.listeners):
+                try:
+                    fn("resumed", s)
+                except Exception:
+                    pass
 
     # -------------------------------------------------------------- user threads
 
@@ -172,6 +200,44 @@ class DebugSessions:
             text = "".join(s.output)
             s.output.clear()
             return text, s.prompt
+
+    def worker_alive(self, s: Session) -> bool:
+        """The worker of ``s`` is up (a dead one's session can never answer)."""
+        w = self._ctrl.state.workers.get(s.rank)
+        return w is not None and w.alive
+
+    def inspect(self, s: Session, command: str, args: dict, timeout: float = 10.0):
+        """A structured answer from the session's pdb (worker/inspect_frames.py):
+        the reply body; LookupError when the session is not at its prompt or
+        ends, TimeoutError past ``timeout``, ValueError with the worker's reason."""
+        rid = next(self._rids)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            # "paused" comes just before "prompt": wait for the prompt, unless it runs
+            while s.prompt is None and not s.ended and not s.stepping:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._ctrl.usable:
+                    break
+                self._cond.wait(min(left, 0.5))
+            if s.ended or s.prompt is None:
+                raise LookupError(f"rank {s.rank} ({s.stream_name}) is not paused at its prompt")
+        self._ctrl.send(
+            m.DebuggerMessage(s.rank, s.stream, ("dap", rid, command, args)), [s.rank], check=False
+        )
+        with self._cond:
+            while rid not in self._answers:
+                left = deadline - time.monotonic()
+                if s.ended or not self.worker_alive(s):
+                    self._abandoned.add(rid)
+                    raise LookupError(f"the session on rank {s.rank} has ended")
+                if left <= 0 or not self._ctrl.usable:
+                    self._abandoned.add(rid)
+                    raise TimeoutError(f"rank {s.rank} did not answer {command!r} in {timeout} s")
+                self._cond.wait(min(left, 0.5))
+            ok, body = self._answers.pop(rid)
+        if not ok:
+            raise ValueError(body)
+        return body
 
     def command(self, s: Session, line: str, timeout: float = 60.0) -> str:
         self.send(s, line)

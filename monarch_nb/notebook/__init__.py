@@ -5,7 +5,8 @@ Modules: ``magics`` (the magics and their arguments' meaning), ``args``
 output to the right cell: folding, coalescing), ``publish`` (IOPub messages
 under a chosen cell, the ticker thread), ``results`` (values, figures and
 failures as displays), ``push`` (notebook names a cell takes along),
-``display`` (the mesh status view).
+``display`` (the mesh status view), ``dap`` (paused worker sessions as threads
+of JupyterLab's debugger).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def load_ipython_extension(ipython) -> None:
         from .lab import LabChannel
 
         magics.lab = LabChannel(magics.views)  # the JupyterLab extension's comm
+        from . import dap
+
+        adapter = dap.install(getattr(ipython, "kernel", None))  # JupyterLab's debugger
+        if adapter is not None:
+            ipython.events.register("post_run_cell", lambda *_: adapter.watch())
     _loaded[id(ipython)] = magics
 
 

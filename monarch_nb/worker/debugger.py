@@ -9,7 +9,11 @@ Actions sent to the controller: ("paused", location) when pdb stops,
 ("output", text), ("prompt", prompt) when it waits for a line, ("running",
 None) when it leaves the prompt but keeps tracing (``n``, ``s``, ``c`` with
 breakpoints), ("resumed", None) when the session is over (tracing stopped, or
-the command ended).
+the command ended), ("dap", (rid, ok, body)) answering a structured request.
+
+A structured request arrives in the queue as ``("dap", rid, command, args)``
+instead of a line: pdb answers it (inspect_frames.Inspector) and keeps waiting
+for its line; the references it hands out last until the stream runs on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 
 from ..protocol.messages import DebuggerMessage
 from .failure import is_machinery
+from .inspect_frames import Inspector
 
 _POLL = 0.05
 _current = threading.local()  # .stream: the stream whose thread this is
@@ -85,6 +90,7 @@ class RemotePdb(pdb.Pdb):
         self.use_rawinput = False
         self.prompt = f"(Pdb r{self.rank}) "
         self._paused_sent = False
+        self.inspector = Inspector(self)
 
     # -------------------------------------------------------------- wire
 
@@ -109,6 +115,11 @@ class RemotePdb(pdb.Pdb):
         self.send("paused", loc)
         self.send("prompt", self.prompt)
         line = next_line(self.stream)
+        while isinstance(line, tuple) and line and line[0] == "dap":
+            _, rid, command, args = line
+            self.send("dap", (rid, *self.inspector.answer(command, args)))
+            line = next_line(self.stream)
+        self.inspector.reset()
         if line is INTERRUPT:
             self.stream.interrupted_in_debugger = True
             return "q\n"
@@ -144,6 +155,15 @@ class RemotePdb(pdb.Pdb):
             self.stream.paused = None
             self.send("resumed", None)
 
+    def do_stepout(self, arg):
+        """stepout: run until the current function has returned, and stop in its
+        caller (DAP's stepOut; pdb's ``return`` stops before the return)."""
+        caller = self.curframe.f_back if self.curframe is not None else None
+        if caller is None or is_machinery(caller.f_code.co_filename):
+            return self.do_return(arg)  # the cell itself: nothing of the user's calls it
+        self.set_next(caller)
+        return 1
+
     def do_interact(self, arg):
         """interact: an interactive interpreter in the current scope (input from the notebook)."""
         ns = {**self.curframe.f_globals, **self.curframe_locals}
@@ -165,6 +185,9 @@ class _Console(code.InteractiveConsole):
         s = self._session
         s.send("prompt", prompt)
         line = next_line(s.stream)
+        while isinstance(line, tuple):  # a structured request: not while interact runs
+            s.send("dap", (line[1], False, "pdb is in 'interact' mode: leave it first"))
+            line = next_line(s.stream)
         if line is INTERRUPT:
             s.stream.interrupted_in_debugger = True
             raise EOFError

@@ -1,0 +1,319 @@
+"""JupyterLab's debugger sees the workers: paused remote pdb sessions as DAP threads.
+
+``install(kernel)`` wraps the kernel's ipykernel Debugger ``process_request``.
+``threads`` gets one thread per paused (rank, stream) session of every mesh,
+named ``rank R · STREAM``; a request naming one of those threads (or a frame or
+variable reference handed out for one) is answered here from the worker's pdb
+(controller DebugSessions.inspect and pdb lines); every other request goes to
+ipykernel (and debugpy) unchanged. Our ids start at ``THREAD_BASE`` and
+``REF_BASE``, far above the small integers debugpy counts from.
+
+When a session pauses, runs on or ends while the debugger is on, ``stopped``,
+``continued`` and ``thread`` (exited) events go out on IOPub as ``debug_event``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import threading
+
+from .. import context
+
+THREAD_BASE = 1 << 30
+REF_BASE = 1 << 31
+TIMEOUT = 10.0  # seconds a worker has to answer one request
+_STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
+_THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
+_CELL_FILE = re.compile(r"<monarch In\[(\d+)\]>")
+
+
+class DapError(Exception):
+    """Answered as a DAP error response (success: false) with this message."""
+
+
+def _response(request: dict, body=None, error: str | None = None) -> dict:
+    rep = {
+        "seq": request.get("seq", 0),
+        "type": "response",
+        "request_seq": request.get("seq", 0),
+        "command": request.get("command"),
+        "success": error is None,
+    }
+    if error is None:
+        rep["body"] = body if body is not None else {}
+    else:
+        rep["message"] = error
+        rep["body"] = {"error": {"id": 1, "format": error, "showUser": True}}
+    return rep
+
+
+class RemoteThreads:
+    """The DAP adapter for remote threads, between JupyterLab and ipykernel's Debugger."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.debugger = kernel.debugger
+        self._orig = self.debugger.process_request
+        self._lock = threading.Lock()
+        self._tids: dict[tuple, int] = {}  # (id(sessions), rank, stream) -> thread id
+        self._next_tid = itertools.count(THREAD_BASE + 1)
+        self._next_ref = itertools.count(REF_BASE + 1)
+        self._refs: dict[int, tuple] = {}  # our id -> (key, "frame"|"var", worker index/ref)
+        self._live: dict[tuple, tuple] = {}  # key -> (DebugSessions, Session) of paused ones
+        self._watched: dict[int, object] = {}  # id(DebugSessions) -> it (listener added)
+        self._seq = itertools.count(1)
+        self.debugger.process_request = self.process_request
+
+    # ------------------------------------------------------------ sessions
+
+    def watch(self) -> None:
+        """Listen to every mesh's debugger sessions (meshes come and go)."""
+        for mesh in list(context.all_meshes().values()):
+            try:
+                dbg = mesh.debugger
+            except Exception:
+                continue
+            if id(dbg) in self._watched:
+                continue
+            self._watched[id(dbg)] = dbg
+            dbg.listeners.append(lambda event, s, dbg=dbg: self.on_event(dbg, event, s))
+            for s in dbg.sessions():
+                if s.announced:
+                    self._remember(dbg, s)
+
+    def _key(self, dbg, s) -> tuple:
+        return (id(dbg), s.rank, s.stream)
+
+    def _remember(self, dbg, s) -> int:
+        key = self._key(dbg, s)
+        with self._lock:
+            self._live[key] = (dbg, s)
+            tid = self._tids.get(key)
+            if tid is None:
+                tid = self._tids[key] = next(self._next_tid)
+            return tid
+
+    def _forget_refs(self, key) -> None:
+        with self._lock:
+            for ref in [r for r, v in self._refs.items() if v[0] == key]:
+                del self._refs[ref]
+
+    def on_event(self, dbg, event: str, s) -> None:
+        """A DebugSessions listener (the controller's IO thread)."""
+        key = self._key(dbg, s)
+        if event in ("paused", "repaused"):
+            tid = self._remember(dbg, s)
+            reason = "breakpoint" if event == "paused" else "step"
+            self._emit(
+                "stopped",
+                threadId=tid,
+                reason=reason,
+                allThreadsStopped=False,
+                description=f"rank {s.rank} · {s.stream_name} paused",
+            )
+            return
+        self._forget_refs(key)
+        with self._lock:
+            tid = self._tids.get(key)
+            if event == "resumed":
+                self._live.pop(key, None)
+        if tid is None:
+            return
+        self._emit("continued", threadId=tid, allThreadsContinued=False)
+        if event == "resumed":
+            self._emit("thread", reason="exited", threadId=tid)
+
+    def _emit(self, event: str, **body) -> None:
+        if not getattr(self.debugger, "is_started", False):
+            return
+        msg = {"seq": next(self._seq), "type": "event", "event": event, "body": body}
+        try:
+            self.kernel._publish_debug_event(msg)
+        except Exception:
+            pass
+
+    def threads(self) -> list[dict]:
+        with self._lock:
+            live = sorted(self._live.items(), key=lambda kv: self._tids[kv[0]])
+        return [
+            {"id": self._tids[key], "name": f"rank {s.rank} · {s.stream_name}"}
+            for key, (dbg, s) in live
+            if not s.ended and dbg.worker_alive(s)
+        ]
+
+    def _thread(self, tid) -> tuple:
+        with self._lock:
+            key = next((k for k, t in self._tids.items() if t == tid), None)
+            dbg_s = self._live.get(key) if key is not None else None
+        if dbg_s is None or dbg_s[1].ended or not dbg_s[0].worker_alive(dbg_s[1]):
+            raise DapError(
+                f"no paused worker session has thread id {tid} "
+                "(it continued, or its worker is gone)"
+            )
+        return key, dbg_s
+
+    def _ref(self, ref, kind: str) -> tuple:
+        with self._lock:
+            found = self._refs.get(ref)
+        if found is None or found[1] != kind:
+            raise DapError(f"no {kind} {ref} on a paused worker (the thread ran on since)")
+        key, _, index = found
+        with self._lock:
+            dbg_s = self._live.get(key)
+        if dbg_s is None or dbg_s[1].ended:
+            raise DapError(f"the worker session of {kind} {ref} has ended")
+        return key, dbg_s, index
+
+    def _new_ref(self, key, kind: str, index: int) -> int:
+        with self._lock:
+            ref = next(self._next_ref)
+            self._refs[ref] = (key, kind, index)
+            return ref
+
+    # ------------------------------------------------------------ requests
+
+    def ours(self, command: str, args: dict) -> bool:
+        if command in _THREAD_CMDS:
+            return _int(args.get("threadId")) >= THREAD_BASE
+        if command in ("scopes", "evaluate"):
+            return _int(args.get("frameId")) >= REF_BASE
+        if command == "variables":
+            return _int(args.get("variablesReference")) >= REF_BASE
+        return False
+
+    def answer(self, command: str, args: dict) -> dict:
+        """The body of our answer (blocking: worker round trips); DapError for bad input."""
+        if command in _THREAD_CMDS:
+            key, (dbg, s) = self._thread(args["threadId"])
+            if command == "stackTrace":
+                return self._stack(key, dbg, s, args)
+            if command == "pause":
+                raise DapError("pause of a running worker thread is not supported yet")
+            self._forget_refs(key)
+            try:
+                dbg.send(s, _STEPS[command])
+            except KeyError as e:
+                raise DapError(str(e)) from None
+            return {"allThreadsContinued": False} if command == "continue" else {}
+        if command == "scopes":
+            key, (dbg, s), index = self._ref(args["frameId"], "frame")
+            body = self._ask(dbg, s, "scopes", {"frame": index})
+            for sc in body["scopes"]:
+                sc["variablesReference"] = self._new_ref(key, "var", sc["variablesReference"])
+                sc["expensive"] = False
+            return body
+        if command == "variables":
+            key, (dbg, s), ref = self._ref(args["variablesReference"], "var")
+            q = {"ref": ref, "start": args.get("start"), "count": args.get("count")}
+            body = self._ask(dbg, s, "variables", q)
+            for v in body["variables"]:
+                self._localise(key, v)
+            return body
+        key, (dbg, s), index = self._ref(args["frameId"], "frame")
+        q = {"frame": index, "expression": args.get("expression", "")}
+        return self._localise(key, self._ask(dbg, s, "evaluate", q))
+
+    def _localise(self, key, v: dict) -> dict:
+        if v.get("variablesReference"):
+            v["variablesReference"] = self._new_ref(key, "var", v["variablesReference"])
+        return v
+
+    def _ask(self, dbg, s, command: str, args: dict) -> dict:
+        try:
+            return dbg.inspect(s, command, args, TIMEOUT)
+        except (LookupError, TimeoutError, ValueError) as e:
+            raise DapError(f"rank {s.rank}: {e}") from None
+
+    def _stack(self, key, dbg, s, args: dict) -> dict:
+        frames = self._ask(dbg, s, "stack", {})["frames"]
+        start = max(0, _int(args.get("startFrame")))
+        levels = _int(args.get("levels"))
+        levels = levels if levels > 0 else len(frames)
+        out = []
+        for f in frames[start : start + levels]:
+            out.append(
+                {
+                    "id": self._new_ref(key, "frame", f["index"]),
+                    "name": f["name"],
+                    "line": f["line"] or 0,
+                    "column": 1,
+                    "source": self._source(f["file"]),
+                }
+            )
+        return {"stackFrames": out, "totalFrames": len(frames)}
+
+    def _source(self, path: str) -> dict:
+        """A frame's DAP source. A %%monarch cell's frame names the file ipykernel's
+        ``dumpCell`` gives that cell (JupyterLab finds the cell by it), written as
+        dumpCell writes it, so that ``source`` answers too."""
+        match = _CELL_FILE.fullmatch(path)
+        if match is not None:
+            try:
+                from ipykernel.compiler import get_file_name
+
+                code = self.kernel.shell.history_manager.input_hist_raw[int(match.group(1))]
+                cell_file = get_file_name(code)
+                if not os.path.exists(cell_file):
+                    os.makedirs(os.path.dirname(cell_file), exist_ok=True)
+                    with open(cell_file, "w", encoding="utf-8") as fh:
+                        fh.write(code)
+                return {"name": f"In[{match.group(1)}]", "path": cell_file}
+            except Exception:
+                pass  # no such cell in this kernel's history: the plain name
+        return {"name": path.rsplit("/", 1)[-1], "path": path}
+
+    async def process_request(self, message: dict) -> dict:
+        command = message.get("command")
+        args = message.get("arguments") or {}
+        try:
+            self.watch()
+        except Exception:  # never in the way of the kernel's own debugging
+            pass
+        if self.ours(command, args):
+            try:
+                body = await _off_loop(self.answer, command, args)
+            except DapError as e:
+                return _response(message, error=str(e))
+            except Exception as e:  # bad arguments: a clear answer, never a hang
+                return _response(message, error=f"{command}: {type(e).__name__}: {e}")
+            return _response(message, body)
+        reply = await self._orig(message)
+        if command == "threads":
+            reply = reply or _response(message, {"threads": []})
+            reply.setdefault("body", {}).setdefault("threads", []).extend(self.threads())
+        elif command == "debugInfo" and reply:
+            stopped = reply.setdefault("body", {}).setdefault("stoppedThreads", [])
+            stopped.extend(t["id"] for t in self.threads())
+        return reply
+
+
+def _int(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+async def _off_loop(fn, *args):
+    """Run blocking ``fn`` off the control thread's event loop when there is one."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def install(kernel) -> RemoteThreads | None:
+    """Put the adapter in front of ``kernel.debugger`` (once); None without one (no debugpy)."""
+    if getattr(kernel, "debugger", None) is None:
+        return None
+    adapter = getattr(kernel, "_monarch_dap", None)
+    if adapter is None:
+        adapter = kernel._monarch_dap = RemoteThreads(kernel)
+    return adapter
+
+
+__all__ = ["REF_BASE", "THREAD_BASE", "DapError", "RemoteThreads", "install"]
