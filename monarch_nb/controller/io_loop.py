@@ -38,6 +38,8 @@ GRACE = 0.005  # seconds the IO thread leaves the socket to a caller that just d
 # ... and to one that just sent a request (and most likely waits for it now, driving)
 # or is waiting for the lease: short, as a caller that awaits instead never drives
 SENT_GRACE = 0.0005
+MAX_QUEUED = 4096  # messages handed over and not sent before a producer must help send
+MAX_DRAIN = 65536  # messages one drain sends at most
 
 
 class IOLoop:
@@ -104,6 +106,8 @@ class IOLoop:
         or, right after a caller drove, its next request's (or the IO thread's
         within GRACE s)."""
         self._outq.append(item)
+        if len(self._outq) > MAX_QUEUED and not self.on_io_thread:
+            self._help_drain()  # a producer faster than the socket: back-pressure
         if item[0] == "req" and self._lease.acquire(blocking=False):
             try:
                 if not self.sockets_closed:
@@ -114,6 +118,15 @@ class IOLoop:
         elif item[0] != "req" and time.monotonic() < self._callers_until:
             return  # a caller drove just now: its next request (or the IO thread) sends it
         self._wake()
+
+    def _help_drain(self) -> None:
+        """Take the lease (waiting for the holder's step to end) and send the backlog."""
+        if self._lease.acquire(timeout=1.0):
+            try:
+                if not self.sockets_closed:
+                    self._critical(self._drain)
+            finally:
+                self._lease.release()
 
     def _wake(self) -> None:
         """Whoever drives sends what was handed over: the pipe wakes its poll, and
@@ -299,10 +312,13 @@ class IOLoop:
                     pass
 
     def _drain(self) -> None:
+        """Send what was handed over before this call (what producers add meanwhile
+        waits for the next: a producer faster than the socket cannot keep this
+        loop, and its batches, growing)."""
         q = self._outq
         deletes: list[int] = []
         batches: dict[int, list] = {}
-        while True:
+        for _ in range(min(len(q), MAX_DRAIN)):
             try:
                 item = q.popleft()
             except IndexError:

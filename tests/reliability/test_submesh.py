@@ -69,10 +69,13 @@ def test_an_interrupt_while_a_reply_is_made_never_loses_it(mesh):
     slow = mnb.remote(make_slow_to_pickle)(mesh=mesh, stream=side)
     slow.fetch(rank=1, timeout=30)  # made, and it pickles
     stop = threading.Event()
+    io = mesh._controller.io
+    backlog = [0]
 
     def storm():
         while not stop.is_set():
             mesh.interrupt()
+            backlog[0] = max(backlog[0], len(io._outq))
 
     t = threading.Thread(target=storm)
     t.start()
@@ -88,4 +91,9 @@ def test_an_interrupt_while_a_reply_is_made_never_loses_it(mesh):
         stop.set()
         t.join()
     assert len(outcomes) == 4 and "interrupted" in outcomes, outcomes
+    # a producer faster than the socket helps send: the backlog stays bounded (it once
+    # grew without end, and with it the batch being built, to an out-of-memory kill)
+    from monarch_nb.controller.io_loop import MAX_QUEUED
+
+    assert backlog[0] <= MAX_QUEUED + 64, backlog
     assert mnb.remote(torch.ones)(1, mesh=mesh, stream=side).fetch(timeout=30)[0].tolist() == [1.0]
