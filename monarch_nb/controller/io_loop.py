@@ -17,7 +17,6 @@ Functions handed over with ``call`` always run on the IO thread.
 
 from __future__ import annotations
 
-import _signal
 import logging
 import os
 import threading
@@ -28,12 +27,12 @@ from concurrent.futures import Future
 import zmq
 
 from ..protocol.wire import recv_ready, send_frames
+from .sigint import held_interrupt
 
 logger = logging.getLogger("monarch_nb.controller")
 
 RECV_HWM = 256  # messages queued per worker socket before ZeroMQ stops reading it
 TICK = 0.1  # seconds between process checks and housekeeping
-SIGINT = int(_signal.SIGINT)
 GRACE = 0.005  # seconds the IO thread leaves the socket to a caller that just drove it
 # ... and to one that just sent a request (and most likely waits for it now, driving)
 # or is waiting for the lease: short, as a caller that awaits instead never drives
@@ -111,7 +110,7 @@ class IOLoop:
         if item[0] == "req" and self._lease.acquire(blocking=False):
             try:
                 if not self.sockets_closed:
-                    self._critical(self._drain)
+                    held_interrupt(self._drain)
                     return
             finally:
                 self._release_by_caller(SENT_GRACE)
@@ -124,7 +123,7 @@ class IOLoop:
         if self._lease.acquire(timeout=1.0):
             try:
                 if not self.sockets_closed:
-                    self._critical(self._drain)
+                    held_interrupt(self._drain)
             finally:
                 self._lease.release()
 
@@ -230,7 +229,7 @@ class IOLoop:
                 self._poller.register(fd, zmq.POLLIN)
         events = dict(self._poller.poll(int(timeout * 1000)))
         try:
-            self._critical(self._handle_events, events)
+            held_interrupt(self._handle_events, events)
         except Exception:
             logger.exception("mesh %r: IO error (continuing)", self.name)
 
@@ -255,28 +254,6 @@ class IOLoop:
         if now >= self._next_tick:
             self._next_tick = now + TICK
             self.on_tick()
-
-    def _critical(self, fn, *args) -> None:
-        """``fn(*args)`` with a Ctrl-C on the main thread held until it returns (no
-        message half-sent or half-handled); the interrupt is then raised."""
-        if threading.current_thread() is not threading.main_thread():
-            fn(*args)
-            return
-        pressed: list = []
-        try:  # _signal: signal.signal's enum wrapping costs more than the call
-            previous = _signal.signal(SIGINT, lambda sig, frame: pressed.append(frame))
-        except ValueError:  # not the main interpreter
-            fn(*args)
-            return
-        try:
-            fn(*args)
-        finally:
-            _signal.signal(SIGINT, previous)
-            if pressed:
-                if callable(previous):
-                    previous(SIGINT, pressed[0])
-                elif previous != _signal.SIG_IGN:
-                    raise KeyboardInterrupt
 
     def stop(self, join: float = 5.0) -> None:
         """End the loop; its sockets close on its way out (or here once it is gone)."""
