@@ -119,11 +119,13 @@ class IOLoop:
         self._wake()
 
     def _help_drain(self) -> None:
-        """Take the lease (waiting for the holder's step to end) and send the backlog."""
+        """Take the lease (waiting for the holder's step to end) and make one step
+        without waiting: send the backlog, and receive, so that replies keep flowing
+        while a producer holds the socket."""
         if self._lease.acquire(timeout=1.0):
             try:
                 if not self.sockets_closed:
-                    held_interrupt(self._drain)
+                    self._step(0)
             finally:
                 self._lease.release()
 

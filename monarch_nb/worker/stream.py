@@ -225,10 +225,13 @@ class Stream:
         work: Callable[[], object],
         results: tuple = (),
         report: bool = True,
+        replies: bool = False,
     ) -> None:
         """Queue ``work``; its value goes into ``results`` (cells), its failure into
-        the same cells and (when ``report``) one RemoteFunctionFailed."""
-        self.q.put((ident, what, work, results, report))
+        the same cells and (when ``report``) one RemoteFunctionFailed. A work that
+        ``replies`` marks its own user part (``enter_user_code`` ... ``leave_user_code``),
+        so that no interrupt can land before it starts and lose its reply."""
+        self.q.put((ident, what, work, results, report, replies))
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Queue bookkeeping that runs in order with commands (markers, borrows)."""
@@ -275,7 +278,7 @@ class Stream:
             self._cancelled_running = running[0]
             self.interrupt()
 
-    def _execute(self, ident, what, work, results, report) -> None:
+    def _execute(self, ident, what, work, results, report, replies=False) -> None:
         if ident is None:
             work()
             return
@@ -291,7 +294,7 @@ class Stream:
         self.running = (ident, what, time.time())
         try:
             try:
-                self.in_user_code = True
+                self.in_user_code = not replies
                 value = work()
             finally:
                 self.in_user_code = False
@@ -344,6 +347,11 @@ class Stream:
                     ctypes.c_ulong(self.thread_id), ctypes.py_object(KeyboardInterrupt)
                 )
             return True
+
+    def enter_user_code(self) -> None:
+        """A reply's user part begins: interrupts land in it from now on."""
+        with self._lock:
+            self.in_user_code = True
 
     def leave_user_code(self) -> None:
         """The running command's user part is over (what is left is the worker's own:

@@ -226,25 +226,35 @@ class Worker(Connection, CommHandlers):
     def _reply_value(self, ident: int, stream_id: int, compute, what: str) -> None:
         """On the stream: send ``compute()`` (or why it failed) as a FetchResult."""
         stream = self._stream(stream_id)
-        stream.schedule(ident, what, self._reply_work(ident, stream, compute), report=False)
+        work = self._reply_work(ident, stream, compute)
+        stream.schedule(ident, what, work, report=False, replies=True)
 
     def _reply_work(self, ident: int, stream, compute):
         rank, signer = self.rank, self.signer
 
         def work():
-            # user code: computing the value and pickling it (its __reduce__ runs)
-            pickling = False
-            try:
-                reply = m.FetchResult(ident, rank, compute(), None)
-                pickling = True
-                frames = encode(reply, signer)
-            except BaseException as e:  # noqa: B036 - reported to the fetcher
-                stream.leave_user_code()  # a second interrupt must not lose the reply
-                failure = _fetch_failure(e, pickling)
-                reply, frames = m.FetchResult(ident, rank, None, failure), None
-            # the worker's own part: an interrupt landing here would lose the reply
-            stream.leave_user_code()
-            stream.outbox.send(reply, frames)
+            # user code: computing the value and pickling it (its __reduce__ runs); an
+            # interrupt landing before the stream left it is the reply's failure or retried
+            outcome = late = None  # the reply, or the failure that stands for it
+            while True:
+                try:
+                    if outcome is None and late is None:
+                        pickling = False
+                        try:
+                            stream.enter_user_code()
+                            reply = m.FetchResult(ident, rank, compute(), None)
+                            pickling = True
+                            outcome = (reply, encode(reply, signer))
+                        except BaseException as e:  # noqa: B036 - reported to the fetcher
+                            late = (e, pickling)
+                    stream.leave_user_code()
+                    break
+                except KeyboardInterrupt as e:
+                    if outcome is None and late is None:
+                        late = (e, False)
+            if outcome is None:  # out of user code: described without being interrupted
+                outcome = (m.FetchResult(ident, rank, None, _fetch_failure(*late)), None)
+            stream.outbox.send(*outcome)  # the worker's own part: no interrupt lands here
 
         return work
 
