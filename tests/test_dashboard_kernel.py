@@ -93,8 +93,10 @@ def test_queues_on_two_streams_and_grouped_errors(kw, tmp_path):
     run(k, w, "%%monarch --noblock\n" + gated_code(gate, "default", "default done"))
     run(k, w, "%%monarch --noblock\npass")  # queued behind the held one
     try:
-        main = w.wait_text("mnb-dash-main", "1 queued")
-        assert "mnb-busy" in main and "data-stream='side'" in main and "▶ %%monarch" in main
+        w.wait_text("mnb-dash-main", "1 queued")  # sent: the controller knows at once
+        main = w.wait_text("mnb-dash-main", "▶ %%monarch")  # running: the workers' next report
+        main = w.wait_text("mnb-dash-main", "mnb-busy")
+        assert "data-stream='side'" in main and "1 queued" in main
     finally:
         gate.touch()
     reply, msgs = run(k, w, "%%monarch\nx = 1\n1 / (x - rank)", ok=False)  # rank 1 divides by zero
