@@ -253,11 +253,6 @@ class Controller:
         """Drop ``req`` from the table and cancel its commands where they are."""
         self.io.submit(("cancel", req))
 
-    def call_in_io(self, fn):
-        """Run ``fn`` on the IO thread (e.g. spawning, so that workers' parent
-        death signal is tied to a thread that lives as long as the controller)."""
-        return self.io.call(fn)
-
     def delete_ref(self, ref_id: int) -> None:
         """Free a worker-side value (called from Ref.__del__, any thread): sent with
         the next batch, after every command already handed over."""
