@@ -117,3 +117,18 @@ def call_checked(function, expected, /, *args, **kwargs):
                 f"layout; fix the propagate= function (or use propagate='inspect')"
             )
     return out
+
+
+class OpSlot:
+    """Where a RunOp's ``i``-th Ref goes among a DefineOp's arguments."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+    def __reduce__(self):
+        return (OpSlot, (self.i,))
+
+    def __repr__(self) -> str:
+        return f"OpSlot({self.i})"

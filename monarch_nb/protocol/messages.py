@@ -1,12 +1,9 @@
 """Every message that crosses the wire, as plain typed records.
 
 The worker dispatches each message to the handler named after its class (as
-the reference worker does); the controller does the same for replies. Records
-are NamedTuples: immutable, cheap to build and to pickle.
-
-Ref ids, stream ids and mesh ids are plain ints chosen by the controller.
-`ident` is the controller's command counter (one per controller; see
-``controller.Controller.next_ident``).
+the reference worker does); the controller does the same for replies. Ref,
+stream and mesh ids are ints the controller chooses; ``ident`` is its command
+counter (``Controller.next_ident``).
 """
 
 from __future__ import annotations
@@ -62,6 +59,26 @@ class CallFunction(NamedTuple):
     what: str
 
 
+class DefineOp(NamedTuple):
+    """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks RunOp's i-th Ref."""
+
+    op: int
+    function: Function
+    args: tuple
+    kwargs: dict
+    what: str
+
+
+class RunOp(NamedTuple):
+    """Call the op defined as ``op`` with ``refs`` in its slots, on ``stream``."""
+
+    ident: int
+    result: int
+    op: int
+    refs: tuple
+    stream: int
+
+
 class RunCode(NamedTuple):
     """Execute source in the worker's persistent namespace; the value of a
     trailing expression (if any) is stored in ``result``."""
@@ -76,9 +93,8 @@ class RunCode(NamedTuple):
 
 
 class RunCell(NamedTuple):
-    """Run a notebook cell's ``source`` in the namespace (``args``: the names to bind
-    first) and send its value's mimebundle and figures back as a FetchResult,
-    after the cell's failure report if it failed."""
+    """Run a cell's ``source`` (``args``: names to bind first); its value's mimebundle
+    and figures come back as a FetchResult (after its failure report, if any)."""
 
     ident: int
     source: str
@@ -120,8 +136,7 @@ class RequestStatus(NamedTuple):
 
 
 class RequestStacks(NamedTuple):
-    """Answer at once (from the receiver thread) with a FetchResult whose value maps
-    each stream's name to {"running": what or None, "stack": its user frames}."""
+    """Answer at once: a FetchResult of {stream name: {"running": what, "stack": frames}}."""
 
     ident: int
 
@@ -135,8 +150,7 @@ class CommandGroup(NamedTuple):
 
 
 class Interrupt(NamedTuple):
-    """Raise KeyboardInterrupt in the commands running on these streams
-    (every stream when ``streams`` is empty)."""
+    """Raise KeyboardInterrupt in what runs on these streams (empty: on every one)."""
 
     streams: tuple
 
@@ -148,7 +162,7 @@ class Cancel(NamedTuple):
 
 
 class Exit(NamedTuple):
-    pass
+    """Stop serving."""
 
 
 class DefineRecording(NamedTuple):
@@ -160,8 +174,7 @@ class DefineRecording(NamedTuple):
 
 
 class CallRecording(NamedTuple):
-    """Replay a recording: ``inputs`` pairs (recorded ref id, actual ref id);
-    ``results`` pairs (recorded ref id, new ref id)."""
+    """Replay: ``inputs`` (recorded id, actual id) pairs, ``results`` (recorded, new)."""
 
     ident: int
     recording: int
@@ -211,10 +224,8 @@ class DebuggerMessage(NamedTuple):
 
 
 class InitBackend(NamedTuple):
-    """Join the default torch.distributed process group through the store at
-    ``store``: ``file:///path`` (a local mesh: no socket) or ``tcp://host:port``
-    (the controller's TCPStore, for workers on other hosts). Answered with a
-    FetchResult of ``ident``: None, or why joining failed."""
+    """Join the default process group through ``store`` (``file:///path`` locally, else
+    ``tcp://host:port``); answered by a FetchResult of ``ident``: None or why not."""
 
     store: str
     backend: str
@@ -226,8 +237,7 @@ class Ping(NamedTuple):
 
 
 class Refused(NamedTuple):
-    """The controller does not take this worker (late, duplicate rank, wrong world,
-    another protocol version)."""
+    """The controller does not take this worker (late, duplicate, wrong world or version)."""
 
     reason: str
 
@@ -303,9 +313,8 @@ class FetchResult(NamedTuple):
 
 
 class RemoteFailure(NamedTuple):
-    """An exception on a worker: its type's name, ``str()`` and formatted traceback;
-    ``exc_module`` and ``exc_qualname`` locate the type (empty when the failure is
-    the worker's own report, not a user exception)."""
+    """An exception on a worker: type name, ``str()``, traceback; ``exc_module`` and
+    ``exc_qualname`` locate the type (empty for the worker's own reports)."""
 
     exc_type: str
     message: str
@@ -328,7 +337,7 @@ class RemoteFunctionFailed(NamedTuple):
 
 
 class Status(NamedTuple):
-    """Stream ``stream`` of ``rank`` finished everything sent before RequestStatus ``ident``."""
+    """``stream`` of ``rank`` finished everything sent before RequestStatus ``ident``."""
 
     rank: int
     stream: int

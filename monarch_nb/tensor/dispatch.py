@@ -8,14 +8,15 @@ a dict lookup, a pickle and a send.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 
 import torch
 
-from ..context import resolve_target
+from ..context import recording_trace, resolve_target
 from ..protocol import messages as m
-from ..protocol.aten import alias_after, run_op
+from ..protocol.aten import OpSlot, alias_after, run_op
 from ..protocol.pickling import pack_ref_args, ref_placeholder
 from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
@@ -33,6 +34,10 @@ _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.defa
 _cache: dict = {}
 _names: dict = {}  # id(op) -> (qualified name for run_op, display name, the op)
 _CACHE_MAX = 100_000
+# op templates: key -> (op id, its DefineOp); a worker set learns each once per generation
+_templates: dict = {}
+_op_ids = itertools.count(1)
+_defined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ctrl -> (gen, {op id})
 
 
 def _key(x, tensors: list, local: list):
@@ -106,6 +111,7 @@ def dispatch(func, args, kwargs, mesh=None):
             if key is not None:
                 if len(_cache) >= _CACHE_MAX:
                     _cache.clear()
+                    _templates.clear()
                 _cache[key] = entry
     mesh, stream = resolve_target(mesh, None)
     if tensors:
@@ -116,15 +122,23 @@ def dispatch(func, args, kwargs, mesh=None):
     what = names[1]
     if local:
         packed, _ = pack_args((names[0], *args), kwargs)
+        result, ident = ctrl.next_id(), ctrl.next_ident()
+        ctrl.send(
+            m.CallFunction(ident, result, _RUN_OP, packed, stream.id, mesh.id, what),
+            mesh.targets,
+            stream.id,
+            what,
+        )
     else:
-        packed = pack_ref_args((names[0], *args), kwargs, tuple([t.id for t in tensors]))
-    result, ident = ctrl.next_id(), ctrl.next_ident()
-    ctrl.send(
-        m.CallFunction(ident, result, _RUN_OP, packed, stream.id, mesh.id, what),
-        mesh.targets,
-        stream.id,
-        what,
-    )
+
+        def define(op: int) -> m.DefineOp:
+            index = {id(t): i for i, t in enumerate(tensors)}
+            skeleton = (names[0], *_skeleton(args, index))
+            return m.DefineOp(op, _RUN_OP, skeleton, _skeleton(kwargs, index), what)
+
+        result, ident = _run(
+            ctrl, key, define, (names[0], *args), kwargs, tensors, mesh, stream, what
+        )
     kind = entry[0]
     if kind == "one":
         return _output(entry[1], entry[2], result, ident, mesh, stream, tensors)
@@ -136,17 +150,58 @@ def dispatch(func, args, kwargs, mesh=None):
         if spec is None:
             outs.append(None)
             continue
-        args = pack_ref_args((_Holder(result), i), {}, (result,))
-        rid, rident = ctrl.next_id(), ctrl.next_ident()
-        ctrl.send(
-            m.CallFunction(rident, rid, _GETITEM, args, stream.id, mesh.id, what),
-            mesh.targets,
-            stream.id,
+        rid, rident = _run(
+            ctrl,
+            ("getitem", i, what),
+            lambda op, i=i: m.DefineOp(op, _GETITEM, (OpSlot(0), i), {}, what),
+            (_Holder(result), i),
+            {},
+            (_Holder(result),),
+            mesh,
+            stream,
             what,
         )
         outs.append(_output(spec, base, rid, rident, mesh, stream, tensors))
     ctrl.delete_ref(result)
     return entry[1](outs)
+
+
+def _skeleton(x, index: dict):
+    """``x`` with each mesh tensor replaced by the OpSlot of its place in ``index``."""
+    tp = type(x)
+    if tp is Tensor or isinstance(x, Tensor):
+        return OpSlot(index[id(x)])
+    if tp is list or tp is tuple:
+        return tp(_skeleton(y, index) for y in x)
+    if tp is dict:
+        return {k: _skeleton(v, index) for k, v in x.items()}
+    return x
+
+
+def _run(ctrl, key, define, args, kwargs, refs, mesh, stream, what: str) -> tuple:
+    """Send one op: a RunOp of the template ``key`` (made by ``define(op id)`` and
+    defined on every worker first), or, while ``mnb.compile`` records or the key
+    is unhashable, a CallFunction of its arguments. Returns (result id, ident)."""
+    result, ident = ctrl.next_id(), ctrl.next_ident()
+    if key is None or recording_trace.active is not None:
+        function = _RUN_OP if type(args[0]) is str else define(0).function
+        packed = pack_ref_args(args, kwargs, tuple([r.id for r in refs]))
+        msg = m.CallFunction(ident, result, function, packed, stream.id, mesh.id, what)
+        ctrl.send(msg, mesh.targets, stream.id, what)
+        return result, ident
+    t = _templates.get(key)
+    if t is None:
+        op = next(_op_ids)
+        t = _templates[key] = (op, define(op))
+    seen = _defined.get(ctrl)
+    if seen is None or seen[0] != ctrl.generation:
+        seen = _defined[ctrl] = (ctrl.generation, set())
+    if t[0] not in seen[1]:
+        ctrl.send(t[1], None)
+        seen[1].add(t[0])
+    msg = m.RunOp(ident, result, t[0], tuple([r._wire_id() for r in refs]), stream.id)
+    ctrl.send(msg, mesh.targets, stream.id, what)
+    return result, ident
 
 
 def _names_of(func) -> tuple:
@@ -206,12 +261,15 @@ def _rename_aliases(t: Tensor, mesh, stream) -> None:
             or u.generation != t.generation
         ):
             continue
-        args = pack_ref_args((u, t), {}, (u.id, t.id))
-        rid, rident = ctrl.next_id(), ctrl.next_ident()
-        ctrl.send(
-            m.CallFunction(rident, rid, _ALIAS, args, stream.id, mesh.id, "alias"),
-            mesh.targets,
-            stream.id,
+        rid, rident = _run(
+            ctrl,
+            ("alias",),
+            lambda op: m.DefineOp(op, _ALIAS, (OpSlot(0), OpSlot(1)), {}, "alias"),
+            (u, t),
+            {},
+            (u, t),
+            mesh,
+            stream,
             "alias",
         )
         u._rebind(rid, rident)
@@ -225,6 +283,9 @@ class _Holder:
 
     def __init__(self, ref_id: int):
         self.id = ref_id
+
+    def _wire_id(self) -> int:
+        return self.id
 
     def __reduce_ex__(self, protocol):
         return ref_placeholder(self.id)

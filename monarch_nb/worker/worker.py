@@ -28,12 +28,13 @@ from .comm_handlers import CommHandlers
 from .connection import Connection
 from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
+from .op_handlers import OpHandlers
 from .stream import Stream, interruptible_sleep
 
 DEFAULT_STREAM = 0
 
 
-class Worker(Connection, CommHandlers):
+class Worker(Connection, CommHandlers, OpHandlers):
     """One rank: its values (``env``), streams, namespace, and a handler per message."""
 
     def __init__(
@@ -73,6 +74,7 @@ class Worker(Connection, CommHandlers):
         }
         self.borrows: dict[int, tuple] = {}  # borrow id -> (Borrow, result cell)
         self.recordings: dict[int, object] = {}
+        self.ops: dict[int, object] = {}  # DefineOp's templates
         self.pipes: dict[int, object] = {}
         self._comms = None
 
@@ -314,16 +316,6 @@ class Worker(Connection, CommHandlers):
         self.pipes.clear()
         for s in list(self.streams.values()):
             s.stop()
-
-    # ------------------------------------------------------------ recordings
-
-    def DefineRecording(self, msg: m.DefineRecording) -> None:
-        from .recording import Recording
-
-        self.recordings[msg.recording] = Recording(msg)
-
-    def CallRecording(self, msg: m.CallRecording) -> None:
-        self.recordings[msg.recording].call(self, msg)
 
     # ------------------------------------------------------------ pipes
 
