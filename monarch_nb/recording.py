@@ -8,19 +8,32 @@ Refs; values made inside the function and not returned never reach the
 workers' env. Arguments that are not Refs are part of the recording: calling
 with different ones records again (like a guard). Fetching inside a compiled
 function is an error: a replay cannot stop to talk to the controller.
+Mesh tensors a call leaves behind (parameters updated in place, gradients,
+optimizer state: the recording's *state*) are rebound to the replay's new
+values, so the controller's tensors name what the workers hold. A function
+with state is replayed only once two recorded calls in a row sent the same
+commands (an optimizer's first step, which creates its state, differs from the
+next); one that never settles runs uncompiled, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
 import pickle
+import sys
+import warnings
+import weakref
 from typing import Any
 
 from .context import recording_trace
 from .protocol import messages as m
+from .protocol.pickling import unpack_args
 from .remote import Ref
+from .tensor import Tensor
 
 RECORDABLE = ("CallFunction", "Reduce", "RunCode")
+MAX_ATTEMPTS = 4  # recordings in a row of a function with state that do not settle
+_ID_FIELDS = frozenset({"result", "source", "out"})
 
 
 class RecordingError(RuntimeError):
@@ -32,6 +45,8 @@ class _Trace:
         self.ctrl = ctrl
         self.commands: list = []  # (msg, targets)
         self.refs: dict[int, Ref] = {}  # every Ref the recorded commands name
+        self.tensors: dict[int, weakref.ref] = {}  # ... and every mesh tensor (weakly)
+        self.made: list[weakref.ref] = []  # mesh tensors made while recording
 
     def observe(self, msg, targets) -> None:
         kind = type(msg).__name__
@@ -42,40 +57,55 @@ class _Trace:
 
     def note(self, refs) -> None:
         for r in refs:
-            self.refs[r.id] = r
+            if isinstance(r, Tensor):
+                self.tensors.setdefault(r.id, weakref.ref(r))
+            else:
+                self.refs[r.id] = r
 
 
 def _walk(obj, refs: list):
     """A hashable description of ``obj`` with each Ref replaced by its place
     (mesh ranks and stream); the Refs are appended to ``refs``."""
     t = type(obj)
-    if t is Ref:
+    if t is Ref or isinstance(obj, Tensor):
         refs.append(obj)
-        return ("ref", obj.mesh.targets, obj.stream.id)
+        return ("ref", obj.mesh.targets, obj.stream.id, getattr(obj, "_layout", None))
     if t in (tuple, list):
         return (t.__name__, tuple(_walk(o, refs) for o in obj))
     if t is dict:
         return ("dict", tuple((k, _walk(v, refs)) for k, v in obj.items()))
+    if _is_torch_object(obj):  # a module or an optimizer: its tensors are state, not guards
+        return ("object", id(obj))
     try:
         return ("value", pickle.dumps(obj, 5))
     except Exception:
         return ("object", id(obj))
 
 
-def _template(obj, defined: set, formals: list):
+def _is_torch_object(obj) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def _template(obj, defined: set, formals: list, state: set):
     """The result structure: a Ref made inside becomes ("ref", recorded id, mesh,
-    stream); a Ref passed in, ("formal", its position); any other Ref is returned as is."""
+    stream) (a mesh tensor, ("tensor", ..., layout)); a Ref passed in, ("formal",
+    its position); a state tensor, ("obj", weakref); any other Ref is returned as is."""
     t = type(obj)
-    if t is Ref:
+    if t is Ref or isinstance(obj, Tensor):
+        if id(obj) in state:
+            return ("obj", weakref.ref(obj))
         if obj.id in defined:
-            return ("ref", obj.id, obj.mesh, obj.stream)
+            if t is Ref:
+                return ("ref", obj.id, obj.mesh, obj.stream)
+            return ("tensor", obj.id, obj.mesh, obj.stream, obj._layout)
         if obj.id in formals:
             return ("formal", formals.index(obj.id))
         return ("const", obj)
     if t in (tuple, list):
-        return (t.__name__, [_template(o, defined, formals) for o in obj])
+        return (t.__name__, [_template(o, defined, formals, state) for o in obj])
     if t is dict:
-        return ("dict", {k: _template(v, defined, formals) for k, v in obj.items()})
+        return ("dict", {k: _template(v, defined, formals, state) for k, v in obj.items()})
     return ("const", obj)
 
 
@@ -84,6 +114,11 @@ def _build(tpl, new_ids: dict, ident: int, actuals: list):
     if kind == "ref":
         _, rid, mesh, stream = tpl
         return Ref(new_ids[rid], mesh, stream, ident)
+    if kind == "tensor":
+        _, rid, mesh, stream, layout = tpl
+        return Tensor(layout, new_ids[rid], mesh, stream, ident)
+    if kind == "obj":
+        return tpl[1]()
     if kind == "formal":
         return actuals[tpl[1]]
     if kind in ("tuple", "list"):
@@ -100,11 +135,33 @@ class _Recorded:
         self.ctrl = ctrl
         self.generation = generation
         self.formals: list[int] = []
-        self.captured: list[Ref] = []  # kept alive: replays read them
+        self.captured: list[tuple] = []  # (recorded id, Ref, or weakref to a mesh tensor)
+        self.state: list[tuple] = []  # (recorded id, weakref): mesh tensors left behind
         self.results: list[int] = []
         self.template: Any = None
         self.targets: tuple = ()
         self.streams: dict[int, tuple] = {}  # stream id -> ranks
+        self.signature: tuple | None = None  # what it sends, for a function with state
+        self.confirmed = True
+
+    def usable(self) -> bool:
+        return self.generation == self.ctrl.generation and self.ctrl.usable
+
+    def inputs(self) -> tuple | None:
+        """(recorded id, actual id) of each captured value now; None when a captured
+        or state tensor is gone (the recording no longer describes the program)."""
+        pairs = []
+        for rid, ref in self.captured:
+            if type(ref) is weakref.ReferenceType:
+                ref = ref()
+                if ref is None or ref._deleted:
+                    return None
+            pairs.append((rid, ref.id))
+        for _, w in self.state:
+            t = w()
+            if t is None or t._deleted:
+                return None
+        return tuple(pairs)
 
 
 class Compiled:
@@ -113,6 +170,7 @@ class Compiled:
     def __init__(self, fn):
         self._fn = fn
         self._recorded: dict = {}
+        self._attempts: dict = {}  # key -> recordings in a row that did not settle
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -123,11 +181,36 @@ class Compiled:
         if recording_trace.active is not None:
             raise RecordingError("a compiled function cannot be called while another one records")
         rec = self._recorded.get(key)
-        if rec is not None and rec.generation == rec.ctrl.generation and rec.ctrl.usable:
-            return self._replay(rec, refs)
-        return self._record(key, args, kwargs, refs)
+        if rec is not None and rec.confirmed and rec.usable():
+            captured = rec.inputs()
+            if captured is not None:
+                self._attempts[key] = 0
+                return self._replay(rec, refs, captured)
+            rec = None  # stale: what it read is gone
+        attempts = self._attempts.get(key, 0)
+        if attempts >= MAX_ATTEMPTS:  # warned once: it runs uncompiled
+            return self._fn(*args, **kwargs)
+        result, new = self._record(args, kwargs, refs)
+        if new is not None:
+            if new.state:  # confirmed by the same commands twice; a replay resets the count
+                new.confirmed = rec is not None and _same(rec.signature, new.signature)
+                self._attempts[key] = attempts + 1
+                if not new.confirmed and attempts + 1 >= MAX_ATTEMPTS:
+                    self._warn_unsettled()
+            self._recorded[key] = new
+        return result
 
-    def _record(self, key, args, kwargs, refs: list[Ref]):
+    def _warn_unsettled(self) -> None:
+        name = getattr(self._fn, "__qualname__", "the function")
+        warnings.warn(
+            f"mnb.compile: {name} sends different commands on each call (or the tensors it "
+            f"reads do not outlive a call), so it runs uncompiled from now on; values computed "
+            f"in Python per call (a step count, a schedule) belong in its arguments",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _record(self, args, kwargs, refs: list[Ref]):
         from .mesh import get_mesh
 
         ctrl = refs[0].mesh._controller if refs else get_mesh()._controller
@@ -138,7 +221,7 @@ class Compiled:
         finally:
             recording_trace.active = None
         if not trace.commands:
-            return result
+            return result, None
         out_refs: list[Ref] = []
         _walk(result, out_refs)
         defined = {msg.result for msg, _ in trace.commands}
@@ -153,39 +236,86 @@ class Compiled:
                     used.add(msg.out)
         rec = _Recorded(ctrl.next_id(), ctrl, ctrl.generation)
         rec.formals = formal_ids
-        rec.captured = [
-            trace.refs[i] for i in sorted(used - defined - set(formal_ids)) if i in trace.refs
-        ]
-        rec.results = [r.id for r in out_refs if r.id in defined]
-        rec.template = _template(result, defined, formal_ids)
+        for i in sorted(used - defined - set(formal_ids)):
+            if i in trace.refs:
+                rec.captured.append((i, trace.refs[i]))
+            elif i in trace.tensors:
+                rec.captured.append((i, trace.tensors[i]))
+        returned = {id(r) for r in out_refs}
+        made = {id(t) for t in (w() for w in trace.made) if t is not None}
+        state: dict[int, tuple] = {}  # id(tensor) -> (its recorded id, weakref)
+        for w in [*trace.tensors.values(), *trace.made]:
+            t = w()
+            if t is None or t._deleted or t.id not in defined or id(t) in state:
+                continue
+            if id(t) in returned and id(t) in made:
+                continue  # a new result: each replay makes its own
+            state[id(t)] = (t.id, w)
+        rec.state = list(state.values())
+        rec.results = list(
+            dict.fromkeys([r.id for r in out_refs if r.id in defined] + [i for i, _ in rec.state])
+        )
+        rec.template = _template(result, defined, formal_ids, set(state) & returned)
         ranks = sorted({r for _, targets in trace.commands for r in targets})
         rec.targets = tuple(ranks)
         for msg, targets in trace.commands:
             prev = rec.streams.get(msg.stream, ())
             rec.streams[msg.stream] = tuple(sorted(set(prev) | set(targets)))
+        if rec.state:
+            rec.signature = _signature(trace.commands)
         name = getattr(self._fn, "__name__", "compiled")
         for r in ranks:
             mine = tuple(msg for msg, targets in trace.commands if r in targets)
             ctrl.send(m.DefineRecording(rec.id, name, mine), [r])
-        self._recorded[key] = rec
-        return result
+        return result, rec
 
-    def _replay(self, rec: _Recorded, refs: list[Ref]):
+    def _replay(self, rec: _Recorded, refs: list[Ref], captured: tuple):
         ctrl = rec.ctrl
         ctrl.check_usable()
         ident = ctrl.next_ident()
-        inputs = tuple(zip(rec.formals, (r.id for r in refs))) + tuple(
-            (c.id, c.id) for c in rec.captured
-        )
+        inputs = tuple(zip(rec.formals, (r._wire_id() for r in refs))) + captured
         new_ids = {rid: ctrl.next_id() for rid in rec.results}
         what = f"compiled {getattr(self._fn, '__name__', '')}"
         for sid, ranks in rec.streams.items():
             ctrl.state.record_sent(ident, sid, ranks, what)
         ctrl.send(m.CallRecording(ident, rec.id, inputs, tuple(new_ids.items())), rec.targets)
+        for rid, w in rec.state:  # after the replay is sent: the old values go after it
+            w()._rebind(new_ids[rid], ident)
         return _build(rec.template, new_ids, ident, refs)
 
     def __repr__(self) -> str:
         return f"<compiled {getattr(self._fn, '__qualname__', self._fn)!r}>"
+
+
+def _signature(commands) -> tuple | None:
+    """What ``commands`` do, with ref ids numbered by first appearance (two calls of a
+    function that sent the same commands have the same signature); None when an
+    argument cannot be compared."""
+    canon: dict = {}
+
+    def c(rid):
+        return None if rid is None else canon.setdefault(rid, len(canon))
+
+    out = []
+    try:
+        for msg, targets in commands:
+            fields = msg._asdict()
+            fields.pop("ident", None)
+            for name in _ID_FIELDS & fields.keys():
+                fields[name] = c(fields[name])
+            if type(msg).__name__ == "CallFunction":
+                fields["args"] = unpack_args(msg.args, lambda rid: ("ref", c(rid)))
+            out.append((type(msg).__name__, tuple(targets), tuple(fields.items())))
+    except Exception:
+        return None
+    return tuple(out)
+
+
+def _same(a: tuple | None, b: tuple | None) -> bool:
+    try:
+        return a is not None and b is not None and bool(a == b)
+    except Exception:  # arguments that do not compare (tensors sent by value)
+        return False
 
 
 def compile(fn=None):  # noqa: A001 - the public name, as in torch.compile

@@ -9,8 +9,11 @@ goes wherever a Ref goes (remote-function arguments, ``fetch``, ``reduce``,
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from ..context import recording_trace
 from ..protocol.pickling import ref_placeholder
 from ..protocol.wire import register_ref_type
 from ..remote import Ref
@@ -36,6 +39,9 @@ class Tensor(torch.Tensor, Ref):
         Ref.__init__(t, ref_id, mesh, stream, ident)
         t._layout = layout
         t._aliases = None  # weakrefs to the tensors sharing its storage (dispatch._join)
+        trace = recording_trace.active
+        if trace is not None:  # mnb.compile: a tensor made while recording may be state
+            trace.made.append(weakref.ref(t))
         return t
 
     def __init__(self, *args, **kwargs):  # everything happened in __new__
