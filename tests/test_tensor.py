@@ -642,3 +642,42 @@ def test_remote_without_propagator_inside_compile_names_propagate(mesh):
         step(m)
     with mesh.activate():
         assert mnb.inspect(m * 2, dp=1).tolist() == [2.0, 2.0]
+
+
+def test_a_failing_foreach_op_marks_every_tensor_it_writes(mesh):
+    with mesh.activate():
+        a = [torch.zeros(4), torch.zeros(2)]
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)
+    with mesh.activate():
+        bad = torch.zeros(4)
+        bad[idx * 10] = 1.0  # index_put_: out of range on rank 1 only
+        torch._foreach_add_(a, [bad, torch.ones(2)])  # returns nothing, writes both
+    assert mnb.inspect(a[0], dp=0).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert mnb.inspect(a[1], dp=0).tolist() == [1.0, 1.0]
+    for t in a:
+        with pytest.raises(mnb.RemoteError, match="rank 1"):
+            mnb.inspect(t, dp=1)
+    with mesh.activate():
+        y = torch.ones(2) * 2
+    assert mnb.inspect(y, dp=1).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
+def test_foreach_optimizers_match_the_per_tensor_path(mesh, opt_cls):
+    import copy
+
+    with mesh.activate():
+        torch.manual_seed(1)
+        model = torch.nn.Linear(4, 2)
+        x = torch.randn(8, 4)
+    twin = copy.deepcopy(model)
+    opts = [opt_cls(model.parameters(), lr=0.1, foreach=True)]
+    opts.append(opt_cls(twin.parameters(), lr=0.1, foreach=False))
+    for _ in range(3):
+        for net, opt in zip((model, twin), opts):
+            opt.zero_grad()
+            net(x).pow(2).sum().backward()
+            opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(mnb.inspect(p, dp=1), mnb.inspect(q, dp=1), atol=1e-6)

@@ -38,6 +38,7 @@ _CACHE_MAX = 100_000
 _templates: dict = {}
 _op_ids = itertools.count(1)
 _defined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ctrl -> (gen, {op id})
+_mutates: dict = {}  # key -> inputs the op writes and does not return (a foreach op's lists)
 
 
 def _key(x, tensors: list, local: list):
@@ -108,11 +109,19 @@ def dispatch(func, args, kwargs, mesh=None):
         if entry is None:
             entry = propagate(func, args, kwargs, tensors, _is_mesh)
             _names_of(func)  # keeps func alive: its id in the key stays its own
+            mutated = _mutated_inputs(func, args, kwargs, tensors, entry)
             if key is not None:
                 if len(_cache) >= _CACHE_MAX:
                     _cache.clear()
                     _templates.clear()
+                    _mutates.clear()
                 _cache[key] = entry
+                if mutated:
+                    _mutates[key] = mutated
+        else:
+            mutated = _mutates.get(key, ()) if _mutates else ()
+    else:
+        mutated = ()
     mesh, stream = resolve_target(mesh, None)
     if tensors:
         check_refs(tensors, mesh, stream)
@@ -139,6 +148,10 @@ def dispatch(func, args, kwargs, mesh=None):
         result, ident = _run(
             ctrl, key, define, (names[0], *args), kwargs, tensors, mesh, stream, what
         )
+    for j in mutated:  # before the op's own value may be freed below
+        _rename(tensors[j], _Holder(result), mesh, stream)
+        if tensors[j]._aliases is not None:
+            _rename_aliases(tensors[j], mesh, stream)
     kind = entry[0]
     if kind == "one":
         return _output(entry[1], entry[2], result, ident, mesh, stream, tensors)
@@ -164,6 +177,32 @@ def dispatch(func, args, kwargs, mesh=None):
         outs.append(_output(spec, base, rid, rident, mesh, stream, tensors))
     ctrl.delete_ref(result)
     return entry[1](outs)
+
+
+def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
+    """Indices (in ``tensors``) of the inputs ``func`` writes without returning them."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not tensors:
+        return ()
+    index = {id(t): i for i, t in enumerate(tensors)}
+    found, pos = [], 0
+    for a in schema.arguments:
+        if a.kwarg_only:
+            v = kwargs.get(a.name)
+        else:
+            v = args[pos] if pos < len(args) else kwargs.get(a.name)
+            pos += 1
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, Tensor) and id(t) in index:
+                found.append(index[id(t)])
+    returned = set()
+    if entry[0] == "one" and type(entry[1]) is int:
+        returned.add(entry[1])
+    elif entry[0] == "many":
+        returned.update(s for s in entry[2] if type(s) is int)
+    return tuple(j for j in dict.fromkeys(found) if j not in returned)
 
 
 def _skeleton(x, index: dict):
@@ -245,35 +284,33 @@ def _rename_aliases(t: Tensor, mesh, stream) -> None:
     """After an in-place op on ``t``, every live tensor sharing its storage names
     its value anew, after that op: a failure of the op reaches their readers too
     (as the reference's ``mutates`` marks every alias)."""
-    ctrl = mesh._controller
     live = []
     for r in t._aliases:
         u = r()
         if u is None:
             continue
         live.append(r)
-        if (
-            u is t
-            or u._deleted
-            or u._borrow is not None
-            or u.stream.id != stream.id
-            or u.mesh.targets != mesh.targets
-            or u.generation != t.generation
-        ):
-            continue
-        rid, rident = _run(
-            ctrl,
-            ("alias",),
-            lambda op: m.DefineOp(op, _ALIAS, (OpSlot(0), OpSlot(1)), {}, "alias"),
-            (u, t),
-            {},
-            (u, t),
-            mesh,
-            stream,
-            "alias",
-        )
-        u._rebind(rid, rident)
+        if u is not t and u.mesh.targets == mesh.targets and u.generation == t.generation:
+            _rename(u, t, mesh, stream)
     t._aliases[:] = live
+
+
+def _rename(u: Tensor, after, mesh, stream) -> None:
+    """``u`` names its value anew, once ``after`` (an op that wrote its storage) ran."""
+    if u._deleted or u._borrow is not None or u.stream.id != stream.id:
+        return
+    rid, rident = _run(
+        mesh._controller,
+        ("alias",),
+        lambda op: m.DefineOp(op, _ALIAS, (OpSlot(0), OpSlot(1)), {}, "alias"),
+        (u, after),
+        {},
+        (u, after),
+        mesh,
+        stream,
+        "alias",
+    )
+    u._rebind(rid, rident)
 
 
 class _Holder:
