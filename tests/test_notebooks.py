@@ -334,7 +334,7 @@ def test_tensor_engine_notebook(tmp_path):
     """The tour of the tensor engine on a {host: 2, gpu: 2} CPU mesh: its cells
     assert what they show (layouts, per-rank matmuls, a failure on rank 1 and the
     mesh going on, reductions, sub-meshes, data-parallel training with and
-    without a comms stream, remote functions returning mesh tensors)."""
+    without a comms stream and compiled, remote functions returning mesh tensors)."""
     nb = nbformat.read(NOTEBOOKS / "05_tensor_engine.ipynb", as_version=4)
     client = notebook_client(nb, tmp_path, timeout=120)
     client.execute(env=kernel_env(tmp_path))
