@@ -129,3 +129,22 @@ def test_compiled_tensor_arguments_and_results(mesh):
     other = affine(b, 2.0)  # another layout records anew
     assert other.shape == (2, 2) and mnb.inspect(other, dp=1).tolist() == [[3.0, 3.0]] * 2
     assert mnb.inspect(affine(a, 3.0)).tolist() == [1.0, 4.0, 7.0, 10.0]
+
+
+def test_mesh_tensors_and_a_compiled_step_after_a_restart(mesh):
+    with mesh.activate():
+        t = torch.ones(2)
+    step = mnb.compile(lambda: t.add_(1))
+    for _ in range(3):
+        step()
+    assert mnb.inspect(t).tolist() == [4.0, 4.0]
+    mesh.restart()
+    for use in (lambda: t + 1, lambda: mnb.inspect(t), step):
+        with pytest.raises(mnb.RefUseError, match="restarted"):
+            use()
+    with mesh.activate():
+        fresh = torch.ones(2)
+    again = mnb.compile(lambda: fresh.mul_(2))
+    for _ in range(4):
+        again()
+    assert mnb.inspect(fresh, dp=1).tolist() == [16.0, 16.0]
