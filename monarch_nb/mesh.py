@@ -57,6 +57,11 @@ class DeviceMesh(NamespaceCommands, BaseMesh):
     def backend(self) -> str:
         return self._controller.state.backend
 
+    @property
+    def device_type(self) -> str:
+        """``"cuda"`` when every worker has a GPU (mesh tensors default to it), else ``"cpu"``."""
+        return "cuda" if self._controller.workers.all_cuda() else "cpu"
+
     def coords(self, rank: int) -> dict:
         """The coordinates of global ``rank`` on this mesh's dims."""
         c = self._slice.coordinates(rank)

@@ -681,3 +681,34 @@ def test_foreach_optimizers_match_the_per_tensor_path(mesh, opt_cls):
             opt.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(mnb.inspect(p, dp=1), mnb.inspect(q, dp=1), atol=1e-6)
+
+
+def test_a_cuda_result_on_a_cpu_mesh_is_refused_at_the_call(mesh):
+    assert mesh.device_type == "cpu"
+    with mesh.activate():
+        t = torch.ones(2)
+        assert t.device.type == "cpu"
+        with pytest.raises(mnb.RefUseError, match="no GPUs"):
+            torch.ops.aten._to_copy.default(t, device=torch.device("cuda"))
+        with pytest.raises(mnb.RefUseError, match="no GPUs"):
+            torch.ops.aten.ones.default([2], device=torch.device("cuda"))
+        assert mnb.inspect(t + 1).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.gpu
+def test_a_cuda_mesh_makes_cuda_tensors_by_default():
+    gpu_mesh = mnb.local_mesh(dp=1, name="tensor-cuda")
+    try:
+        assert gpu_mesh.device_type == "cuda"
+        with gpu_mesh.activate():
+            a = torch.ones(3)
+            b = torch.tensor([1.0, 2.0, 3.0])
+            model = torch.nn.Linear(3, 1)
+            c = model(a + b)
+            on_cpu = (a + b).cpu()
+        assert a.device.type == b.device.type == c.device.type == "cuda"
+        assert model.weight.device.type == "cuda" and on_cpu.device.type == "cpu"
+        assert mnb.inspect(a + b).cpu().tolist() == [2.0, 3.0, 4.0]
+        assert mnb.inspect(on_cpu).tolist() == [2.0, 3.0, 4.0]
+    finally:
+        gpu_mesh.shutdown()

@@ -31,6 +31,7 @@ _marks = [(_MARK, i) for i in range(64)]
 _LOCAL = object()
 _SCALARS = (float, bool, complex)
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_CUDA = torch.device("cuda")
 _cache: dict = {}
 _names: dict = {}  # id(op) -> (qualified name for run_op, display name, the op)
 _CACHE_MAX = 100_000
@@ -83,6 +84,11 @@ def dispatch(func, args, kwargs, mesh=None):
     local: list = []
     # id(func): OpOverloads live as long as torch, and their __hash__ is Python code
     key = (id(func), _key(args, tensors, local), _key(tuple(kwargs.items()), tensors, local))
+    if not tensors and mesh is not None and kwargs.get("device") is not None:
+        # a factory: torch fills in the CPU default; a CUDA mesh's default is its GPU
+        if _device_type(kwargs["device"]) == "cpu" and mesh.device_type == "cuda":
+            kwargs = dict(kwargs, device=_CUDA)
+            key = (id(func), key[1], _key(tuple(kwargs.items()), tensors, local))
     if tensors:
         key += tuple([t._layout for t in tensors])
     if mesh is None:
@@ -90,11 +96,13 @@ def dispatch(func, args, kwargs, mesh=None):
             raise RuntimeError(f"{op_name(func)}: no mesh tensor among its arguments")
         mesh = tensors[0].mesh
     entry = None
+    to_gpu = False
     if local:
         if func in _LIFTS:
             if local[0].dim() == 0:  # torch.tensor(0.0): a host scalar, as torch.optim wants
                 return func(*args, **kwargs)
             entry = ("one", layout_of(local[0]), None)  # torch.tensor(data): data to every rank
+            to_gpu = mesh.device_type == "cuda"  # ... and onto each rank's GPU
         elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
             return func(*args, **kwargs)
         else:
@@ -108,6 +116,7 @@ def dispatch(func, args, kwargs, mesh=None):
             key, entry = None, None
         if entry is None:
             entry = propagate(func, args, kwargs, tensors, _is_mesh)
+            _check_device(entry, func, mesh)
             _names_of(func)  # keeps func alive: its id in the key stays its own
             mutated = _mutated_inputs(func, args, kwargs, tensors, entry)
             if key is not None:
@@ -154,7 +163,10 @@ def dispatch(func, args, kwargs, mesh=None):
             _rename_aliases(tensors[j], mesh, stream)
     kind = entry[0]
     if kind == "one":
-        return _output(entry[1], entry[2], result, ident, mesh, stream, tensors)
+        out = _output(entry[1], entry[2], result, ident, mesh, stream, tensors)
+        if to_gpu:
+            return dispatch(torch.ops.aten._to_copy.default, (out,), {"device": _CUDA})
+        return out
     if kind == "value":
         ctrl.delete_ref(result)
         return entry[1]
@@ -177,6 +189,26 @@ def dispatch(func, args, kwargs, mesh=None):
         outs.append(_output(spec, base, rid, rident, mesh, stream, tensors))
     ctrl.delete_ref(result)
     return entry[1](outs)
+
+
+def _device_type(device) -> str:
+    return device.type if isinstance(device, torch.device) else torch.device(device).type
+
+
+def _check_device(entry, func, mesh) -> None:
+    """A CUDA result on a mesh without GPUs is refused at the call."""
+    if entry[0] == "one":
+        specs = [entry[1]]
+    elif entry[0] == "many":
+        specs = entry[2]
+    else:
+        return
+    for spec in specs:
+        if type(spec) is tuple and spec[4].type == "cuda" and mesh.device_type != "cuda":
+            raise RefUseError(
+                f"{op_name(func)} makes a CUDA tensor, but the workers of mesh {mesh.name!r} "
+                f"have no GPUs (its tensors live on the CPU): leave them on the mesh's device"
+            )
 
 
 def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
