@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._report import exit_code, format_table, missed, verdict
+from benchmarks._report import Entry, exit_code, format_table, missed, verdict
 from benchmarks.tensor_vs_monarch import ROWS, bench_tensor_vs_monarch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +48,9 @@ def test_rows_are_skipped_not_missed_without_the_side_venv(monkeypatch, tmp_path
     assert missed(results) == [] and exit_code(results, check=True) == 0
     assert verdict(results) == f"no row was measured (3 skipped: {', '.join(ROWS)})"
     assert "tensor_vs_monarch: skipped: peer not installed" in format_table(results)
+    met = {"rtt": Entry("rtt", 0.3, 0.25, "ms", "<= 1.5", "raw pyzmq").to_dict(), **results}
+    assert verdict(met) == f"the one row met its target (3 skipped: {', '.join(ROWS)})"
+    assert exit_code(met, check=True) == 0
 
 
 def test_a_peer_that_cannot_import_monarch_fails_the_benchmark_naming_it(monkeypatch, tmp_path):
