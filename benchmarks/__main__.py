@@ -40,6 +40,7 @@ MODULES = (
     "benchmarks.dashboard",
     "benchmarks.soak",
     "benchmarks.tensor",
+    "benchmarks.tensor_vs_monarch",
 )
 
 PEERS_FOOTER = (

@@ -78,6 +78,27 @@ class Entry:
         return d
 
 
+@dataclass
+class Skipped:
+    """A row that could not be measured here for a reason outside monarch_nb (a peer that is
+    not installed): reported with ``"skipped"`` and ``ok`` null, and not counted as a miss."""
+
+    name: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {
+            "ours": None,
+            "baseline": None,
+            "unit": "",
+            "ratio": None,
+            "target": "",
+            "baseline_is": "",
+            "ok": None,
+            "skipped": self.reason,
+        }
+
+
 def failed_entry(name: str, error: BaseException) -> dict:
     """What the JSON holds for a benchmark that raised instead of measuring."""
     return {
@@ -137,7 +158,7 @@ ours      monarch_nb's number, in unit (ms: lower is better; calls/s, GB/s, step
 baseline  the same work done without monarch_nb (what exactly: baseline_is in the JSON)
 ratio     ours / baseline
 target    the bound ratio must meet ("<= baseline + N": the bound on ours itself)
-ok        yes: the target holds; NO: the row missed it (or the benchmark failed)"""
+ok        yes: the target holds; NO: the row missed it (or the benchmark failed); -: skipped"""
 
 
 def _fmt(x) -> str:
@@ -173,24 +194,32 @@ def format_table(results: dict) -> str:
     for name, d in results.items():
         if d.get("error"):
             lines.append(f"{name}: ERROR {d['error']}")
+        elif d.get("skipped"):
+            lines.append(f"{name}: skipped: {d['skipped']}")
     return "\n".join(lines)
 
 
 def missed(results: dict) -> list[str]:
-    """The rows whose target did not hold (a benchmark that raised is one of them)."""
-    return [name for name, d in results.items() if d.get("ok") is not True]
+    """The rows whose target did not hold (a benchmark that raised is one of them; a skipped
+    row is not)."""
+    return [name for name, d in results.items() if d.get("ok") is not True and not d.get("skipped")]
 
 
 def verdict(results: dict) -> str:
     """One line: which rows missed their target, or that all met it."""
     bad = missed(results)
-    n = len(results)
-    if not n:
+    skipped = [name for name, d in results.items() if d.get("skipped")]
+    n = len(results) - len(skipped)
+    tail = f" ({len(skipped)} skipped: {', '.join(skipped)})" if skipped else ""
+    if not results:
         return "no benchmark ran"
+    if not n:
+        return "no row was measured" + tail
     if not bad:
-        return "the one row met its target" if n == 1 else f"all {n} rows met their target"
+        met = "the one row met its target" if n == 1 else f"all {n} rows met their target"
+        return met + tail
     rows = "row" if n == 1 else "rows"
-    return f"{len(bad)} of {n} {rows} missed their target: {', '.join(bad)}"
+    return f"{len(bad)} of {n} {rows} missed their target: {', '.join(bad)}" + tail
 
 
 def exit_code(results: dict, check: bool) -> int:
