@@ -48,6 +48,15 @@ class Stream:
         with activated("streams", self):
             yield self
 
+    def borrow(self, t, mutable: bool = False):
+        """``(t_on_this_stream, borrow)`` for a mesh tensor of another stream: its
+        stream may not write ``t`` (nor read it, with ``mutable=True``) and this one
+        may not write it (unless ``mutable``) until ``borrow.drop()``."""
+        if not hasattr(t, "_layout"):
+            raise TypeError(f"stream.borrow() takes a mesh tensor, not {type(t).__name__}")
+        on_stream = t.borrow(self, mutable=mutable)
+        return on_stream, on_stream._loan
+
     def __repr__(self) -> str:
         return f"<Stream {self.name!r} of mesh {self.mesh.name!r}>"
 

@@ -712,3 +712,37 @@ def test_a_cuda_mesh_makes_cuda_tensors_by_default():
         assert mnb.inspect(on_cpu).tolist() == [2.0, 3.0, 4.0]
     finally:
         gpu_mesh.shutdown()
+
+
+def test_stream_borrow_rules_are_checked_at_the_call(mesh):
+    comms = mesh.stream("tensor-lend")
+    with mesh.activate():
+        t = torch.ones(3)
+        u = torch.ones(3)
+    on_comms, borrow = comms.borrow(t)
+    assert on_comms.stream is comms and not borrow.dropped and not borrow.mutable
+    with mesh.activate():
+        assert mnb.inspect(t * 2).tolist() == [2.0] * 3  # its stream may still read it
+        with pytest.raises(mnb.RefUseError, match="borrowed by stream 'tensor-lend'"):
+            t.add_(1)  # ... but not write it
+        with comms.activate():
+            s = on_comms.sum()  # the borrower reads it
+            with pytest.raises(mnb.RefUseError, match="without mutable=True"):
+                on_comms.mul_(2)
+    borrow.drop()
+    assert borrow.dropped
+    with mesh.activate():
+        t.add_(1)  # given back: its stream writes it again
+    assert mnb.inspect(t).tolist() == [2.0] * 3 and mnb.inspect(s).item() == 3.0
+
+    on_comms, borrow = comms.borrow(u, mutable=True)
+    with comms.activate():
+        on_comms.mul_(5)  # a mutable borrow writes the shared storage
+    with mesh.activate():
+        with pytest.raises(mnb.RefUseError, match="mutable=True"):
+            u + 1  # its own stream may not even read it meanwhile
+    borrow.drop()
+    with mesh.activate():
+        assert mnb.inspect(u + 1).tolist() == [6.0] * 3
+    with pytest.raises(TypeError, match="mesh tensor"):
+        comms.borrow(3)

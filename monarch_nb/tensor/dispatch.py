@@ -20,6 +20,7 @@ from ..protocol.aten import OpSlot, alias_after, run_op
 from ..protocol.pickling import pack_ref_args, ref_placeholder
 from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
+from . import borrows
 from .propagate import layout_of, op_name, propagate
 from .tensor import Tensor
 
@@ -134,6 +135,8 @@ def dispatch(func, args, kwargs, mesh=None):
     mesh, stream = resolve_target(mesh, None)
     if tensors:
         check_refs(tensors, mesh, stream)
+        if borrows.live[0]:
+            borrows.check(op_name(func), tensors, _written(entry, mutated))
     ctrl = mesh._controller
     ctrl.check_usable()
     names = _names.get(id(func)) or _names_of(func)
@@ -189,6 +192,15 @@ def dispatch(func, args, kwargs, mesh=None):
         outs.append(_output(spec, base, rid, rident, mesh, stream, tensors))
     ctrl.delete_ref(result)
     return entry[1](outs)
+
+
+def _written(entry, mutated: tuple) -> tuple:
+    """Indices of the input tensors an op writes (in place, ``out=``, or a foreach list)."""
+    if entry[0] == "one":
+        return (entry[1], *mutated) if type(entry[1]) is int else mutated
+    if entry[0] == "many":
+        return (*[s for s in entry[2] if type(s) is int], *mutated)
+    return mutated
 
 
 def _device_type(device) -> str:

@@ -17,6 +17,7 @@ from ..context import recording_trace
 from ..protocol.pickling import ref_placeholder
 from ..protocol.wire import register_ref_type
 from ..remote import Ref
+from . import borrows
 from .propagate import needs_values_error
 
 
@@ -152,14 +153,20 @@ class Tensor(torch.Tensor, Ref):
         ref = Ref.to_mesh(self, other)
         return _from_ref(ref, tuple(self.shape), self.dtype, self.device)
 
-    def borrow(self, stream):
+    def borrow(self, stream, mutable: bool = False):
         """``Ref.borrow``: this tensor (same layout) for use on ``stream``; ``del``
-        (or ``delete()``) drops the borrow."""
+        (or ``delete()``) drops the borrow. See ``stream.borrow`` for ``mutable``."""
         ref = Ref.borrow(self, stream)
         t = Tensor(self._layout, ref.id, ref.mesh, ref.stream, ref.ident)
         t._borrow, ref._borrow = ref._borrow, None
         ref._deleted = True
+        borrows.lend(self, t, mutable)
         return t
+
+    def delete(self) -> None:
+        if not self._deleted:
+            borrows.returned(self)
+        Ref.delete(self)
 
 
 def _from_ref(ref: Ref, shape: tuple, dtype, device) -> Tensor:
