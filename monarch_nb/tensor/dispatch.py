@@ -84,7 +84,8 @@ def dispatch(func, args, kwargs, mesh=None):
     tensors: list = []
     local: list = []
     # id(func): OpOverloads live as long as torch, and their __hash__ is Python code
-    key = (id(func), _key(args, tensors, local), _key(tuple(kwargs.items()), tensors, local))
+    kw = _key(tuple(kwargs.items()), tensors, local) if kwargs else ()
+    key = (id(func), _key(args, tensors, local), kw)
     if not tensors and mesh is not None and kwargs.get("device") is not None:
         # a factory: torch fills in the CPU default; a CUDA mesh's default is its GPU
         if _device_type(kwargs["device"]) == "cpu" and mesh.device_type == "cuda":
