@@ -746,3 +746,19 @@ def test_stream_borrow_rules_are_checked_at_the_call(mesh):
         assert mnb.inspect(u + 1).tolist() == [6.0] * 3
     with pytest.raises(TypeError, match="mesh tensor"):
         comms.borrow(3)
+
+
+def test_reduce_onto_a_slice_of_the_mesh(mesh):
+    with mesh.activate():
+        t = torch.ones(2)
+    mnb.remote(fill_rank)(t, mesh=mesh)  # rank r holds [r, r]
+    first = mesh.slice(dp=slice(0, 1))
+    total = t.reduce("dp", "sum", mesh=first)  # a reduce to rank 0
+    assert total.mesh is first and total.shape == (2,)
+    assert mnb.inspect(total).tolist() == [1.0, 1.0]
+    stacked = t.reduce("dp", "stack", mesh=first)  # a gather to rank 0
+    assert stacked.shape == (2, 2) and mnb.inspect(stacked).tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    with first.activate():
+        assert mnb.inspect(total * 3).tolist() == [3.0, 3.0]
+    with pytest.raises(ValueError, match="new tensor"):
+        t.reduce("dp", "sum", inplace=True, mesh=first)

@@ -122,8 +122,23 @@ class Tensor(torch.Tensor, Ref):
 
     # ---------------------------------------------------------------- collectives
 
-    def reduce(self, dims, reduction: str = "sum", scatter: bool = False, inplace=False, out=None):
-        """``Ref.reduce`` (see there) returning a mesh tensor with the result's layout."""
+    def reduce(
+        self, dims, reduction: str = "sum", scatter: bool = False, inplace=False, out=None, mesh=None
+    ):
+        """``Ref.reduce`` (see there) returning a mesh tensor with the result's layout;
+        ``mesh``: where the result lives (a slice of this tensor's mesh, whose ranks
+        hold it already, e.g. ``mesh.slice(gpu=0)`` for a reduce to one rank per host;
+        another mesh gets a copy)."""
+        if mesh is not None and mesh is not self.mesh:
+            if inplace or out is not None:
+                raise ValueError("reduce(mesh=...) makes a new tensor: no inplace=True or out=")
+            whole = self.reduce(dims, reduction, scatter)
+            inside = mesh._controller is self.mesh._controller and set(mesh.targets) <= set(
+                self.mesh.targets
+            )
+            if not inside:
+                return whole.to_mesh(mesh)
+            return _dispatch.dispatch(torch.ops.aten.alias.default, (whole,), {}, mesh)
         ref = Ref.reduce(self, dims, reduction, scatter, inplace, out)
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
         sizes = [self.mesh.dims[d] for d in dict.fromkeys(dims)]
