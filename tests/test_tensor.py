@@ -762,3 +762,20 @@ def test_reduce_onto_a_slice_of_the_mesh(mesh):
         assert mnb.inspect(total * 3).tolist() == [3.0, 3.0]
     with pytest.raises(ValueError, match="new tensor"):
         t.reduce("dp", "sum", inplace=True, mesh=first)
+
+
+def test_inplace_view_ops_change_the_layout_on_every_rank(mesh):
+    with mesh.activate():
+        t = torch.arange(6.0).reshape(2, 3)
+        same = t.t_()
+        assert same is t and t.shape == (3, 2) and t.stride() == (1, 3)
+        u = torch.ones(3)
+        u.unsqueeze_(0)
+        v = u + 1
+        w = torch.ones(2)
+        w.resize_(4)
+        assert w.shape == (4,)
+    assert mnb.inspect(w)[:2].tolist() == [1.0, 1.0]  # resize_ keeps what was there
+    assert v.shape == (1, 3) and mnb.inspect(v, dp=1).tolist() == [[2.0, 2.0, 2.0]]
+    assert mnb.inspect(t).tolist() == torch.arange(6.0).reshape(2, 3).t().tolist()
+    assert mnb.inspect(t.sum(0)).tolist() == [3.0, 12.0]

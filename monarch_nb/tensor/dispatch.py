@@ -166,6 +166,9 @@ def dispatch(func, args, kwargs, mesh=None):
         if tensors[j]._aliases is not None:
             _rename_aliases(tensors[j], mesh, stream)
     kind = entry[0]
+    if kind == "relayout":
+        _relayout(tensors[entry[1]], func, args, kwargs, entry[2])
+        return _output(entry[1], None, result, ident, mesh, stream, tensors)
     if kind == "one":
         out = _output(entry[1], entry[2], result, ident, mesh, stream, tensors)
         if to_gpu:
@@ -195,9 +198,22 @@ def dispatch(func, args, kwargs, mesh=None):
     return entry[1](outs)
 
 
+def _relayout(t: Tensor, func, args, kwargs, layout: tuple) -> None:
+    """An in-place view op changed ``t``'s layout on every rank: change the wrapper's
+    (as torch's return_and_correct_aliasing does: the op on meta, nowhere else)."""
+    with torch.utils._mode_utils.no_dispatch():
+        meta = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta)
+    t._layout = layout
+
+
 def _written(entry, mutated: tuple) -> tuple:
     """Indices of the input tensors an op writes (in place, ``out=``, or a foreach list)."""
-    if entry[0] == "one":
+    if entry[0] in ("one", "relayout"):
         return (entry[1], *mutated) if type(entry[1]) is int else mutated
     if entry[0] == "many":
         return (*[s for s in entry[2] if type(s) is int], *mutated)
@@ -243,7 +259,7 @@ def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
             if isinstance(t, Tensor) and id(t) in index:
                 found.append(index[id(t)])
     returned = set()
-    if entry[0] == "one" and type(entry[1]) is int:
+    if entry[0] in ("one", "relayout") and type(entry[1]) is int:
         returned.add(entry[1])
     elif entry[0] == "many":
         returned.update(s for s in entry[2] if type(s) is int)

@@ -5,7 +5,8 @@ describes its outputs; the dispatcher caches the description by (op, input
 layouts, arguments), so a repeated op never reaches FakeTensorMode again.
 
 A description is ``("one", spec, base)``, ``("many", container type, [spec,
-...], [base, ...])`` or ``("value", v)`` (an op whose result is no tensor). A
+...], [base, ...])``, ``("value", v)`` (an op whose result is no tensor) or
+``("relayout", i, layout)`` (an in-place view op: input ``i`` takes ``layout``). A
 spec is a layout ``(size, stride, storage_offset, dtype, device)``, an int
 ``i`` (the output is input tensor ``i`` itself: an in-place or ``out=`` op),
 or None; a base is the index of the input a new output is a view of, or None.
@@ -111,6 +112,8 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
         # the user's error (shapes, dtypes), without FakeTensorMode's frames
         raise type(e)(f"{name}: {e}") from None
 
+    relayout = {}  # input index -> its new layout (an in-place view op: t_(), unsqueeze_())
+
     def spec(o):
         if o is None:
             return None
@@ -120,10 +123,12 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
             if o is f:
                 if layout_of(f) != tensors[i]._layout:
                     _tls.fakes = {}  # that fake's layout changed: make new ones
-                    raise NotImplementedError(
-                        f"{name} changes the layout of a mesh tensor in place: not supported "
-                        f"yet (use the out-of-place op)"
-                    )
+                    if torch.Tag.inplace_view not in func.tags:
+                        raise NotImplementedError(
+                            f"{name} changes the size of a mesh tensor in place: not supported "
+                            f"(use the out-of-place op)"
+                        )
+                    relayout[i] = layout_of(f)
                 return i
         return layout_of(o)
 
@@ -133,7 +138,10 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
         return next((i for i, f in enumerate(fakes) if torch._C._is_alias_of(o, f)), None)
 
     if isinstance(out, torch.Tensor):
-        return ("one", spec(out), base(out))
+        one = spec(out)
+        if relayout:
+            return ("relayout", one, relayout[one])
+        return ("one", one, base(out))
     if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
         return ("many", type(out), [spec(o) for o in out], [base(o) for o in out])
     if out is None:
