@@ -779,3 +779,25 @@ def test_inplace_view_ops_change_the_layout_on_every_rank(mesh):
     assert v.shape == (1, 3) and mnb.inspect(v, dp=1).tolist() == [[2.0, 2.0, 2.0]]
     assert mnb.inspect(t).tolist() == torch.arange(6.0).reshape(2, 3).t().tolist()
     assert mnb.inspect(t.sum(0)).tolist() == [3.0, 12.0]
+
+
+def test_reduce_in_place_on_a_view_reaches_its_base(mesh):
+    with mesh.activate():
+        base = torch.ones(2, 3)
+        row, col = base[1], base[:, 0]
+    row.reduce_("dp", "sum")
+    col.reduce_("dp", "sum")  # a strided view, written in place too
+    assert mnb.inspect(base, dp=1).tolist() == [[2.0, 1.0, 1.0], [4.0, 2.0, 2.0]]
+    with mesh.activate():
+        base = torch.zeros(2, 3)
+        row = base[1]
+        idx = torch.zeros(1, dtype=torch.int64)
+    mnb.remote(fill_rank)(idx, mesh=mesh)
+    with mesh.activate():
+        row[idx * 10] = 5.0  # out of range on rank 1 only
+    assert mnb.inspect(base, dp=0).tolist()[1] == [5.0, 0.0, 0.0]
+    row.reduce_("dp", "sum")  # rank 1's input failed: the reduce fails on both ranks
+    with pytest.raises(mnb.RemoteError):
+        mnb.inspect(base, dp=0)  # never the values from before the reduce
+    with mesh.activate():
+        assert mnb.inspect(torch.ones(1) * 3).tolist() == [3.0]

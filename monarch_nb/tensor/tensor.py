@@ -155,6 +155,8 @@ class Tensor(torch.Tensor, Ref):
             if isinstance(target, Tensor):
                 target._rebind(ref.id, ref.ident)
                 ref._deleted = True  # the target names it now
+                if target._aliases is not None:  # its views and base: after the reduce
+                    _dispatch._rename_aliases(target, target.mesh, target.stream)
                 return target
             return ref
         return _from_ref(ref, shape, self.dtype, self.device)
