@@ -106,7 +106,8 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
         raise NotImplementedError(
             f"{name} has no fake (meta) kernel, so the layout of its result cannot be "
             f"known on the controller; run it on the shards inside a function given to "
-            f"mnb.remote(...), or register a fake kernel (torch.library.register_fake)"
+            f"mnb.remote(fn, propagate=...) (a propagator, or propagate='cached'), or "
+            f"register a fake kernel (torch.library.register_fake)"
         ) from None
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         # the user's error (shapes, dtypes), without FakeTensorMode's frames
