@@ -40,6 +40,7 @@ MODULES = (
     "benchmarks.dashboard",
     "benchmarks.soak",
     "benchmarks.tensor",
+    "benchmarks.mesh_start",
 )
 
 PEERS_FOOTER = (
