@@ -251,27 +251,6 @@ def test_host_messages_refuse_what_is_not_a_record():
     assert hm.output_bytes(hm.decode(hm.encode(hm.output(3, data)))) == data
 
 
-def test_the_agent_killed_fails_its_ranks_clearly_and_a_restart_gets_a_new_one():
-    m = mnb.local_mesh(dp=2, name="orphaned")
-    try:
-        agent = local_agent()
-        ranks = list(m._controller.worker_pids().values())
-        busy = m.exec("import time\ntime.sleep(60)")
-        os.kill(agent.pid, signal.SIGKILL)
-        with pytest.raises(WorkerCrashed) as ei:
-            busy.fetch(timeout=30)
-        text = str(ei.value) + ei.value.stderr_tail
-        assert f"the host agent (pid {agent.pid}) was killed by signal SIGKILL" in text
-        assert "its ranks died with it" in text
-        assert pids_gone(ranks, timeout=10) == [], "a rank outlived its agent"
-        m.restart()
-        fresh = local_agent()
-        assert fresh.pid != agent.pid and fresh.alive
-        assert m.pull("__name__") == ["__main__", "__main__"]
-    finally:
-        m.shutdown()
-
-
 def test_a_restart_whose_forks_fail_leaves_the_mesh_broken_with_the_reason():
     agent = HostAgent(local_ranks=8)
     m = _mesh_on(agent, "refork", 2)
@@ -291,3 +270,50 @@ def test_a_restart_whose_forks_fail_leaves_the_mesh_broken_with_the_reason():
         m._controller.shutdown()
         agent.stop()
         group.rmdir()
+
+
+def test_a_fork_of_the_controller_starts_an_agent_of_its_own(hosted):
+    parent = local_agent()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a forked copy of the controller (multiprocessing's fork, say)
+        code = 1
+        try:
+            os.close(r)
+            mine = local_agent()
+            os.write(w, f"{mine.pid} {psutil.Process(mine.pid).ppid()}\n".encode())
+            mine.stop()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        line = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, line
+    child_agent, its_parent = map(int, line.split())
+    assert child_agent != parent.pid and its_parent == pid
+    assert parent.alive and local_agent() is parent
+    assert hosted.pull("__name__", rank=0) == "__main__"
+
+
+# the last test: it kills the warm agent (the module's mesh with it)
+def test_the_agent_killed_fails_its_ranks_clearly_and_a_restart_gets_a_new_one():
+    m = mnb.local_mesh(dp=2, name="orphaned")
+    try:
+        agent = local_agent()
+        ranks = list(m._controller.worker_pids().values())
+        busy = m.exec("import time\ntime.sleep(60)")
+        os.kill(agent.pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashed) as ei:
+            busy.fetch(timeout=30)
+        text = str(ei.value) + ei.value.stderr_tail
+        assert f"the host agent (pid {agent.pid}) was killed by signal SIGKILL" in text
+        assert "its ranks died with it" in text
+        assert pids_gone(ranks, timeout=10) == [], "a rank outlived its agent"
+        m.restart()
+        fresh = local_agent()
+        assert fresh.pid != agent.pid and fresh.alive
+        assert m.pull("__name__") == ["__main__", "__main__"]
+    finally:
+        m.shutdown()

@@ -11,6 +11,7 @@ reports and keeps each rank's exit status and output tail for WorkerSet.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ import threading
 from ..protocol import host_messages as hm
 from .errors import describe_exit
 from .launcher import LocalLauncher, OutputTail, _visible_gpus, local_env, rank_env
+
+logger = logging.getLogger("monarch_nb.controller")
 
 AGENT_START_TIMEOUT = 120.0  # importing torch on a busy machine
 SPAWN_TIMEOUT = 30.0
@@ -55,7 +58,10 @@ class AgentRank:
 
     def kill(self, sig: int) -> None:
         if not self.ended.is_set():
-            self.agent.send(hm.Kill(self.slot, int(sig)))
+            try:
+                self.agent.send(hm.Kill(self.slot, int(sig)))
+            except RuntimeError:
+                pass  # the agent is gone, and its ranks with it (their end is reported)
 
     def close(self) -> None:
         """Nothing to close here: the agent holds the pipe."""
@@ -81,6 +87,7 @@ class HostAgent:
         self.info: hm.AgentReady | None = None
         self.error: str | None = None
         self.popen: subprocess.Popen | None = None
+        self.owner = os.getpid()  # a forked copy of this process starts its own agent
         env = local_env(1)
         self.env_key = import_time_env(env)
         self.retired = False
@@ -114,6 +121,7 @@ class HostAgent:
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
+                bufsize=0,  # whole lines leave at once; a fork of this process flushes nothing
                 start_new_session=True,  # a terminal's Ctrl-C goes to the controller only
                 close_fds=True,
             )
@@ -131,7 +139,10 @@ class HostAgent:
             if not data:
                 break
             for msg in reader.feed(data):
-                self._on(msg)
+                try:
+                    self._on(msg)
+                except Exception:  # this thread must read on: the agent blocks otherwise
+                    logger.exception("host agent %s: handling %r failed", self.pid, msg)
         self._gone(self.popen.wait())
 
     def _on(self, msg) -> None:
@@ -188,8 +199,9 @@ class HostAgent:
             if not self.alive:
                 raise RuntimeError(self.error or "the host agent is gone")
             try:
-                self.popen.stdin.write(line)
-                self.popen.stdin.flush()
+                view = memoryview(line)
+                while view:
+                    view = view[self.popen.stdin.write(view) :]
             except (BrokenPipeError, ValueError, OSError) as e:
                 raise RuntimeError(f"the host agent (pid {self.pid}) is gone: {e}") from None
 
@@ -240,12 +252,30 @@ _agent: HostAgent | None = None
 _agent_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """A fork of this process (multiprocessing, a forked controller) does not share
+    the agent: it drops its copies of the channel, so the agent still sees its
+    controller's end when the controller goes."""
+    global _agent, _agent_lock
+    _agent_lock = threading.Lock()
+    agent, _agent = _agent, None
+    if agent is not None and agent.popen is not None:
+        for f in (agent.popen.stdin, agent.popen.stdout):  # unbuffered: nothing to flush
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def local_agent() -> HostAgent:
     """This process's agent: the warm one, or a new one when there is none, it died,
     or a setting read at import time changed in the environment since it started."""
     global _agent
     with _agent_lock:
-        if _agent is not None and _agent.alive:
+        if _agent is not None and _agent.owner == os.getpid() and _agent.alive:
             if _agent.env_key == import_time_env(local_env(1)):
                 return _agent
             _agent.retire()
