@@ -146,7 +146,8 @@ def test_a_killed_rank_is_reported_with_its_rank_and_output():
         assert m.pull("__name__") == ["__main__", "__main__"]
 
 
-def test_the_controller_killed_takes_the_agent_and_its_ranks(tmp_path):
+@pytest.mark.parametrize("end", ["SIGKILL", "exit"])
+def test_the_controller_gone_takes_the_agent_and_its_ranks(end):
     script = (
         "import json, sys\n"
         "import monarch_nb as mnb\n"
@@ -170,6 +171,9 @@ def test_the_controller_killed_takes_the_agent_and_its_ranks(tmp_path):
         pids = json.loads(line)
         assert len(pids) == 3 and all(alive(x) for x in pids)
         assert all(psutil.Process(x).ppid() == pids[0] for x in pids[1:])
+        if end == "exit":
+            p.stdin.close()  # the script ends: its atexit shuts the mesh down
+            assert p.wait(60) == 0
     finally:
         p.kill()
         p.wait(30)
