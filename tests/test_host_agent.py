@@ -68,6 +68,29 @@ def _rank_info():
     }
 
 
+def _stall_after():
+    from monarch_nb.worker import connection
+
+    return connection.STALL_AFTER
+
+
+def test_a_setting_read_at_import_that_changed_starts_a_fresh_agent(monkeypatch):
+    with mnb.local_mesh(dp=1, name="before-drift") as m:
+        old = local_agent()
+        monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "7")
+        with mnb.local_mesh(dp=1, name="after-drift") as m2:
+            new = local_agent()
+            assert new is not old and new.alive
+            assert psutil.Process(m2._controller.worker_pids()[0]).ppid() == new.pid
+            assert mnb.remote(_stall_after)(mesh=m2).fetch(rank=0, timeout=60) == 7.0
+            assert old.alive  # retired: it serves its ranks until they end
+            m.exec("a = 1")
+            assert m.pull("a") == [1]
+    assert old.retired
+    # it ends with its last rank (a mesh another test left running may still hold one)
+    wait_for(lambda: not old.alive or old.ranks, 15, "the retired agent gone with its last rank")
+
+
 def test_ranks_are_forked_by_the_agent_and_run_cells_and_collectives(hosted):
     agent = local_agent()
     assert psutil.Process(agent.pid).ppid() == os.getpid()

@@ -82,7 +82,10 @@ class HostAgent:
         self.local_ranks = local_ranks
         self.ranks: dict[int, AgentRank] = {}  # slot -> rank not ended yet
         self._slots = itertools.count(1)
-        self._lock = threading.Lock()  # ranks, and whole lines on the agent's stdin
+        self._lock = threading.Lock()  # ranks (never held across IO)
+        # whole lines on the agent's stdin; apart from _lock: a write blocked on a full
+        # pipe must not stop the reader thread, which the agent may be waiting on
+        self._write_lock = threading.Lock()
         self._ready = threading.Event()
         self.info: hm.AgentReady | None = None
         self.error: str | None = None
@@ -158,8 +161,8 @@ class HostAgent:
             if r is not None and isinstance(msg, (hm.Exited, hm.SpawnFailed)):
                 del self.ranks[msg.slot]
             last = self.retired and not self.ranks
-        if last:
-            self._quit()
+        if last:  # not from this thread: a write may wait for the agent, which may wait for us
+            threading.Thread(target=self._quit, name="monarch-host-retire", daemon=True).start()
         if r is None:
             return
         if isinstance(msg, hm.Output):
@@ -195,7 +198,7 @@ class HostAgent:
 
     def send(self, msg) -> None:
         line = hm.encode(msg)
-        with self._lock:
+        with self._write_lock:
             if not self.alive:
                 raise RuntimeError(self.error or "the host agent is gone")
             try:
