@@ -108,6 +108,8 @@ def test_ranks_see_the_env_path_and_cwd_of_now_not_of_the_agents_start(hosted, t
     (tmp_path / "host_test_mod.py").write_text("VALUE = 41\n")
     sys.path.append(str(tmp_path))
     os.environ["MNB_HOST_TEST"] = "per-fork"
+    here = os.getcwd()
+    os.chdir(tmp_path)
     try:
         m = mnb.local_mesh(dp=1, name="envy")
         try:
@@ -118,12 +120,13 @@ def test_ranks_see_the_env_path_and_cwd_of_now_not_of_the_agents_start(hosted, t
             m.shutdown()
         two = mnb.remote(_rank_info)(mesh=hosted).fetch(timeout=60)
     finally:
+        os.chdir(here)
         sys.path.remove(str(tmp_path))
         del os.environ["MNB_HOST_TEST"]
     env = info["env"]
     assert env["MNB_HOST_TEST"] == "per-fork" and env["MONARCH_NB_KEY"] is None
     assert str(tmp_path) in info["path"] and str(tmp_path) in env["PYTHONPATH"].split(os.pathsep)
-    assert info["cwd"] == os.getcwd()
+    assert info["cwd"] == str(tmp_path) and two[0]["cwd"] == here
     assert env["PYTHONUNBUFFERED"] == "1" and env["GLOO_SOCKET_IFNAME"] == "lo"
     assert env["MALLOC_MMAP_THRESHOLD_"] == env["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30)
     assert env["MPLBACKEND"] == "module://monarch_nb.worker.mpl_backend"
