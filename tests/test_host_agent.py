@@ -139,6 +139,23 @@ def test_ranks_see_the_env_path_and_cwd_of_now_not_of_the_agents_start(hosted, t
     assert [i["env"]["RANK"] for i in two] == ["0", "1"]
 
 
+def _seeds():
+    import random
+
+    import torch as _torch
+
+    return _torch.initial_seed(), _torch.rand(1).item(), random.random()
+
+
+def test_every_rank_draws_seeds_of_its_own_as_a_fresh_process_does(hosted):
+    first = mnb.remote(_seeds)(mesh=hosted).fetch(timeout=60)
+    with mnb.local_mesh(dp=2, name="seeded") as m:
+        again = mnb.remote(_seeds)(mesh=m).fetch(timeout=60)
+    drawn = [x for ranks in (first, again) for rank in ranks for x in rank]
+    assert len(set(drawn)) == len(drawn), (first, again)  # no seed or draw repeats
+    assert torch.initial_seed() not in {s for s, _, _ in first + again}
+
+
 def test_restart_keeps_the_agent_and_forks_new_ranks():
     with mnb.local_mesh(dp=2, name="renewed") as m:
         agent = local_agent()

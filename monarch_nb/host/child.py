@@ -77,6 +77,7 @@ def _become_rank(msg: Spawn, out: int, close: list[int], agent: int) -> None:
     except OSError as e:
         print(f"[monarch worker {msg.rank}] cannot enter {msg.cwd}: {e}", file=sys.stderr)
     _apply_threads(msg.env.get("OMP_NUM_THREADS"))
+    _fresh_randomness()
     run_worker(
         msg.address, bytes.fromhex(msg.key_hex), msg.rank, msg.world, msg.local_rank, agent, None
     )
@@ -95,3 +96,16 @@ def _apply_threads(value) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def _fresh_randomness() -> None:
+    """Seeds of its own, as a fresh process draws them: a fork copies the agent's
+    (Python's random reseeds itself after a fork; torch's CPU generator and numpy's
+    global one do not). CUDA's generators are made in the child, seeded as usual.
+    Python's hash seed stays the agent's: every rank of a host hashes alike."""
+    import torch
+
+    torch.default_generator.seed()
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
