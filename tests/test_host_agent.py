@@ -65,6 +65,7 @@ def _rank_info():
         "threads": _torch.get_num_threads(),
         "path": list(_sys.path),
         "cwd": _os.getcwd(),
+        "tmp": __import__("tempfile").gettempdir(),
     }
 
 
@@ -108,6 +109,8 @@ def test_ranks_see_the_env_path_and_cwd_of_now_not_of_the_agents_start(hosted, t
     (tmp_path / "host_test_mod.py").write_text("VALUE = 41\n")
     sys.path.append(str(tmp_path))
     os.environ["MNB_HOST_TEST"] = "per-fork"
+    old_tmp = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path)
     here = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -123,10 +126,15 @@ def test_ranks_see_the_env_path_and_cwd_of_now_not_of_the_agents_start(hosted, t
         os.chdir(here)
         sys.path.remove(str(tmp_path))
         del os.environ["MNB_HOST_TEST"]
+        if old_tmp is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = old_tmp
     env = info["env"]
     assert env["MNB_HOST_TEST"] == "per-fork" and env["MONARCH_NB_KEY"] is None
     assert str(tmp_path) in info["path"] and str(tmp_path) in env["PYTHONPATH"].split(os.pathsep)
     assert info["cwd"] == str(tmp_path) and two[0]["cwd"] == here
+    assert info["tmp"] == str(tmp_path)
     assert env["PYTHONUNBUFFERED"] == "1" and env["GLOO_SOCKET_IFNAME"] == "lo"
     assert env["MALLOC_MMAP_THRESHOLD_"] == env["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30)
     assert env["MPLBACKEND"] == "module://monarch_nb.worker.mpl_backend"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
+import time
 import traceback
 
 from ..protocol.host_messages import Spawn
@@ -71,6 +73,9 @@ def _become_rank(msg: Spawn, out: int, close: list[int], agent: int) -> None:
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in msg.env.items()})
     sys.path[:] = [str(p) for p in msg.sys_path]
+    tempfile.tempdir = None  # found again from this env's TMPDIR (the agent may have cached one)
+    if hasattr(time, "tzset"):
+        time.tzset()  # this env's TZ
     sys.argv = ["monarch_nb.worker", f"--rank={msg.rank}", f"--world={msg.world}"]
     try:
         os.chdir(msg.cwd)
