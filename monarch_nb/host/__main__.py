@@ -13,7 +13,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="monarch-nb-host", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="monarch-nb-host",
+        description="The host agent: imports torch once, then forks this host's ranks "
+        "when its controller asks.",
+    )
     p.add_argument(
         "--local-ranks",
         type=int,
