@@ -78,7 +78,9 @@ class AgentRank:
 class HostAgent:
     """A local agent process (``local_ranks`` slots) and the thread that reads its reports."""
 
-    def __init__(self, local_ranks: int = LOCAL_RANKS):
+    def __init__(self, local_ranks: int = LOCAL_RANKS, wait: bool = True):
+        """Start the agent; with ``wait``, return once it takes Spawns (else call
+        ``wait_ready``, as ``HostLauncher`` does)."""
         self.local_ranks = local_ranks
         self.ranks: dict[int, AgentRank] = {}  # slot -> rank not ended yet
         self._slots = itertools.count(1)
@@ -87,6 +89,7 @@ class HostAgent:
         # pipe must not stop the reader thread, which the agent may be waiting on
         self._write_lock = threading.Lock()
         self._ready = threading.Event()
+        self._started = threading.Event()  # the process exists (or could not be made)
         self.info: hm.AgentReady | None = None
         self.error: str | None = None
         self.popen: subprocess.Popen | None = None
@@ -99,6 +102,12 @@ class HostAgent:
             target=self._run, args=(env,), name="monarch-host-agent", daemon=True
         )
         self._thread.start()
+        self._started.wait(AGENT_START_TIMEOUT)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the agent has imported what ranks need; raises if it cannot start."""
         if not self._ready.wait(AGENT_START_TIMEOUT):
             self.stop()
             raise TimeoutError(f"the host agent did not start within {AGENT_START_TIMEOUT:.0f} s")
@@ -131,7 +140,9 @@ class HostAgent:
         except OSError as e:
             self.error = f"cannot start the host agent ({' '.join(cmd[:3])}): {e}"
             self._ready.set()
+            self._started.set()
             return
+        self._started.set()
         reader = hm.LineReader()
         fd = self.popen.stdout.fileno()
         while True:
@@ -273,17 +284,37 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def local_agent() -> HostAgent:
+def local_agent(wait: bool = True) -> HostAgent:
     """This process's agent: the warm one, or a new one when there is none, it died,
-    or a setting read at import time changed in the environment since it started."""
+    or a setting read at import time changed in the environment since it started.
+    With ``wait``, once it takes Spawns."""
     global _agent
     with _agent_lock:
-        if _agent is not None and _agent.owner == os.getpid() and _agent.alive:
-            if _agent.env_key == import_time_env(local_env(1)):
-                return _agent
-            _agent.retire()
-        _agent = HostAgent()
-        return _agent
+        agent = _agent
+        ours = agent is not None and agent.owner == os.getpid() and agent.alive
+        if not (ours and agent.env_key == import_time_env(local_env(1))):
+            if ours:
+                agent.retire()
+            agent = _agent = HostAgent(wait=False)
+    if wait:
+        try:
+            agent.wait_ready()
+        except BaseException:
+            with _agent_lock:
+                if _agent is agent:
+                    _agent = None
+            raise
+    return agent
+
+
+def warm_local_agent() -> None:
+    """Start the agent now, in the background, when local meshes use it: its torch
+    import overlaps the caller's own start-up (a failure shows at the mesh's launch)."""
+    if os.environ.get("MONARCH_NB_SPAWN", "agent").strip().lower() in ("", "agent"):
+        try:
+            local_agent(wait=False)
+        except Exception:
+            pass
 
 
 def import_time_env(env: dict) -> tuple:
