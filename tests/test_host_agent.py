@@ -265,6 +265,13 @@ def test_a_mesh_larger_than_the_agents_slots_is_refused_and_the_agent_serves_on(
     assert not agent.alive
 
 
+def test_an_unknown_spawn_method_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MONARCH_NB_SPAWN", "fork-server")
+    with pytest.raises(ValueError, match="MONARCH_NB_SPAWN='fork-server': expected 'agent'"):
+        mnb.local_mesh(dp=1, name="unknown-spawn")
+    assert "unknown-spawn" not in mnb.mesh.all_meshes()
+
+
 def _pids_cgroup(tmp_name: str):
     base = Path("/sys/fs/cgroup/pids")
     if not (base / "cgroup.procs").exists() or not os.access(base, os.W_OK):

@@ -1,7 +1,7 @@
 """HostLauncher: a local mesh's ranks forked by this host's agent (``monarch-nb-host``).
 
-One agent per controller process, started on first use and kept warm for every
-later mesh and restart. Its channel is its stdin/stdout (a private pipe): a
+One agent per controller process, started as the first local mesh begins and
+kept warm for every later mesh and restart. Its channel is its stdin/stdout (a private pipe): a
 thread here (the agent's parent thread, alive as long as this process, so the
 agent's parent-death signal fires only when this process goes) reads what it
 reports and keeps each rank's exit status and output tail for WorkerSet.
@@ -338,6 +338,7 @@ class HostLauncher:
 
     def launch(self, address: str, key: bytes, world: int) -> dict[int, AgentRank]:
         agent = self.agent or local_agent()
+        agent.wait_ready()  # at once when warm; says why when it died
         gpus = _visible_gpus()
         base = local_env(world)
         ranks = {
