@@ -41,6 +41,7 @@ MODULES = (
     "benchmarks.soak",
     "benchmarks.tensor",
     "benchmarks.tensor_vs_monarch",
+    "benchmarks.mesh_start",
 )
 
 PEERS_FOOTER = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import context
 from .controller import HEARTBEAT_TIMEOUT, Controller
+from .controller.host_launcher import warm_local_agent
 from .mesh import DeviceMesh
 from .protocol.ndslice import NDSlice
 
@@ -57,6 +58,7 @@ def local_mesh(
     _check_dims(dims)
     _check_backend(backend)
     name = context.new_name(name)
+    warm_local_agent()  # its import of torch overlaps ours (_default_backend)
     world = 1
     for v in dims.values():
         world *= v

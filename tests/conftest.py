@@ -7,13 +7,17 @@ import monarch_nb as mnb
 
 
 def _worker_children():
+    """Our worker processes: spawned ones (``monarch_nb.worker``) and the ranks the
+    host agent forked (its children; the warm agent itself is not a worker)."""
     me = psutil.Process(os.getpid())
     out = []
     for p in me.children(recursive=True):
         try:
             if "monarch_nb.worker" in " ".join(p.cmdline()):
                 out.append(p)
-        except psutil.Error:
+            elif "monarch_nb.host" in " ".join(p.parent().cmdline()):
+                out.append(p)
+        except (psutil.Error, AttributeError):
             pass
     return out
 

@@ -418,10 +418,15 @@ def test_restart_gives_fresh_workers_and_namespace(k):
     assert plain(monarch(k, "size")[1]) == ["[ranks 0-1] 2"]
 
 
-def test_workers_are_children_of_the_kernel(k):
+def test_workers_are_forked_by_the_kernels_host_agent(k):
     kernel_pid = k.value("__import__('os').getpid()")
+    agent = k.value(
+        "__import__('monarch_nb.controller.host_launcher').controller.host_launcher"
+        ".local_agent().pid"
+    )
+    assert psutil.Process(agent).ppid() == kernel_pid
     for pid in pids(k):
-        assert psutil.Process(pid).ppid() == kernel_pid
+        assert psutil.Process(pid).ppid() == agent
 
 
 def test_unload_and_reload_the_extension(k):

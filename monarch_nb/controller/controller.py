@@ -32,9 +32,9 @@ from .cancels import Cancels
 from .debugger import DebugSessions
 from .errors import MeshClosedError, RemoteError, broken_again
 from .failures import FailureLog
+from .host_launcher import default_launcher
 from .interrupts import Interrupts
 from .io_loop import IOLoop
-from .launcher import LocalLauncher
 from .liveness import Liveness
 from .progress import Transfers, wait_sent
 from .rendezvous import Rendezvous, advertised_host
@@ -94,7 +94,7 @@ class Controller:
         # restarts); what leaves is sealed per destination by the lease holder
         self.peers = PeerTable(self.state.rejections)
         self.sealer = Sealer(self.signer, CONTROLLER)
-        self.workers = WorkerSet(name, self.world, launcher or LocalLauncher(), self.state)
+        self.workers = WorkerSet(name, self.world, launcher or default_launcher(), self.state)
         self._startup_timeout = startup_timeout
         self._ids = itertools.count(1)  # ref, stream and mesh ids (0 is the root mesh)
         self._idents = itertools.count(1)  # command idents

@@ -1,4 +1,6 @@
-"""Launchers start worker processes. LocalLauncher: one process per rank on this host."""
+"""Launchers start worker processes. LocalLauncher: one fresh process per rank on this
+host (host_launcher.py's HostLauncher forks them from a host agent instead);
+ExternalLauncher: workers that another launcher starts."""
 
 from __future__ import annotations
 
@@ -27,21 +29,56 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(n)]
 
 
-class LocalProcess:
-    """One locally started worker: its Popen and the tail of what it printed."""
+class OutputTail:
+    """The last lines a worker wrote to its stdout/stderr (the crash message shows them)."""
 
     TAIL_LINES = 60
+
+    def __init__(self):
+        self.lines: deque[str] = deque(maxlen=self.TAIL_LINES)
+        self._partial = b""
+
+    def feed(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self.lines.append(line.decode("utf-8", "replace"))
+        if len(self._partial) > 8192:
+            self.end()
+
+    def end(self) -> None:
+        """The output ended: keep a last line without its newline."""
+        if self._partial:
+            self.lines.append(self._partial.decode("utf-8", "replace"))
+            self._partial = b""
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class LocalProcess:
+    """One worker spawned here (``MONARCH_NB_SPAWN=popen``): its Popen and output tail.
+    WorkerSet uses ``pid``, ``poll()``, ``wait(t)``, ``kill(sig)``, ``close()``,
+    ``tail_text()`` and, while ``fd`` is not None, ``read_output()``."""
 
     def __init__(self, rank: int, popen: subprocess.Popen):
         self.rank = rank
         self.popen = popen
         self.fd = popen.stdout.fileno() if popen.stdout is not None else None
-        self.tail: deque[str] = deque(maxlen=self.TAIL_LINES)
-        self._partial = b""
+        self.tail = OutputTail()
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def read_output(self) -> bool:
         """Read what is available from the worker's stdout/stderr pipe; False at EOF."""
@@ -54,22 +91,14 @@ class LocalProcess:
         except OSError:
             data = b""
         if not data:
-            if self._partial:
-                self.tail.append(self._partial.decode("utf-8", "replace"))
-                self._partial = b""
+            self.tail.end()
             self.fd = None
             return False
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
-            self.tail.append(line.decode("utf-8", "replace"))
-        if len(self._partial) > 8192:
-            self.tail.append(self._partial.decode("utf-8", "replace"))
-            self._partial = b""
+        self.tail.feed(data)
         return True
 
     def tail_text(self) -> str:
-        return "\n".join(self.tail)
+        return self.tail.text()
 
     def kill(self, sig: int) -> None:
         try:
@@ -80,41 +109,60 @@ class LocalProcess:
             except ProcessLookupError:
                 pass
 
+    def close(self) -> None:
+        if self.popen.stdout is not None:
+            try:
+                self.popen.stdout.close()
+            except OSError:
+                pass
+
+
+def local_env(world: int) -> dict:
+    """The environment of a local mesh's workers, less their rank: the controller's,
+    with its sys.path as PYTHONPATH and the settings below."""
+    base = dict(os.environ)
+    base.pop("MONARCH_NB_KEY", None)
+    # the workers import what the controller imports, from the same places
+    paths = [p if p else os.getcwd() for p in sys.path]
+    base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    base["PYTHONUNBUFFERED"] = "1"
+    # local workers only talk to each other: gloo listens on the loopback interface
+    # (by default it binds to whatever the host name resolves to, often the LAN)
+    base.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    if "OMP_NUM_THREADS" not in os.environ:
+        base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    # glibc maps allocations over 32 MiB afresh each time (and unmaps them on free):
+    # every large result tensor would pay for ~16k page faults. Keep them on the
+    # heap and reuse them, as a caching allocator would.
+    base.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
+    base.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    return base
+
+
+def rank_env(base: dict, rank: int, world: int, gpus: list[str]) -> dict:
+    """``base`` with the rank's variables (and its GPU, when there are GPUs)."""
+    env = dict(base)
+    env.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
+    return env
+
 
 class LocalLauncher:
-    """Starts ``world`` workers on this host, one GPU each when GPUs are present."""
+    """Spawns ``world`` fresh ``python -m monarch_nb.worker`` processes on this host,
+    one GPU each when GPUs are present (the path before host agents, kept for
+    ``MONARCH_NB_SPAWN=popen`` and the benchmark's comparison)."""
 
     external = False  # the workers are our children: we watch their processes
 
     def launch(self, address: str, key: bytes, world: int) -> dict[int, LocalProcess]:
         gpus = _visible_gpus()
-        base = dict(os.environ)
-        base.pop("MONARCH_NB_KEY", None)
-        # the workers import what the controller imports, from the same places
-        paths = [p if p else os.getcwd() for p in sys.path]
-        base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        base["PYTHONUNBUFFERED"] = "1"
-        # local workers only talk to each other: gloo listens on the loopback interface
-        # (by default it binds to whatever the host name resolves to, often the LAN)
-        base.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
-        if "OMP_NUM_THREADS" not in os.environ:
-            base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-        # glibc maps allocations over 32 MiB afresh each time (and unmaps them on free):
-        # every large result tensor would pay for ~16k page faults. Keep them on the
-        # heap and reuse them, as a caching allocator would.
-        base.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
-        base.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+        base = local_env(world)
         procs = {}
         for rank in range(world):
-            env = dict(base)
-            env.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world),
-            )
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
+            env = rank_env(base, rank, world, gpus)
             cmd = [
                 sys.executable,
                 "-m",

@@ -1,8 +1,8 @@
 """The worker set: which workers a generation has, how they started, and their end.
 
-Workers come from a launcher (``LocalLauncher``: our children on this host;
-``ExternalLauncher``: torchrun or srun, through a connection file; the host
-agents of a later issue). The set admits them as they join, watches the
+Workers come from a launcher (``HostLauncher``: forked by this host's agent;
+``LocalLauncher``: our own children; ``ExternalLauncher``: torchrun or srun,
+through a connection file). The set admits them as they join, watches the
 processes it started, pings those it did not, and stops them all.
 """
 
@@ -26,7 +26,9 @@ class Launcher(Protocol):
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
         """Start ``world`` workers that join ``address`` with ``key``: rank -> process
-        (``popen``, ``fd``, ``read_output()``, ``tail_text()``, ``kill(sig)``), or {}."""
+        (``pid``, ``poll()``, ``wait(timeout)``, ``kill(sig)``, ``close()``,
+        ``tail_text()``, and ``fd``/``read_output()`` when the controller reads its
+        output pipe itself), or {}."""
 
 
 class WorkerSet:
@@ -89,12 +91,9 @@ class WorkerSet:
 
     def exited(self, proc, wait: float = 0.0, closing: bool = False) -> WorkerCrashed | None:
         """Check ``proc``; the crash if it ended unasked (else None)."""
-        code = proc.popen.poll()
+        code = proc.poll()
         if code is None and wait:
-            try:
-                code = proc.popen.wait(wait)
-            except Exception:
-                code = None
+            code = proc.wait(wait)
         if code is None:
             return None
         if self.procs.get(proc.rank) is not proc:
@@ -121,29 +120,19 @@ class WorkerSet:
         deadline = time.monotonic() + timeout
         procs = list(self.procs.values())
         for p in procs:
-            try:
-                p.popen.wait(max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
+            p.wait(max(0.0, deadline - time.monotonic()))
         for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0)):
-            left = [p for p in procs if p.popen.poll() is None]
+            left = [p for p in procs if p.poll() is None]
             if not left:
                 break
             for p in left:
                 p.kill(sig)
             end = time.monotonic() + grace
             for p in left:
-                try:
-                    p.popen.wait(max(0.0, end - time.monotonic()))
-                except Exception:
-                    pass
+                p.wait(max(0.0, end - time.monotonic()))
         for p in procs:
-            if p.popen.stdout is not None:
-                try:
-                    p.popen.stdout.close()
-                except OSError:
-                    pass
-            self.state.worker_exited(p.rank, p.popen.poll())
+            p.close()
+            self.state.worker_exited(p.rank, p.poll())
 
     def close(self) -> None:
         """The mesh is gone for good: the launcher cleans up (a connection file)."""

@@ -16,7 +16,7 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-def _set_parent_death_signal(parent_pid: int) -> None:
+def set_parent_death_signal(parent_pid: int) -> None:
     """Die with the controller: SIGKILL when the parent goes, checked once now."""
     try:
         import ctypes
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             a.world = int(info["world"])
 
     if a.parent_pid:
-        _set_parent_death_signal(a.parent_pid)
+        set_parent_death_signal(a.parent_pid)
     rank = a.rank if a.rank is not None else _env_int("RANK", "SLURM_PROCID")
     world = a.world if a.world is not None else _env_int("WORLD_SIZE", "SLURM_NTASKS")
     local_rank = (
@@ -85,6 +85,23 @@ def main(argv: list[str] | None = None) -> None:
     if not key_hex:
         p.error("no mesh secret: use --key-file, --key-stdin or MONARCH_NB_KEY")
 
+    heartbeat = None if a.parent_pid else a.heartbeat_timeout
+    run_worker(
+        a.connect, bytes.fromhex(key_hex), rank, world, local_rank or 0, a.parent_pid, heartbeat
+    )
+
+
+def run_worker(
+    address: str,
+    key: bytes,
+    rank: int,
+    world: int,
+    local_rank: int,
+    parent_pid: int | None,
+    heartbeat: float | None,
+) -> None:
+    """Be rank ``rank`` until the controller says Exit, then end the process. The
+    CLI above and a host agent's forked child (monarch_nb.host) both end here."""
     # the worker's own log goes to its real stderr (the launcher keeps its tail); the
     # root logger stays unconfigured, so user code's logging reaches the cell as in a kernel
     own = logging.getLogger("monarch_nb")
@@ -101,15 +118,12 @@ def main(argv: list[str] | None = None) -> None:
 
     if torch.cuda.is_available():
         # one visible GPU (the local launcher's way) or the LOCAL_RANK-th (torchrun's, srun's)
-        torch.cuda.set_device((local_rank or 0) % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch.ones(1, device="cuda")
 
     from .worker import Worker
 
-    heartbeat = None if a.parent_pid else a.heartbeat_timeout
-    Worker(
-        a.connect, bytes.fromhex(key_hex), rank, world, local_rank or 0, a.parent_pid, heartbeat
-    ).serve()
+    Worker(address, key, rank, world, local_rank, parent_pid, heartbeat).serve()
     sys.stdout.flush()
     os._exit(0)
 

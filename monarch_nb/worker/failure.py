@@ -9,11 +9,12 @@ from ..protocol.messages import RemoteFailure
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 _PROTOCOL_DIR = os.path.join(os.path.dirname(_WORKER_DIR), "protocol")
+_HOST_DIR = os.path.join(os.path.dirname(_WORKER_DIR), "host")  # the agent that forked a rank
+_MACHINERY = tuple(d + os.sep for d in (_WORKER_DIR, _PROTOCOL_DIR, _HOST_DIR))
 
 
 def is_machinery(filename: str) -> bool:
-    f = os.path.abspath(filename)
-    return f.startswith(_WORKER_DIR + os.sep) or f.startswith(_PROTOCOL_DIR + os.sep)
+    return os.path.abspath(filename).startswith(_MACHINERY)
 
 
 def format_user_traceback(e: BaseException) -> str:

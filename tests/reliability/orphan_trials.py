@@ -86,16 +86,22 @@ def trial(i: int) -> dict:
     os.close(w)
     me = psutil.Process(pid)
     seen: set[int] = set()
+    agents: set[int] = set()  # the controller's host agent: the parent of its ranks
 
     def look() -> None:
         try:
-            seen.update(p.pid for p in me.children(recursive=True))
+            for p in me.children(recursive=True):
+                # (its ranks are forked: they show its command line too)
+                agent = p.ppid() == pid and "monarch_nb.host" in " ".join(p.cmdline())
+                if p.pid not in seen and agent:
+                    agents.add(p.pid)
+                seen.add(p.pid)
         except psutil.Error:
             pass
 
     if phase == "starting":
         deadline = time.monotonic() + 60
-        while not seen and time.monotonic() < deadline:
+        while not seen - agents and time.monotonic() < deadline:
             look()
             time.sleep(0.005)
         time.sleep(0.2 * ((i // len(PHASES)) % 5))
@@ -107,7 +113,15 @@ def trial(i: int) -> dict:
     os.waitpid(pid, 0)
     os.close(r)
     left, elapsed = gone_within(sorted(seen), BOUND)
-    return {"trial": i, "phase": phase, "workers": sorted(seen), "left": left, "after": elapsed}
+    workers = sorted(seen - agents)
+    return {
+        "trial": i,
+        "phase": phase,
+        "workers": workers,
+        "agents": sorted(agents),
+        "left": left,
+        "after": elapsed,
+    }
 
 
 def main() -> None:

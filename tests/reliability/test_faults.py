@@ -325,7 +325,7 @@ def test_sigkilled_controller_leaves_no_worker(tmp_path):
             assert len(t["workers"]) == want, t
         assert t["workers"], t  # the kill found workers to outlive it
         assert t["left"] == [], f"orphans {ORPHAN_BOUND} s after the controller died: {t}"
-    everyone = [p for t in results for p in t["workers"]]
+    everyone = [p for t in results for p in t["workers"] + t.get("agents", [])]
     assert not [p for p in everyone if alive(p)]
     assert {t["phase"] for t in results} == {"starting", "idle", "busy", "collective"}
 

@@ -29,6 +29,9 @@ def test_a_backend_that_cannot_start_fails_the_start_with_the_ranks_error(worker
 
 
 def test_a_restart_that_fails_leaves_the_mesh_broken_with_the_reason(monkeypatch, tmp_path):
+    # a sitecustomize runs in a fresh interpreter only: workers spawned each, not ranks
+    # forked by the host agent (whose failed restart test_host_agent.py makes otherwise)
+    monkeypatch.setenv("MONARCH_NB_SPAWN", "popen")
     m = mnb.local_mesh(dp=2, name="restart-fails")
     try:
         # the next workers hang at start-up (before they can join), so the restart

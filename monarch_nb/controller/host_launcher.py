@@ -1,0 +1,373 @@
+"""HostLauncher: a local mesh's ranks forked by this host's agent (``monarch-nb-host``).
+
+One agent per controller process, started as the first local mesh begins and
+kept warm for every later mesh and restart. Its channel is its stdin/stdout (a private pipe): a
+thread here (the agent's parent thread, alive as long as this process, so the
+agent's parent-death signal fires only when this process goes) reads what it
+reports and keeps each rank's exit status and output tail for WorkerSet.
+``MONARCH_NB_SPAWN=popen`` picks the older LocalLauncher (a fresh process per rank).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from ..protocol import host_messages as hm
+from .errors import describe_exit
+from .launcher import LocalLauncher, OutputTail, _visible_gpus, local_env, rank_env
+
+logger = logging.getLogger("monarch_nb.controller")
+
+AGENT_START_TIMEOUT = 120.0  # importing torch on a busy machine
+SPAWN_TIMEOUT = 30.0
+LOCAL_RANKS = 1024  # the local agent's slots: ranks of every mesh of this process
+
+
+class AgentRank:
+    """A rank the agent forked, as WorkerSet watches a process."""
+
+    fd = None  # its output pipe is the agent's; the tail arrives through the channel
+
+    def __init__(self, agent: HostAgent, slot: int, rank: int):
+        self.agent, self.slot, self.rank = agent, slot, rank
+        self.pid: int | None = None
+        self.spawn_error: str | None = None
+        self.returncode: int | None = None
+        self.tail = OutputTail()
+        self.spawned = threading.Event()
+        self.ended = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode if self.ended.is_set() else None
+
+    def wait(self, timeout: float) -> int | None:
+        self.ended.wait(timeout)
+        return self.poll()
+
+    def read_output(self) -> bool:
+        return False
+
+    def tail_text(self) -> str:
+        return self.tail.text()
+
+    def kill(self, sig: int) -> None:
+        if not self.ended.is_set():
+            try:
+                self.agent.send(hm.Kill(self.slot, int(sig)))
+            except RuntimeError:
+                pass  # the agent is gone, and its ranks with it (their end is reported)
+
+    def close(self) -> None:
+        """Nothing to close here: the agent holds the pipe."""
+
+    def end(self, code: int | None, note: str = "") -> None:
+        self.tail.end()
+        if note:
+            self.tail.lines.append(note)
+        self.returncode = code
+        self.spawned.set()
+        self.ended.set()
+
+
+class HostAgent:
+    """A local agent process (``local_ranks`` slots) and the thread that reads its reports."""
+
+    def __init__(self, local_ranks: int = LOCAL_RANKS, wait: bool = True):
+        """Start the agent; with ``wait``, return once it takes Spawns (else call
+        ``wait_ready``, as ``HostLauncher`` does)."""
+        self.local_ranks = local_ranks
+        self.ranks: dict[int, AgentRank] = {}  # slot -> rank not ended yet
+        self._slots = itertools.count(1)
+        self._lock = threading.Lock()  # ranks (never held across IO)
+        # whole lines on the agent's stdin; apart from _lock: a write blocked on a full
+        # pipe must not stop the reader thread, which the agent may be waiting on
+        self._write_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._started = threading.Event()  # the process exists (or could not be made)
+        self.info: hm.AgentReady | None = None
+        self.error: str | None = None
+        self.popen: subprocess.Popen | None = None
+        self.owner = os.getpid()  # a forked copy of this process starts its own agent
+        env = local_env(1)
+        self.env_key = import_time_env(env)
+        self.retired = False
+        env["OMP_NUM_THREADS"] = "1"  # the agent computes nothing; each rank sets its own
+        self._thread = threading.Thread(
+            target=self._run, args=(env,), name="monarch-host-agent", daemon=True
+        )
+        self._thread.start()
+        self._started.wait(AGENT_START_TIMEOUT)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the agent has imported what ranks need; raises if it cannot start."""
+        if not self._ready.wait(AGENT_START_TIMEOUT):
+            self.stop()
+            raise TimeoutError(f"the host agent did not start within {AGENT_START_TIMEOUT:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.popen is not None and self.popen.poll() is None
+
+    # ------------------------------------------------------------ the reader thread
+
+    def _run(self, env: dict) -> None:
+        cmd = [sys.executable, "-m", "monarch_nb.host", "--stdio", "--local-ranks"]
+        cmd += [str(self.local_ranks), "--parent-pid", str(os.getpid())]
+        try:
+            self.popen = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,  # whole lines leave at once; a fork of this process flushes nothing
+                start_new_session=True,  # a terminal's Ctrl-C goes to the controller only
+                close_fds=True,
+            )
+        except OSError as e:
+            self.error = f"cannot start the host agent ({' '.join(cmd[:3])}): {e}"
+            self._ready.set()
+            self._started.set()
+            return
+        self._started.set()
+        reader = hm.LineReader()
+        fd = self.popen.stdout.fileno()
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            for msg in reader.feed(data):
+                try:
+                    self._on(msg)
+                except Exception:  # this thread must read on: the agent blocks otherwise
+                    logger.exception("host agent %s: handling %r failed", self.pid, msg)
+        self._gone(self.popen.wait())
+
+    def _on(self, msg) -> None:
+        if isinstance(msg, hm.AgentReady):
+            self.info = msg
+            self._ready.set()
+            return
+        if isinstance(msg, (hm.HostMessageError, hm.Refused)):
+            print(f"monarch_nb: host agent {self.pid}: {msg}", file=sys.stderr)
+            return
+        with self._lock:
+            r = self.ranks.get(msg.slot)
+            if r is not None and isinstance(msg, (hm.Exited, hm.SpawnFailed)):
+                del self.ranks[msg.slot]
+            last = self.retired and not self.ranks
+        if last:  # not from this thread: a write may wait for the agent, which may wait for us
+            threading.Thread(target=self._quit, name="monarch-host-retire", daemon=True).start()
+        if r is None:
+            return
+        if isinstance(msg, hm.Output):
+            r.tail.feed(hm.output_bytes(msg))
+        elif isinstance(msg, hm.Spawned):
+            r.pid = msg.pid
+            r.spawned.set()
+        elif isinstance(msg, hm.Exited):
+            r.end(msg.code)
+        elif isinstance(msg, hm.SpawnFailed):
+            r.spawn_error = msg.error
+            r.end(None)
+
+    def _gone(self, code: int) -> None:
+        """The agent exited: its ranks died with it (their parent-death signal)."""
+        how = describe_exit(code)
+        how = f"was {how}" if code < 0 else f"exited ({how})"
+        why = f"the host agent (pid {self.pid}) {how}"
+        if self.info is None:
+            self.error = f"{why} before it was ready (its stderr went to this process's stderr)"
+        else:
+            self.error = why
+        self._ready.set()
+        with self._lock:
+            left, self.ranks = list(self.ranks.values()), {}
+        for r in left:
+            if r.pid is None and r.spawn_error is None:
+                r.spawn_error = self.error
+            # their parent-death signal (SIGKILL) ended them with the agent
+            r.end(-signal.SIGKILL, f"[{why}: its ranks died with it]")
+
+    # ------------------------------------------------------------ commands
+
+    def send(self, msg) -> None:
+        line = hm.encode(msg)
+        with self._write_lock:
+            if not self.alive:
+                raise RuntimeError(self.error or "the host agent is gone")
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[self.popen.stdin.write(view) :]
+            except (BrokenPipeError, ValueError, OSError) as e:
+                raise RuntimeError(f"the host agent (pid {self.pid}) is gone: {e}") from None
+
+    def spawn(self, rank: int, world: int, address: str, key: bytes, env: dict) -> AgentRank:
+        """Ask for one rank (answered by ``spawned`` on the AgentRank)."""
+        with self._lock:
+            slot = next(self._slots)
+            r = self.ranks[slot] = AgentRank(self, slot, rank)
+        cwd = os.getcwd()
+        paths = [p if p else cwd for p in sys.path]
+        try:
+            self.send(hm.Spawn(slot, rank, world, rank, address, key.hex(), env, paths, cwd))
+        except RuntimeError as e:
+            with self._lock:
+                self.ranks.pop(slot, None)
+            r.spawn_error = str(e)
+            r.end(None)
+        return r
+
+    def retire(self) -> None:
+        """No more Spawns: end once the ranks it runs have ended."""
+        with self._lock:
+            self.retired = True
+            idle = not self.ranks
+        if idle:
+            self._quit()
+
+    def _quit(self) -> None:
+        try:
+            self.send(hm.Quit())
+        except RuntimeError:
+            pass
+
+    def stop(self) -> None:
+        """Kill its ranks and end it (tests; the process's exit does the same)."""
+        if self.popen is None:
+            return
+        self._quit()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+        self._thread.join(10)
+
+
+_agent: HostAgent | None = None
+_agent_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A fork of this process (multiprocessing, a forked controller) does not share
+    the agent: it drops its copies of the channel, so the agent still sees its
+    controller's end when the controller goes."""
+    global _agent, _agent_lock
+    _agent_lock = threading.Lock()
+    agent, _agent = _agent, None
+    if agent is not None and agent.popen is not None:
+        for f in (agent.popen.stdin, agent.popen.stdout):  # unbuffered: nothing to flush
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def local_agent(wait: bool = True) -> HostAgent:
+    """This process's agent: the warm one, or a new one when there is none, it died,
+    or a setting read at import time changed in the environment since it started.
+    With ``wait``, once it takes Spawns."""
+    global _agent
+    with _agent_lock:
+        agent = _agent
+        ours = agent is not None and agent.owner == os.getpid() and agent.alive
+        if not (ours and agent.env_key == import_time_env(local_env(1))):
+            if ours:
+                agent.retire()
+            agent = _agent = HostAgent(wait=False)
+    if wait:
+        try:
+            agent.wait_ready()
+        except BaseException:
+            with _agent_lock:
+                if _agent is agent:
+                    _agent = None
+            raise
+    return agent
+
+
+def warm_local_agent() -> None:
+    """Start the agent now, in the background, when local meshes use it: its torch
+    import overlaps the caller's own start-up (a failure shows at the mesh's launch)."""
+    if os.environ.get("MONARCH_NB_SPAWN", "agent").strip().lower() in ("", "agent"):
+        try:
+            local_agent(wait=False)
+        except Exception:
+            pass
+
+
+def import_time_env(env: dict) -> tuple:
+    """The variables a process reads once, at start or import (ours, glibc's malloc,
+    torch's, Python's): the agent read them when it started, so ranks forked from it
+    see their values of then. A change starts a fresh agent. (Per fork: the rest of
+    the env, OMP_NUM_THREADS through torch.set_num_threads, sys.path, the cwd.)"""
+    prefixes = ("MONARCH_NB_", "MALLOC_", "TORCH_", "PYTHON", "LD_")
+    skip = {"PYTHONPATH", "MONARCH_NB_SPAWN", "CUDA_VISIBLE_DEVICES"}
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(prefixes) and k not in skip))
+
+
+class HostLauncher:
+    """Forks a mesh's ranks from ``agent`` (default: this process's warm one), one
+    GPU each when GPUs are present."""
+
+    external = False  # the agent watches them and reports their end at once
+
+    def __init__(self, agent: HostAgent | None = None):
+        self.agent = agent
+
+    def launch(self, address: str, key: bytes, world: int) -> dict[int, AgentRank]:
+        agent = self.agent or local_agent()
+        agent.wait_ready()  # at once when warm; says why when it died
+        gpus = _visible_gpus()
+        base = local_env(world)
+        ranks = {
+            r: agent.spawn(r, world, address, key, rank_env(base, r, world, gpus))
+            for r in range(world)
+        }
+        for r in ranks.values():
+            r.spawned.wait(SPAWN_TIMEOUT)
+        failed = [r for r in ranks.values() if r.spawn_error or not r.spawned.is_set()]
+        if failed:
+            for r in ranks.values():
+                r.kill(signal.SIGKILL)
+            first = failed[0]
+            raise RuntimeError(
+                f"the host agent (pid {agent.pid}) could not start rank {first.rank} of "
+                f"{world}: {first.spawn_error or f'no answer within {SPAWN_TIMEOUT:.0f} s'}"
+            )
+        return ranks
+
+    def close(self) -> None:
+        """Nothing to clean up: the agent stays warm for the next mesh."""
+
+
+def default_launcher():
+    """The launcher of a local mesh: HostLauncher, or with ``MONARCH_NB_SPAWN=popen``
+    the LocalLauncher (a fresh ``python -m monarch_nb.worker`` per rank)."""
+    how = os.environ.get("MONARCH_NB_SPAWN", "agent").strip().lower()
+    if how == "popen":
+        return LocalLauncher()
+    if how not in ("", "agent"):
+        raise ValueError(f"MONARCH_NB_SPAWN={how!r}: expected 'agent' (the default) or 'popen'")
+    return HostLauncher()

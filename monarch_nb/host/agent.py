@@ -1,0 +1,204 @@
+"""The agent's loop: one thread, one poll over the controller's channel, the
+ranks' output pipes and a SIGCHLD wake-up pipe.
+
+A rank that ends is reaped at once (SIGCHLD wakes the poll) and reported with
+its exit status after the output it wrote. When the controller goes (its
+channel closes, or the agent's parent changes) the agent kills its ranks and
+exits.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+
+from .._version import __version__
+from ..protocol import host_messages as hm
+from .child import fork_rank
+
+POLL_MS = 500  # the longest the loop sleeps: the parent check runs at least this often
+
+
+class Rank:
+    """A forked rank the agent watches."""
+
+    def __init__(self, slot: int, rank: int, pid: int, out: int):
+        self.slot, self.rank, self.pid, self.out = slot, rank, pid, out
+
+
+class Agent:
+    """Serves one controller over ``ctl_in``/``ctl_out`` (host_messages lines)."""
+
+    def __init__(self, local_ranks: int, ctl_in: int, ctl_out: int, parent_pid: int | None):
+        self.local_ranks = local_ranks
+        self.ctl_in, self.ctl_out = ctl_in, ctl_out
+        self.parent_pid = parent_pid
+        self.ranks: dict[int, Rank] = {}  # pid -> rank
+        self.by_out: dict[int, Rank] = {}  # output fd -> rank
+        self.reader = hm.LineReader()
+        self.poll = select.poll()  # no fd of its own: nothing to close in a child
+        self.running = True
+
+    # ------------------------------------------------------------ the loop
+
+    def serve(self) -> None:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        self.wake = (wake_r, wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up fd does the work
+        signal.signal(signal.SIGTERM, lambda *_: self._stop())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the controller's
+        signal.set_wakeup_fd(wake_w)
+        self.poll.register(self.ctl_in, select.POLLIN)
+        self.poll.register(wake_r, select.POLLIN)
+        self.send(hm.AgentReady(os.getpid(), socket.gethostname(), __version__, self.local_ranks))
+        try:
+            while self.running:
+                for fd, _ in self.poll.poll(POLL_MS):
+                    if fd == self.ctl_in:
+                        self._read_control()
+                    elif fd == wake_r:
+                        _drain(wake_r)
+                    elif fd in self.by_out:
+                        self._read_output(self.by_out[fd])
+                self._reap()
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self.running = False  # the controller is gone
+        finally:
+            self._kill_all()
+
+    def _stop(self) -> None:
+        self.running = False
+
+    # ------------------------------------------------------------ the controller
+
+    def send(self, msg) -> None:
+        data = memoryview(hm.encode(msg))
+        while data:
+            try:
+                n = os.write(self.ctl_out, data)
+            except BrokenPipeError:
+                self.running = False
+                return
+            data = data[n:]
+
+    def _read_control(self) -> None:
+        try:
+            data = os.read(self.ctl_in, 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            self.running = False  # the controller closed its end: it is gone
+            return
+        for msg in self.reader.feed(data):
+            if isinstance(msg, hm.HostMessageError):
+                self.send(hm.Refused(str(msg)))
+            elif isinstance(msg, hm.Spawn):
+                self._spawn(msg)
+            elif isinstance(msg, hm.Kill):
+                self._kill(msg.slot, msg.sig)
+            elif isinstance(msg, hm.Quit):
+                self.running = False
+            else:
+                self.send(hm.Refused(f"{type(msg).__name__} is not a command for an agent"))
+
+    def _spawn(self, msg: hm.Spawn) -> None:
+        if len(self.ranks) >= self.local_ranks:
+            self.send(
+                hm.SpawnFailed(
+                    msg.slot,
+                    f"this host agent has {self.local_ranks} rank slot(s) (--local-ranks), "
+                    f"all in use: rank {msg.rank} does not fit",
+                )
+            )
+            return
+        close = [self.ctl_in, self.ctl_out, *self.wake, *self.by_out]
+        try:
+            pid, out = fork_rank(msg, close)
+        except OSError as e:
+            self.send(hm.SpawnFailed(msg.slot, f"cannot fork rank {msg.rank}: {e}"))
+            return
+        r = Rank(msg.slot, msg.rank, pid, out)
+        self.ranks[pid] = r
+        self.by_out[out] = r
+        self.poll.register(out, select.POLLIN)
+        self.send(hm.Spawned(msg.slot, pid))
+
+    def _kill(self, slot: int, sig: int) -> None:
+        for r in self.ranks.values():
+            if r.slot == slot:
+                _signal_group(r.pid, sig)
+
+    # ------------------------------------------------------------ the ranks
+
+    def _read_output(self, r: Rank, drain: bool = False) -> None:
+        while True:
+            try:
+                data = os.read(r.out, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._close_output(r)
+                return
+            self.send(hm.output(r.slot, data))
+            if not drain:
+                return
+
+    def _close_output(self, r: Rank) -> None:
+        if self.by_out.pop(r.out, None) is not None:
+            self.poll.unregister(r.out)
+            os.close(r.out)
+
+    def _reap(self) -> None:
+        while self.ranks:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            r = self.ranks.pop(pid, None)
+            if r is None:
+                continue
+            if r.out in self.by_out:
+                self._read_output(r, drain=True)  # what it wrote comes before its end
+                self._close_output(r)  # a grandchild may hold the pipe: not waited for
+            code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
+            self.send(hm.Exited(r.slot, pid, code))
+
+    def _kill_all(self) -> None:
+        for r in list(self.ranks.values()):
+            _signal_group(r.pid, signal.SIGKILL)
+        for pid in list(self.ranks):
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def log(text: str) -> None:
+    print(f"[monarch host agent {os.getpid()}] {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,156 @@
+"""What the controller and a host agent tell each other, as plain typed records.
+
+One JSON object per line: ``{"t": "Spawn", ...fields}``. No pickle: the channel
+carries only these records (bytes travel as base64), so a damaged or foreign
+line is refused with its reason, never executed. ``slot`` is the controller's
+name for one fork request (unique per agent); ranks are the mesh's.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import NamedTuple
+
+# ---------------------------------------------------------------- controller -> agent
+
+
+class Spawn(NamedTuple):
+    """Fork one rank: it joins ``address`` with ``key_hex`` as ``rank`` of ``world``,
+    with exactly ``env`` as its environment, ``sys_path`` as its sys.path and
+    ``cwd`` as its working directory (the controller's, now)."""
+
+    slot: int
+    rank: int
+    world: int
+    local_rank: int
+    address: str
+    key_hex: str
+    env: dict
+    sys_path: list
+    cwd: str
+
+
+class Kill(NamedTuple):
+    """Send ``sig`` to the rank of ``slot`` (its process group)."""
+
+    slot: int
+    sig: int
+
+
+class Quit(NamedTuple):
+    """Kill every rank and exit."""
+
+
+# ---------------------------------------------------------------- agent -> controller
+
+
+class AgentReady(NamedTuple):
+    """The agent has imported what ranks need and takes Spawns."""
+
+    pid: int
+    host: str
+    version: str
+    local_ranks: int
+
+
+class Spawned(NamedTuple):
+    slot: int
+    pid: int
+
+
+class SpawnFailed(NamedTuple):
+    """The fork of ``slot`` did not happen: ``error`` says why."""
+
+    slot: int
+    error: str
+
+
+class Output(NamedTuple):
+    """Bytes the rank of ``slot`` wrote to its stdout/stderr (base64)."""
+
+    slot: int
+    data: str
+
+
+class Exited(NamedTuple):
+    """The rank of ``slot`` ended: ``code`` as Popen's returncode (-N: signal N).
+    Sent after the output it wrote before it ended."""
+
+    slot: int
+    pid: int
+    code: int
+
+
+class Refused(NamedTuple):
+    """The agent could not read a line it was sent."""
+
+    error: str
+
+
+TYPES = {
+    cls.__name__: cls
+    for cls in (Spawn, Kill, Quit, AgentReady, Spawned, SpawnFailed, Output, Exited, Refused)
+}
+
+
+class HostMessageError(ValueError):
+    """A line that is not one of the records above."""
+
+
+def encode(msg) -> bytes:
+    """``msg`` as one line (with its newline)."""
+    return json.dumps({"t": type(msg).__name__, **msg._asdict()}).encode() + b"\n"
+
+
+def decode(line: bytes):
+    """The record of ``line``; HostMessageError naming what is wrong."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise HostMessageError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise HostMessageError("not a JSON object")
+    cls = TYPES.get(obj.pop("t", None))
+    if cls is None:
+        raise HostMessageError(f"unknown record type in {line[:80]!r}")
+    try:
+        return cls(**obj)
+    except TypeError as e:
+        raise HostMessageError(f"{cls.__name__}: {e}") from None
+
+
+def output(slot: int, data: bytes) -> Output:
+    return Output(slot, base64.b64encode(data).decode("ascii"))
+
+
+def output_bytes(msg: Output) -> bytes:
+    return base64.b64decode(msg.data)
+
+
+class LineReader:
+    """Splits what arrives on a byte stream into records."""
+
+    MAX_LINE = 64 << 20
+
+    def __init__(self):
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list:
+        """The complete lines of ``data`` (and of what came before) as records, or
+        HostMessageError instances for lines that are not records."""
+        self._buf += data
+        if b"\n" not in data:
+            if len(self._buf) > self.MAX_LINE:
+                self._buf = b""
+                return [HostMessageError(f"a line longer than {self.MAX_LINE} bytes")]
+            return []
+        *lines, self._buf = self._buf.split(b"\n")
+        out = []
+        for line in lines:
+            if line.strip():
+                try:
+                    out.append(decode(line))
+                except HostMessageError as e:
+                    out.append(e)
+        return out
