@@ -25,7 +25,10 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(magics)
     ipython.register_magics(DebugMagics(ipython, magics._mesh))
     if magics.publisher.in_kernel:
+        from .. import launch
         from . import waiting
+
+        launch.warm_local_agent()  # the first %monarch_mesh finds its ranks' agent ready
 
         waiting.install(ipython)  # waiting %%monarch cells keep the widgets live
         from .lab import LabChannel
