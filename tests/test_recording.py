@@ -246,3 +246,25 @@ def test_a_replay_frees_each_inner_value_after_its_last_use(mesh):
     chain(x).fetch(timeout=20)  # recorded
     # only the value live_grown reads is alive then, not the nine before it
     assert chain(x).fetch(timeout=20) == [1, 1]
+
+
+def test_commands_sent_from_another_thread_while_recording_are_recorded(mesh):
+    # torch's autograd runs a CUDA tensor's backward on a device thread of its own
+    import threading
+
+    @mnb.compile
+    def step(x):
+        out = []
+        t = threading.Thread(target=lambda: out.append(mnb.remote(torch.add)(x, 1)))
+        t.start()
+        t.join()
+        return mnb.remote(torch.mul)(out[0], 2)
+
+    x = mnb.remote(torch.ones)(2, mesh=mesh)
+    assert step(x).fetch(rank=0).tolist() == [4.0, 4.0]
+    mesh.wait()
+    before = mesh.status()["ranks"][0]["streams"]["default"]["done"]
+    y = mnb.remote(torch.zeros)(2, mesh=mesh)
+    assert step(y).fetch(rank=1).tolist() == [2.0, 2.0]  # the replay ran the thread's add too
+    mesh.wait()
+    assert mesh.status()["ranks"][0]["streams"]["default"]["done"] - before <= 3

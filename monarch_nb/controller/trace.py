@@ -1,12 +1,35 @@
-"""The recording that watches the commands sent from this thread (mnb.compile)."""
+"""The recording that watches the commands sent while ``mnb.compile`` records.
+
+It belongs to the thread that records, and is seen from every other thread
+too while it records: torch's autograd runs the backward of CUDA tensors on a
+device thread of its own, whose commands belong to the recording of the
+thread that called ``backward()``.
+"""
 
 from __future__ import annotations
 
 import threading
 
 
-class _RecordingTrace(threading.local):
-    active = None  # the _Trace of the mnb.compile recording running on this thread
+class _RecordingTrace:
+    def __init__(self):
+        self._tls = threading.local()
+        self._any = None  # the recording in progress on some thread
+
+    @property
+    def active(self):
+        """The _Trace of the recording in progress (this thread's, else any)."""
+        mine = getattr(self._tls, "trace", None)
+        return mine if mine is not None else self._any
+
+    @active.setter
+    def active(self, trace) -> None:
+        if trace is None:
+            if self._any is getattr(self._tls, "trace", None):
+                self._any = None
+        else:
+            self._any = trace
+        self._tls.trace = trace
 
 
 recording_trace = _RecordingTrace()
