@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import re
+import sys
 import threading
 
 from .. import context
+from . import dap_sources
+from .dap_breakpoints import Breakpoints, is_monarch_cell, is_notebook_file, read_cell
 
 THREAD_BASE = 1 << 30
 REF_BASE = 1 << 31
 TIMEOUT = 10.0  # seconds a worker has to answer one request
+_WORKER_MODULE = "monarch_nb.worker"
 _STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
 _THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
-_CELL_FILE = re.compile(r"<monarch In\[(\d+)\]>")
 
 
 class DapError(Exception):
@@ -65,6 +66,9 @@ class RemoteThreads:
         self._live: dict[tuple, tuple] = {}  # key -> (DebugSessions, Session) of paused ones
         self._watched: dict[int, object] = {}  # id(DebugSessions) -> it (listener added)
         self._seq = itertools.count(1)
+        self._mesh_names: dict[int, str] = {}  # id(DebugSessions) -> its mesh's name
+        self.breakpoints = Breakpoints()
+        self.sources = dap_sources.Sources(kernel)
         self.debugger.process_request = self.process_request
 
     # ------------------------------------------------------------ sessions
@@ -76,6 +80,7 @@ class RemoteThreads:
                 dbg = mesh.debugger
             except Exception:
                 continue
+            self._mesh_names[id(dbg)] = mesh.name
             if id(dbg) in self._watched:
                 continue
             self._watched[id(dbg)] = dbg
@@ -106,7 +111,7 @@ class RemoteThreads:
         key = self._key(dbg, s)
         if event in ("paused", "repaused"):
             tid = self._remember(dbg, s)
-            reason = "breakpoint" if event == "paused" else "step"
+            reason = s.reason if event == "repaused" or s.reason == "pause" else "breakpoint"
             self._emit(
                 "stopped",
                 threadId=tid,
@@ -138,11 +143,15 @@ class RemoteThreads:
     def threads(self) -> list[dict]:
         with self._lock:
             live = sorted(self._live.items(), key=lambda kv: self._tids[kv[0]])
+        live = [(key, dbg, s) for key, (dbg, s) in live if not s.ended and dbg.worker_alive(s)]
+        several = len({key[0] for key, _, _ in live}) > 1  # then the name says the mesh
         return [
-            {"id": self._tids[key], "name": f"rank {s.rank} · {s.stream_name}"}
-            for key, (dbg, s) in live
-            if not s.ended and dbg.worker_alive(s)
+            {"id": self._tids[key], "name": self._name(key, s, several)} for key, _, s in live
         ]
+
+    def _name(self, key, s, several: bool) -> str:
+        name = f"rank {s.rank} · {s.stream_name}"
+        return f"{name} · {self._mesh_names.get(key[0], '?')}" if several else name
 
     def _thread(self, tid) -> tuple:
         with self._lock:
@@ -191,7 +200,7 @@ class RemoteThreads:
             if command == "stackTrace":
                 return self._stack(key, dbg, s, args)
             if command == "pause":
-                raise DapError("pause of a running worker thread is not supported yet")
+                return self._pause(dbg, s)
             self._forget_refs(key)
             try:
                 dbg.send(s, _STEPS[command])
@@ -215,6 +224,15 @@ class RemoteThreads:
         key, (dbg, s), index = self._ref(args["frameId"], "frame")
         q = {"frame": index, "expression": args.get("expression", "")}
         return self._localise(key, self._ask(dbg, s, "evaluate", q))
+
+    def _pause(self, dbg, s) -> dict:
+        if s.prompt is not None:  # paused already
+            return {}
+        try:
+            dbg.pause(s)  # it runs under its pdb (or is leaving its prompt): stops at its next line
+        except KeyError as e:
+            raise DapError(str(e)) from None
+        return {}
 
     def _localise(self, key, v: dict) -> dict:
         if v.get("variablesReference"):
@@ -240,30 +258,10 @@ class RemoteThreads:
                     "name": f["name"],
                     "line": f["line"] or 0,
                     "column": 1,
-                    "source": self._source(f["file"]),
+                    "source": self.sources.of_frame(f["file"], key),
                 }
             )
         return {"stackFrames": out, "totalFrames": len(frames)}
-
-    def _source(self, path: str) -> dict:
-        """A frame's DAP source. A %%monarch cell's frame names the file ipykernel's
-        ``dumpCell`` gives that cell (JupyterLab finds the cell by it), written as
-        dumpCell writes it, so that ``source`` answers too."""
-        match = _CELL_FILE.fullmatch(path)
-        if match is not None:
-            try:
-                from ipykernel.compiler import get_file_name
-
-                code = self.kernel.shell.history_manager.input_hist_raw[int(match.group(1))]
-                cell_file = get_file_name(code)
-                if not os.path.exists(cell_file):
-                    os.makedirs(os.path.dirname(cell_file), exist_ok=True)
-                    with open(cell_file, "w", encoding="utf-8") as fh:
-                        fh.write(code)
-                return {"name": f"In[{match.group(1)}]", "path": cell_file}
-            except Exception:
-                pass  # no such cell in this kernel's history: the plain name
-        return {"name": path.rsplit("/", 1)[-1], "path": path}
 
     async def process_request(self, message: dict) -> dict:
         command = message.get("command")
@@ -272,6 +270,10 @@ class RemoteThreads:
             self.watch()
         except Exception:  # never in the way of the kernel's own debugging
             pass
+        if command == "setBreakpoints":
+            return await self._set_breakpoints(message, args)
+        if command == "source":
+            return await self._source(message, args)
         if self.ours(command, args):
             try:
                 body = await _off_loop(self.answer, command, args)
@@ -281,13 +283,58 @@ class RemoteThreads:
                 return _response(message, error=f"{command}: {type(e).__name__}: {e}")
             return _response(message, body)
         reply = await self._orig(message)
+        if command in ("initialize", "attach"):
+            _no_debugpy_in_workers()
         if command == "threads":
             reply = reply or _response(message, {"threads": []})
             reply.setdefault("body", {}).setdefault("threads", []).extend(self.threads())
         elif command == "debugInfo" and reply:
             stopped = reply.setdefault("body", {}).setdefault("stoppedThreads", [])
             stopped.extend(t["id"] for t in self.threads())
+        elif command == "disconnect":
+            self.breakpoints.clear()
         return reply
+
+    async def _set_breakpoints(self, message: dict, args: dict) -> dict:
+        """A ``%%monarch`` cell's breakpoints are ours (debugpy would stop the kernel
+        in the magic's call); a plain cell's go to debugpy and are kept for the workers."""
+        path = (args.get("source") or {}).get("path") or ""
+        wanted = args.get("breakpoints") or []
+        text = read_cell(path) if path else None
+        if is_monarch_cell(text):
+            try:
+                body = await _off_loop(self.breakpoints.set_cell, path, text, wanted)
+            except Exception as e:
+                return _response(message, error=f"setBreakpoints: {type(e).__name__}: {e}")
+            self.debugger.breakpoint_list[path] = self.breakpoints.lines_of(path)
+            return _response(message, body)
+        reply = await self._orig(message)
+        if reply and reply.get("success") and is_notebook_file(path):
+            try:
+                self.breakpoints.set_file(path, wanted, reply)
+            except Exception:
+                pass  # the kernel's own breakpoints are set: the workers' are a bonus
+        return reply
+
+    async def _source(self, message: dict, args: dict) -> dict:
+        path = (args.get("source") or {}).get("path") or ""
+        if not self.sources.remote(path):
+            return await self._orig(message)
+        try:
+            content = await _off_loop(self.sources.content, path, self._ask_source)
+        except DapError as e:
+            return _response(message, error=str(e))
+        return _response(message, {"content": content})
+
+    def _ask_source(self, key, path: str) -> str:
+        with self._lock:
+            dbg_s = self._live.get(key)
+        if dbg_s is None or dbg_s[1].ended:
+            raise DapError(f"source of {path} is not available on the kernel's host")
+        try:
+            return dbg_s[0].inspect(dbg_s[1], "source", {"path": path}, TIMEOUT)["content"]
+        except (LookupError, TimeoutError, ValueError):
+            raise DapError(f"source of {path} is not available on the kernel's host") from None
 
 
 def _int(v) -> int:
@@ -306,6 +353,25 @@ async def _off_loop(fn, *args):
     return await asyncio.to_thread(fn, *args)
 
 
+def _no_debugpy_in_workers(*_info) -> None:
+    """Once debugpy runs in the kernel it rewrites the command line of every Python
+    process the kernel starts to run under pydevd, which waits for a debugger: a
+    mesh started then would never come up. Workers are debugged through this
+    adapter instead: their command lines (``-m monarch_nb.worker``) are left alone."""
+    monkey = sys.modules.get("_pydev_bundle.pydev_monkey")
+    orig = getattr(monkey, "patch_args", None)
+    if orig is None or getattr(orig, "monarch_keeps_workers", False):
+        return
+
+    def patch_args(args, *rest, **kw):
+        if isinstance(args, (list, tuple)) and any(str(a) == _WORKER_MODULE for a in args):
+            return args
+        return orig(args, *rest, **kw)
+
+    patch_args.monarch_keeps_workers = True
+    monkey.patch_args = patch_args
+
+
 def install(kernel) -> RemoteThreads | None:
     """Put the adapter in front of ``kernel.debugger`` (once); None without one (no debugpy)."""
     if getattr(kernel, "debugger", None) is None:
@@ -313,6 +379,9 @@ def install(kernel) -> RemoteThreads | None:
     adapter = getattr(kernel, "_monarch_dap", None)
     if adapter is None:
         adapter = kernel._monarch_dap = RemoteThreads(kernel)
+        shell = getattr(kernel, "shell", None)
+        if shell is not None:
+            shell.events.register("pre_run_cell", adapter.breakpoints.before_cell)
     return adapter
 
 
