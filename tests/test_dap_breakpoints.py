@@ -271,3 +271,34 @@ def test_two_meshes_name_their_threads_and_a_shut_down_mesh_refuses(k, dap):
     assert names == ["rank 0 · default", "rank 1 · default"]
     continue_all(dap, tids.values())
     assert results(k, dap, "again") == ["0", "1"]
+
+
+PLAIN = "def held():\n    x = 5\n    return x\n\nheld()"
+
+
+def test_remote_threads_are_served_while_debugpy_holds_the_kernel(k, dap):
+    """debugpy suspends the threads it traces when the kernel stops: monarch_nb's own
+    (the controller's IO thread) keep running, and stay out of the thread list."""
+    k.ok("%%monarch --noblock -o beside\nw = rank + 40\nbreakpoint()\nw", output_hook=dap.hook)
+    tids = remote_stops(dap, 2)
+    path = dap.ok("dumpCell", code=PLAIN)["sourcePath"]
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 3}])
+    msg_id = k.kc.execute(PLAIN)
+    ev = dap.wait_event(
+        lambda ev: ev["event"] == "stopped" and ev["body"]["threadId"] < THREAD_BASE
+    )
+    try:
+        names = [t["name"] for t in dap.ok("threads")["threads"]]
+        assert "rank 1 · default" in names
+        assert not [n for n in names if n.startswith("monarch-")], names
+        frame = top(dap, tids[1])
+        assert dap.ok("evaluate", expression="w", frameId=frame["id"])["result"] == "41"
+    finally:
+        dap.request("setBreakpoints", source={"path": path}, breakpoints=[])
+        dap.ok("continue", threadId=ev["body"]["threadId"])
+    reply = k.kc.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = k.kc.get_shell_msg(timeout=30)
+    assert reply["content"]["status"] == "ok"
+    continue_all(dap, tids.values())
+    assert results(k, dap, "beside") == ["40", "41"]

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import sys
 import threading
 
 from .. import context
-from . import dap_sources
+from . import dap_debugpy, dap_sources
 from .dap_breakpoints import Breakpoints, is_monarch_cell, is_notebook_file, read_cell
 
 THREAD_BASE = 1 << 30
 REF_BASE = 1 << 31
 TIMEOUT = 10.0  # seconds a worker has to answer one request
-_WORKER_MODULE = "monarch_nb.worker"
 _STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
 _THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
 
@@ -75,6 +73,8 @@ class RemoteThreads:
 
     def watch(self) -> None:
         """Listen to every mesh's debugger sessions (meshes come and go)."""
+        if getattr(self.debugger, "is_started", False):
+            dap_debugpy.keep_threads_running()  # a new mesh's IO thread too
         for mesh in list(context.all_meshes().values()):
             try:
                 dbg = mesh.debugger
@@ -284,7 +284,8 @@ class RemoteThreads:
             return _response(message, body)
         reply = await self._orig(message)
         if command in ("initialize", "attach"):
-            _no_debugpy_in_workers()
+            dap_debugpy.keep_workers_plain()
+            dap_debugpy.keep_threads_running()
         if command == "threads":
             reply = reply or _response(message, {"threads": []})
             reply.setdefault("body", {}).setdefault("threads", []).extend(self.threads())
@@ -350,26 +351,7 @@ async def _off_loop(fn, *args):
         asyncio.get_running_loop()
     except RuntimeError:
         return fn(*args)
-    return await asyncio.to_thread(fn, *args)
-
-
-def _no_debugpy_in_workers(*_info) -> None:
-    """Once debugpy runs in the kernel it rewrites the command line of every Python
-    process the kernel starts to run under pydevd, which waits for a debugger: a
-    mesh started then would never come up. Workers are debugged through this
-    adapter instead: their command lines (``-m monarch_nb.worker``) are left alone."""
-    monkey = sys.modules.get("_pydev_bundle.pydev_monkey")
-    orig = getattr(monkey, "patch_args", None)
-    if orig is None or getattr(orig, "monarch_keeps_workers", False):
-        return
-
-    def patch_args(args, *rest, **kw):
-        if isinstance(args, (list, tuple)) and any(str(a) == _WORKER_MODULE for a in args):
-            return args
-        return orig(args, *rest, **kw)
-
-    patch_args.monarch_keeps_workers = True
-    monkey.patch_args = patch_args
+    return await asyncio.get_running_loop().run_in_executor(dap_debugpy.pool, fn, *args)
 
 
 def install(kernel) -> RemoteThreads | None:
