@@ -38,7 +38,9 @@ def deliver(stream, action) -> None:
 def run_source(source: str, filename: str, namespace: dict):
     """``code.run_source``, under the breakpoints of this cell and of notebook files."""
     table = _table
-    lines = table["cells"].get(cell_key(source.split("\n", 1)[1] if "\n" in source else ""))
+    if not table["cells"] and not table["files"]:  # the hot path: no breakpoint anywhere
+        return code.run_source(source, filename, namespace)
+    lines = table["cells"].get(cell_key(source.partition("\n")[2]))
     if not lines and not table["files"]:
         return code.run_source(source, filename, namespace)
     code.register_source(filename, source)
