@@ -177,6 +177,9 @@ def _drive(k, dap):
     for t in (tid, threads[0]):
         dap.ok("continue", threadId=t)
         dap.wait_event(lambda ev, t=t: ev["event"] == "thread" and ev["body"]["threadId"] == t)
+        if t == tid:  # JupyterLab shows one thread's frames: the other paused rank, again
+            again = dap.wait_event(stopped(threads[0]))
+            assert again["body"]["description"] == "rank 0 · default still paused"
     assert not {t["id"] for t in dap.ok("threads")["threads"]} & set(threads.values())
     got = k.value(
         "[r['data']['text/plain'] for r in held.result(timeout=30)]", output_hook=dap.hook

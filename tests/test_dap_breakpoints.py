@@ -47,6 +47,7 @@ def remote_stops(dap, n: int, reason: str | None = None) -> dict:
             lambda ev: (
                 ev["event"] == "stopped"
                 and ev["body"]["threadId"] >= THREAD_BASE
+                and not ev["body"]["description"].endswith("still paused")  # shown again
                 and (reason is None or ev["body"]["reason"] == reason)
             )
         )

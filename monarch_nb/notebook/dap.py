@@ -14,39 +14,19 @@ When a session pauses, runs on or ends while the debugger is on, ``stopped``,
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 
 from .. import context
 from . import dap_debugpy, dap_sources
 from .dap_breakpoints import Breakpoints, is_monarch_cell, is_notebook_file, read_cell
+from .dap_wire import DapError, off_loop, response, to_int
 
 THREAD_BASE = 1 << 30
 REF_BASE = 1 << 31
 TIMEOUT = 10.0  # seconds a worker has to answer one request
 _STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
 _THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
-
-
-class DapError(Exception):
-    """Answered as a DAP error response (success: false) with this message."""
-
-
-def _response(request: dict, body=None, error: str | None = None) -> dict:
-    rep = {
-        "seq": request.get("seq", 0),
-        "type": "response",
-        "request_seq": request.get("seq", 0),
-        "command": request.get("command"),
-        "success": error is None,
-    }
-    if error is None:
-        rep["body"] = body if body is not None else {}
-    else:
-        rep["message"] = error
-        rep["body"] = {"error": {"id": 1, "format": error, "showUser": True}}
-    return rep
 
 
 class RemoteThreads:
@@ -65,6 +45,7 @@ class RemoteThreads:
         self._watched: dict[int, object] = {}  # id(DebugSessions) -> it (listener added)
         self._seq = itertools.count(1)
         self._mesh_names: dict[int, str] = {}  # id(DebugSessions) -> its mesh's name
+        self._continued: set = set()  # keys continued from the panel, until they run
         self.breakpoints = Breakpoints()
         self.sources = dap_sources.Sources(kernel)
         self.debugger.process_request = self.process_request
@@ -130,6 +111,30 @@ class RemoteThreads:
         self._emit("continued", threadId=tid, allThreadsContinued=False)
         if event == "resumed":
             self._emit("thread", reason="exited", threadId=tid)
+        with self._lock:
+            continued = key in self._continued
+            self._continued.discard(key)
+        if continued:
+            self._show_next(key)
+
+    def _show_next(self, gone) -> None:
+        """JupyterLab shows the frames of the thread that stopped last only: when the
+        one it showed is continued, the next paused rank is announced again."""
+        with self._lock:
+            waiting = sorted(
+                (tid, self._live[key][1])
+                for key, tid in self._tids.items()
+                if key != gone and key in self._live and self._live[key][1].prompt is not None
+            )
+        if waiting:
+            tid, s = waiting[0]
+            self._emit(
+                "stopped",
+                threadId=tid,
+                reason=s.reason if s.reason in ("pause", "step") else "breakpoint",
+                allThreadsStopped=False,
+                description=f"rank {s.rank} · {s.stream_name} still paused",
+            )
 
     def _emit(self, event: str, **body) -> None:
         if not getattr(self.debugger, "is_started", False):
@@ -186,11 +191,11 @@ class RemoteThreads:
 
     def ours(self, command: str, args: dict) -> bool:
         if command in _THREAD_CMDS:
-            return _int(args.get("threadId")) >= THREAD_BASE
+            return to_int(args.get("threadId")) >= THREAD_BASE
         if command in ("scopes", "evaluate"):
-            return _int(args.get("frameId")) >= REF_BASE
+            return to_int(args.get("frameId")) >= REF_BASE
         if command == "variables":
-            return _int(args.get("variablesReference")) >= REF_BASE
+            return to_int(args.get("variablesReference")) >= REF_BASE
         return False
 
     def answer(self, command: str, args: dict) -> dict:
@@ -202,6 +207,9 @@ class RemoteThreads:
             if command == "pause":
                 return self._pause(dbg, s)
             self._forget_refs(key)
+            if command == "continue":
+                with self._lock:
+                    self._continued.add(key)
             try:
                 dbg.send(s, _STEPS[command])
             except KeyError as e:
@@ -247,8 +255,8 @@ class RemoteThreads:
 
     def _stack(self, key, dbg, s, args: dict) -> dict:
         frames = self._ask(dbg, s, "stack", {})["frames"]
-        start = max(0, _int(args.get("startFrame")))
-        levels = _int(args.get("levels"))
+        start = max(0, to_int(args.get("startFrame")))
+        levels = to_int(args.get("levels"))
         levels = levels if levels > 0 else len(frames)
         out = []
         for f in frames[start : start + levels]:
@@ -276,18 +284,18 @@ class RemoteThreads:
             return await self._source(message, args)
         if self.ours(command, args):
             try:
-                body = await _off_loop(self.answer, command, args)
+                body = await off_loop(self.answer, command, args)
             except DapError as e:
-                return _response(message, error=str(e))
+                return response(message, error=str(e))
             except Exception as e:  # bad arguments: a clear answer, never a hang
-                return _response(message, error=f"{command}: {type(e).__name__}: {e}")
-            return _response(message, body)
+                return response(message, error=f"{command}: {type(e).__name__}: {e}")
+            return response(message, body)
         reply = await self._orig(message)
         if command in ("initialize", "attach"):
             dap_debugpy.keep_workers_plain()
             dap_debugpy.keep_threads_running()
         if command == "threads":
-            reply = reply or _response(message, {"threads": []})
+            reply = reply or response(message, {"threads": []})
             reply.setdefault("body", {}).setdefault("threads", []).extend(self.threads())
         elif command == "debugInfo" and reply:
             stopped = reply.setdefault("body", {}).setdefault("stoppedThreads", [])
@@ -304,11 +312,11 @@ class RemoteThreads:
         text = read_cell(path) if path else None
         if is_monarch_cell(text):
             try:
-                body = await _off_loop(self.breakpoints.set_cell, path, text, wanted)
+                body = await off_loop(self.breakpoints.set_cell, path, text, wanted)
             except Exception as e:
-                return _response(message, error=f"setBreakpoints: {type(e).__name__}: {e}")
+                return response(message, error=f"setBreakpoints: {type(e).__name__}: {e}")
             self.debugger.breakpoint_list[path] = self.breakpoints.lines_of(path)
-            return _response(message, body)
+            return response(message, body)
         reply = await self._orig(message)
         if reply and reply.get("success") and is_notebook_file(path):
             try:
@@ -322,10 +330,10 @@ class RemoteThreads:
         if not self.sources.remote(path):
             return await self._orig(message)
         try:
-            content = await _off_loop(self.sources.content, path, self._ask_source)
+            content = await off_loop(self.sources.content, path, self._ask_source)
         except DapError as e:
-            return _response(message, error=str(e))
-        return _response(message, {"content": content})
+            return response(message, error=str(e))
+        return response(message, {"content": content})
 
     def _ask_source(self, key, path: str) -> str:
         with self._lock:
@@ -336,22 +344,6 @@ class RemoteThreads:
             return dbg_s[0].inspect(dbg_s[1], "source", {"path": path}, TIMEOUT)["content"]
         except (LookupError, TimeoutError, ValueError):
             raise DapError(f"source of {path} is not available on the kernel's host") from None
-
-
-def _int(v) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1
-
-
-async def _off_loop(fn, *args):
-    """Run blocking ``fn`` off the control thread's event loop when there is one."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(dap_debugpy.pool, fn, *args)
 
 
 def install(kernel) -> RemoteThreads | None:

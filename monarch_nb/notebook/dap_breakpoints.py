@@ -19,6 +19,7 @@ import threading
 from .. import mesh as mesh_mod
 from ..protocol import messages as m
 from ..protocol.breakpoints import cell_key
+from .dap_wire import to_int
 
 BP_BASE = 1 << 29  # our breakpoint ids, far above debugpy's
 MAGIC = "%%monarch"
@@ -98,7 +99,7 @@ class Breakpoints:
         problem = _mesh_problem(first)
         out, keep = [], []
         for bp in wanted:
-            line = _int(bp.get("line"))
+            line = to_int(bp.get("line"))
             cond = bp.get("condition") or None
             reply = {"id": next(self._ids), "line": line, "source": {"path": path}}
             if why_none is not None:
@@ -130,7 +131,7 @@ class Breakpoints:
     def set_file(self, path: str, wanted: list, reply: dict) -> None:
         """Keep what debugpy verified in a plain cell's file (its functions run remotely)."""
         got = (reply.get("body") or {}).get("breakpoints") or []
-        conds = {_int(b.get("line")): b.get("condition") or None for b in wanted}
+        conds = {to_int(b.get("line")): b.get("condition") or None for b in wanted}
         keep = [(b["line"], conds.get(b["line"])) for b in got if b.get("verified")]
         with self._lock:
             old = self.files.get(path)
@@ -185,13 +186,6 @@ class Breakpoints:
             self.send()
         except Exception:
             pass  # never in the way of the cell
-
-
-def _int(v) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1
 
 
 def is_notebook_file(path: str) -> bool:
