@@ -220,11 +220,11 @@ def test_step_in_and_out_of_a_function_on_a_rank(k, dap):
     def top():
         return dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
 
-    assert (top()["name"], top()["line"]) == ("<module>", 7)
+    assert (top()["name"], top()["line"]) == ("<module> · rank 1", 7)
     dap.ok("stepIn", threadId=tid)
     dap.wait_event(stopped(tid, "step"))
     frames = dap.ok("stackTrace", threadId=tid)["stackFrames"]
-    assert frames[0]["name"] == "f" and frames[1]["name"] == "<module>"
+    assert [f["name"] for f in frames[:2]] == ["f · rank 1", "<module> · rank 1"]
     scopes = dap.ok("scopes", frameId=frames[0]["id"])["scopes"]
     local = dap.ok("variables", variablesReference=scopes[0]["variablesReference"])
     assert {v["name"]: v["value"] for v in local["variables"]} == {"a": "1"}
@@ -233,7 +233,7 @@ def test_step_in_and_out_of_a_function_on_a_rank(k, dap):
     dap.ok("stepOut", threadId=tid)
     dap.wait_event(stopped(tid, "step"))
     after = top()
-    assert (after["name"], after["line"]) == ("<module>", 7)
+    assert (after["name"], after["line"]) == ("<module> · rank 1", 7)
     assert dap.ok("evaluate", expression="r", frameId=after["id"])["result"] == "3"  # f returned
     assert dap.ok("pause", threadId=tid) == {}  # paused already: nothing to do
     for t in tids.values():

@@ -161,7 +161,7 @@ def test_a_breakpoint_in_a_notebook_function_that_runs_remotely(k, dap):
         k.ok("fr = mnb.remote(scaled)(6)", output_hook=dap.hook)
         tids = remote_stops(dap, 2, "breakpoint")
         frame = top(dap, tids[0])
-        assert (frame["name"], frame["line"], frame["source"]["path"]) == ("scaled", 3, path)
+        assert (frame["name"], frame["line"], frame["source"]["path"]) == ("scaled · rank 0", 3, path)
         assert local_vars(dap, frame["id"])["w"]["value"] == "42"
         continue_all(dap, tids.values())
         assert k.value("fr.fetch(timeout=30)", output_hook=dap.hook) == [42, 42]
@@ -218,7 +218,7 @@ def test_huge_values_and_a_missing_source_file_are_summarised_or_refused(k, dap)
     k.ok(HUGE, output_hook=dap.hook)
     tids = remote_stops(dap, 2)
     frames = dap.ok("stackTrace", threadId=tids[1])["stackFrames"]
-    assert frames[0]["name"] == "g"
+    assert frames[0]["name"] == "g · rank 1"
     missing = frames[0]["source"]["path"]
     assert missing.startswith("/tmp/mnb_dap_gone_")
     rep = dap.request("source", source={"path": missing})

@@ -263,7 +263,7 @@ class RemoteThreads:
             out.append(
                 {
                     "id": self._new_ref(key, "frame", f["index"]),
-                    "name": f["name"],
+                    "name": f"{f['name']} · rank {s.rank}",  # JupyterLab shows no thread name
                     "line": f["line"] or 0,
                     "column": 1,
                     "source": self.sources.of_frame(f["file"], key),
