@@ -109,7 +109,16 @@ def test_a_gutter_breakpoint_stops_every_rank_of_the_cells_mesh(k, dap):
     dap.ok("next", threadId=tids[1])
     dap.wait_event(stopped(tids[1], "step"))
     assert top(dap, tids[1])["line"] == 5
-    continue_all(dap, tids.values())
+    # while a rank is shown, the kernel's globals are not (JupyterLab would show them)
+    assert dap.request("inspectVariables")["success"] is False
+    # JupyterLab's continue button sends thread 1 (it forgot the thread it showed):
+    # with the kernel not stopped in debugpy, that is the rank shown last (stepped)
+    dap.ok("continue", threadId=1)
+    dap.wait_event(lambda ev: ev["event"] == "thread" and ev["body"]["threadId"] == tids[1])
+    again = dap.wait_event(stopped(tids[0]))  # the other paused rank, shown next
+    assert again["body"]["description"] == "rank 0 · default still paused"
+    dap.ok("continue", threadId=1)
+    dap.wait_event(lambda ev: ev["event"] == "thread" and ev["body"]["threadId"] == tids[0])
     assert results(k, dap, "bp") == ["2", "22"]
 
     # removed from the gutter: the cell runs through

@@ -46,6 +46,8 @@ class RemoteThreads:
         self._seq = itertools.count(1)
         self._mesh_names: dict[int, str] = {}  # id(DebugSessions) -> its mesh's name
         self._continued: set = set()  # keys continued from the panel, until they run
+        self._shown: int | None = None  # the thread of our last stopped event
+        self._told_stopped: set[int] = set()  # threads whose last event was "stopped"
         self.breakpoints = Breakpoints()
         self.sources = dap_sources.Sources(kernel)
         self.debugger.process_request = self.process_request
@@ -108,7 +110,9 @@ class RemoteThreads:
                 self._live.pop(key, None)
         if tid is None:
             return
-        self._emit("continued", threadId=tid, allThreadsContinued=False)
+        if tid in self._told_stopped:  # once: JupyterLab clears its panel on each
+            self._told_stopped.discard(tid)
+            self._emit("continued", threadId=tid, allThreadsContinued=False)
         if event == "resumed":
             self._emit("thread", reason="exited", threadId=tid)
         with self._lock:
@@ -139,6 +143,9 @@ class RemoteThreads:
     def _emit(self, event: str, **body) -> None:
         if not getattr(self.debugger, "is_started", False):
             return
+        if event == "stopped":
+            self._shown = body["threadId"]
+            self._told_stopped.add(body["threadId"])
         msg = {"seq": next(self._seq), "type": "event", "event": event, "body": body}
         try:
             self.kernel._publish_debug_event(msg)
@@ -197,6 +204,18 @@ class RemoteThreads:
         if command == "variables":
             return to_int(args.get("variablesReference")) >= REF_BASE
         return False
+
+    def _remote_shown(self) -> bool:
+        """A remote thread is paused and the kernel itself is not stopped in debugpy."""
+        return not getattr(self.debugger, "stopped_threads", None) and bool(self.threads())
+
+    def _panel_means_shown(self, args: dict) -> bool:
+        """JupyterLab's continue button forgets the thread it shows before it sends
+        the request, which then names thread 1. With the kernel itself not stopped
+        in debugpy, it means the remote thread the panel shows: the last stopped."""
+        if to_int(args.get("threadId")) >= THREAD_BASE or self._shown is None:
+            return False
+        return self._remote_shown() and self._shown in {t["id"] for t in self.threads()}
 
     def answer(self, command: str, args: dict) -> dict:
         """The body of our answer (blocking: worker round trips); DapError for bad input."""
@@ -282,6 +301,13 @@ class RemoteThreads:
             return await self._set_breakpoints(message, args)
         if command == "source":
             return await self._source(message, args)
+        if command == "inspectVariables" and self._remote_shown():
+            # JupyterLab asks for the kernel's globals whenever output comes while it
+            # sees no stopped thread, as between a continue and the next rank shown;
+            # a late answer would replace the shown rank's variables
+            return response(message, error="a paused worker thread is shown")
+        if command == "continue" and self._panel_means_shown(args):
+            args = {**args, "threadId": self._shown}
         if self.ours(command, args):
             try:
                 body = await off_loop(self.answer, command, args)
