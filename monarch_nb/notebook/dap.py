@@ -19,7 +19,7 @@ import threading
 
 from .. import context
 from . import dap_debugpy, dap_sources
-from .dap_breakpoints import Breakpoints, is_monarch_cell, is_notebook_file, read_cell
+from .dap_breakpoints import Breakpoints, set_breakpoints
 from .dap_wire import DapError, off_loop, response, to_int
 
 THREAD_BASE = 1 << 30
@@ -35,7 +35,7 @@ class RemoteThreads:
     def __init__(self, kernel):
         self.kernel = kernel
         self.debugger = kernel.debugger
-        self._orig = self.debugger.process_request
+        self.orig_request = self.debugger.process_request  # ipykernel's own
         self._lock = threading.Lock()
         self._tids: dict[tuple, int] = {}  # (id(sessions), rank, stream) -> thread id
         self._next_tid = itertools.count(THREAD_BASE + 1)
@@ -205,6 +205,12 @@ class RemoteThreads:
             return to_int(args.get("variablesReference")) >= REF_BASE
         return False
 
+    def before_cell(self, *_info) -> None:
+        """IPython's pre_run_cell: with the debugger on (maybe since before monarch_nb was
+        loaded), a mesh this cell starts must come up as without it."""
+        if getattr(self.debugger, "is_started", False):
+            dap_debugpy.keep_workers_plain()
+
     def _remote_shown(self) -> bool:
         """A remote thread is paused and the kernel itself is not stopped in debugpy."""
         return not getattr(self.debugger, "stopped_threads", None) and bool(self.threads())
@@ -298,7 +304,7 @@ class RemoteThreads:
         except Exception:  # never in the way of the kernel's own debugging
             pass
         if command == "setBreakpoints":
-            return await self._set_breakpoints(message, args)
+            return await set_breakpoints(self, message, args)
         if command == "source":
             return await self._source(message, args)
         if command == "inspectVariables" and self._remote_shown():
@@ -316,7 +322,7 @@ class RemoteThreads:
             except Exception as e:  # bad arguments: a clear answer, never a hang
                 return response(message, error=f"{command}: {type(e).__name__}: {e}")
             return response(message, body)
-        reply = await self._orig(message)
+        reply = await self.orig_request(message)
         if command in ("initialize", "attach"):
             dap_debugpy.keep_workers_plain()
             dap_debugpy.keep_threads_running()
@@ -330,31 +336,10 @@ class RemoteThreads:
             self.breakpoints.clear()
         return reply
 
-    async def _set_breakpoints(self, message: dict, args: dict) -> dict:
-        """A ``%%monarch`` cell's breakpoints are ours (debugpy would stop the kernel
-        in the magic's call); a plain cell's go to debugpy and are kept for the workers."""
-        path = (args.get("source") or {}).get("path") or ""
-        wanted = args.get("breakpoints") or []
-        text = read_cell(path) if path else None
-        if is_monarch_cell(text):
-            try:
-                body = await off_loop(self.breakpoints.set_cell, path, text, wanted)
-            except Exception as e:
-                return response(message, error=f"setBreakpoints: {type(e).__name__}: {e}")
-            self.debugger.breakpoint_list[path] = self.breakpoints.lines_of(path)
-            return response(message, body)
-        reply = await self._orig(message)
-        if reply and reply.get("success") and is_notebook_file(path):
-            try:
-                self.breakpoints.set_file(path, wanted, reply)
-            except Exception:
-                pass  # the kernel's own breakpoints are set: the workers' are a bonus
-        return reply
-
     async def _source(self, message: dict, args: dict) -> dict:
         path = (args.get("source") or {}).get("path") or ""
         if not self.sources.remote(path):
-            return await self._orig(message)
+            return await self.orig_request(message)
         try:
             content = await off_loop(self.sources.content, path, self._ask_source)
         except DapError as e:
@@ -382,6 +367,7 @@ def install(kernel) -> RemoteThreads | None:
         shell = getattr(kernel, "shell", None)
         if shell is not None:
             shell.events.register("pre_run_cell", adapter.breakpoints.before_cell)
+            shell.events.register("pre_run_cell", adapter.before_cell)
     return adapter
 
 

@@ -19,7 +19,7 @@ import threading
 from .. import mesh as mesh_mod
 from ..protocol import messages as m
 from ..protocol.breakpoints import cell_key
-from .dap_wire import to_int
+from .dap_wire import off_loop, response, to_int
 
 BP_BASE = 1 << 29  # our breakpoint ids, far above debugpy's
 MAGIC = "%%monarch"
@@ -188,6 +188,28 @@ class Breakpoints:
             pass  # never in the way of the cell
 
 
+async def set_breakpoints(adapter, message: dict, args: dict) -> dict:
+    """A ``%%monarch`` cell's breakpoints are ours (debugpy would stop the kernel
+    in the magic's call); a plain cell's go to debugpy and are kept for the workers."""
+    path = (args.get("source") or {}).get("path") or ""
+    wanted = args.get("breakpoints") or []
+    text = read_cell(path) if path else None
+    if is_monarch_cell(text):
+        try:
+            body = await off_loop(adapter.breakpoints.set_cell, path, text, wanted)
+        except Exception as e:
+            return response(message, error=f"setBreakpoints: {type(e).__name__}: {e}")
+        adapter.debugger.breakpoint_list[path] = adapter.breakpoints.lines_of(path)
+        return response(message, body)
+    reply = await adapter.orig_request(message)
+    if reply and reply.get("success") and is_notebook_file(path):
+        try:
+            adapter.breakpoints.set_file(path, wanted, reply)
+        except Exception:
+            pass  # the kernel's own breakpoints are set: the workers' are a bonus
+    return reply
+
+
 def is_notebook_file(path: str) -> bool:
     """A file ipykernel names a cell by (its temporary directory)."""
     try:
@@ -197,4 +219,11 @@ def is_notebook_file(path: str) -> bool:
     return os.path.dirname(os.path.abspath(path)) == os.path.abspath(get_tmp_directory())
 
 
-__all__ = ["BP_BASE", "Breakpoints", "code_lines", "is_monarch_cell", "is_notebook_file"]
+__all__ = [
+    "BP_BASE",
+    "Breakpoints",
+    "code_lines",
+    "is_monarch_cell",
+    "is_notebook_file",
+    "set_breakpoints",
+]

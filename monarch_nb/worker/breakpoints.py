@@ -51,8 +51,10 @@ def run_source(source: str, filename: str, namespace: dict):
 def call(fn, args, kwargs):
     """``fn(*args, **kwargs)``, under the breakpoints of fn's notebook file, if any."""
     table = _table
+    if not table["files"]:  # the hot path
+        return fn(*args, **kwargs)
     file = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    if not table["files"] or file not in table["files"]:
+    if file not in table["files"]:
         return fn(*args, **kwargs)
     return _traced(lambda: fn(*args, **kwargs), [], table)
 
