@@ -10,6 +10,8 @@ ipykernel (and debugpy) unchanged. Our ids start at ``THREAD_BASE`` and
 
 When a session pauses, runs on or ends while the debugger is on, ``stopped``,
 ``continued`` and ``thread`` (exited) events go out on IOPub as ``debug_event``.
+Gutter breakpoints: dap_breakpoints.py; sources of remote frames: dap_sources.py;
+what debugpy leaves alone: dap_debugpy.py (docs/architecture.md, the DAP section).
 """
 
 from __future__ import annotations
@@ -225,6 +227,15 @@ class RemoteThreads:
 
     def answer(self, command: str, args: dict) -> dict:
         """The body of our answer (blocking: worker round trips); DapError for bad input."""
+        if command == "pause":
+            try:
+                self._thread(args["threadId"])
+            except DapError:
+                raise DapError(
+                    f"thread id {args['threadId']} cannot be paused: its rank runs without a "
+                    "debugger session (only a rank that stopped and still traces, with a "
+                    "breakpoint set, can be; or put breakpoint() in its code)"
+                ) from None
         if command in _THREAD_CMDS:
             key, (dbg, s) = self._thread(args["threadId"])
             if command == "stackTrace":
