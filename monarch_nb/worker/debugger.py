@@ -14,6 +14,9 @@ the command ended), ("dap", (rid, ok, body)) answering a structured request.
 A structured request arrives in the queue as ``("dap", rid, command, args)``
 instead of a line: pdb answers it (inspect_frames.Inspector) and keeps waiting
 for its line; the references it hands out last until the stream runs on.
+Two actions never reach the queue (the receiver, worker/breakpoints.py
+``deliver``): ``("breakpoints", table)``, the gutter breakpoints, and
+``("pause",)``, which makes a session that still traces stop at its next line.
 """
 
 from __future__ import annotations
