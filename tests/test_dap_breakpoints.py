@@ -313,3 +313,20 @@ def test_remote_threads_are_served_while_debugpy_holds_the_kernel(k, dap):
     assert reply["content"]["status"] == "ok"
     continue_all(dap, tids.values())
     assert results(k, dap, "beside") == ["40", "41"]
+
+
+AFTER = "%%monarch --mesh default --noblock -o after_restart\nv = rank + 5\nv * 2"
+
+
+def test_breakpoints_reach_the_fresh_workers_of_a_restarted_mesh(k, dap):
+    path = dap.ok("dumpCell", code=AFTER)["sourcePath"]
+    dap.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 3}])
+    try:
+        k.ok("mnb.get_mesh('default').restart()", timeout=120, output_hook=dap.hook)
+        k.ok(AFTER, output_hook=dap.hook)
+        tids = remote_stops(dap, 2, "breakpoint")
+        assert top(dap, tids[1])["line"] == 3
+        continue_all(dap, tids.values())
+        assert results(k, dap, "after_restart") == ["10", "12"]
+    finally:
+        dap.request("setBreakpoints", source={"path": path}, breakpoints=[])
