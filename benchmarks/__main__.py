@@ -37,6 +37,7 @@ MODULES = (
     "benchmarks.recording",
     "benchmarks.cell",
     "benchmarks.pdb",
+    "benchmarks.dap",
     "benchmarks.dashboard",
     "benchmarks.soak",
     "benchmarks.tensor",

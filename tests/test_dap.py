@@ -4,12 +4,12 @@ kernel, real debugpy, a dp=2 mesh; no front end but jupyter_client."""
 
 from __future__ import annotations
 
-import itertools
 import queue
 import time
 
 import psutil
 import pytest
+from dap_helpers import start, stopped
 from kernel_helpers import mesh_kernel
 
 import monarch_nb as mnb
@@ -27,76 +27,10 @@ z = y * 2
 y"""
 
 
-class Dap:
-    """DAP requests as debug_request messages on the kernel's control channel."""
-
-    def __init__(self, kern):
-        self.kern = kern
-        self.seq = itertools.count(1)
-        self.events: list = []
-
-    def request(self, command: str, timeout: float = 30, **arguments) -> dict:
-        kc = self.kern.kc
-        content = {"seq": next(self.seq), "type": "request", "command": command}
-        content["arguments"] = arguments
-        msg = kc.session.msg("debug_request", content)
-        kc.control_channel.send(msg)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"no debug_reply to {command} in {timeout} s"
-            try:
-                rep = kc.control_channel.get_msg(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if rep["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
-                return rep["content"]
-
-    def ok(self, command: str, **arguments) -> dict:
-        rep = self.request(command, **arguments)
-        assert rep.get("success"), (command, rep)
-        return rep.get("body", {})
-
-    def hook(self, msg) -> None:
-        """An output_hook for the kernel's execute calls: keep the debug events they read."""
-        if msg["msg_type"] == "debug_event":
-            self.events.append(msg["content"])
-
-    def wait_event(self, match, timeout: float = 30) -> dict:
-        """The first debug_event (seen before or now) for which ``match(event)`` holds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, ev in enumerate(self.events):
-                if match(ev):
-                    return self.events.pop(i)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                got = [(e["event"], e.get("body")) for e in self.events]
-                raise TimeoutError(f"no matching debug_event in {timeout} s; got {got}")
-            try:
-                msg = self.kern.kc.get_iopub_msg(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if msg["msg_type"] == "debug_event":
-                self.events.append(msg["content"])
-
-
 @pytest.fixture(scope="module")
 def k(tmp_path_factory):
     with mesh_kernel(tmp_path_factory.mktemp("dap")) as kern:
         yield kern
-
-
-def stopped(tid, reason=None):
-    def match(ev):
-        b = ev.get("body", {})
-        return (
-            ev["event"] == "stopped"
-            and b.get("threadId") == tid
-            and (reason is None or b.get("reason") == reason)
-        )
-
-    return match
 
 
 def test_structured_requests_are_bounded_and_refuse_bad_input(mesh):
@@ -148,22 +82,6 @@ def dap(k):
     d.ok("configurationDone")
     yield d
     d.request("disconnect", restart=False, terminateDebuggee=False)
-
-
-def start(k) -> Dap:
-    dap = Dap(k)
-    dap.ok(
-        "initialize",
-        clientID="test",
-        adapterID="python",
-        pathFormat="path",
-        linesStartAt1=True,
-        columnsStartAt1=True,
-        supportsVariableType=True,
-        supportsVariablePaging=True,
-    )
-    dap.ok("attach")
-    return dap
 
 
 def test_paused_ranks_are_threads_of_the_kernels_debugger(k, dap):
@@ -259,6 +177,9 @@ def _drive(k, dap):
     for t in (tid, threads[0]):
         dap.ok("continue", threadId=t)
         dap.wait_event(lambda ev, t=t: ev["event"] == "thread" and ev["body"]["threadId"] == t)
+        if t == tid:  # JupyterLab shows one thread's frames: the other paused rank, again
+            again = dap.wait_event(stopped(threads[0]))
+            assert again["body"]["description"] == "rank 0 · default still paused"
     assert not {t["id"] for t in dap.ok("threads")["threads"]} & set(threads.values())
     got = k.value(
         "[r['data']['text/plain'] for r in held.result(timeout=30)]", output_hook=dap.hook
@@ -299,11 +220,11 @@ def test_step_in_and_out_of_a_function_on_a_rank(k, dap):
     def top():
         return dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
 
-    assert (top()["name"], top()["line"]) == ("<module>", 7)
+    assert (top()["name"], top()["line"]) == ("<module> · rank 1", 7)
     dap.ok("stepIn", threadId=tid)
     dap.wait_event(stopped(tid, "step"))
     frames = dap.ok("stackTrace", threadId=tid)["stackFrames"]
-    assert frames[0]["name"] == "f" and frames[1]["name"] == "<module>"
+    assert [f["name"] for f in frames[:2]] == ["f · rank 1", "<module> · rank 1"]
     scopes = dap.ok("scopes", frameId=frames[0]["id"])["scopes"]
     local = dap.ok("variables", variablesReference=scopes[0]["variablesReference"])
     assert {v["name"]: v["value"] for v in local["variables"]} == {"a": "1"}
@@ -312,10 +233,9 @@ def test_step_in_and_out_of_a_function_on_a_rank(k, dap):
     dap.ok("stepOut", threadId=tid)
     dap.wait_event(stopped(tid, "step"))
     after = top()
-    assert (after["name"], after["line"]) == ("<module>", 7)
+    assert (after["name"], after["line"]) == ("<module> · rank 1", 7)
     assert dap.ok("evaluate", expression="r", frameId=after["id"])["result"] == "3"  # f returned
-    paused = dap.request("pause", threadId=tid)
-    assert paused["success"] is False and "not supported" in paused["message"]
+    assert dap.ok("pause", threadId=tid) == {}  # paused already: nothing to do
     for t in tids.values():
         dap.ok("continue", threadId=t)
     got = k.value(

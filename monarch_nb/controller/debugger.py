@@ -37,6 +37,7 @@ class Session:
     requested: bool = False  # a post-mortem someone asked for (and so serves)
     told: bool = False  # the notebook told the user of this pause (once, see ``claim_notice``)
     stepping: bool = False  # it ran on ("running") and has not stopped again yet
+    reason: str = "step"  # why it stopped last: "step", "breakpoint" or "pause"
 
     def describe(self) -> dict:
         return {"rank": self.rank, "stream": self.stream_name, **self.location}
@@ -66,8 +67,9 @@ class DebugSessions:
                 name = state.stream_names.get(msg.stream, str(msg.stream))
                 s = self._sessions[key] = Session(msg.rank, msg.stream, name)
             if kind == "paused":
-                s.location = {k: v for k, v in payload.items() if k != "ident"}
+                s.location = {k: v for k, v in payload.items() if k not in ("ident", "reason")}
                 s.ident = payload.get("ident")
+                s.reason = payload.get("reason") or "step"
                 s.requested = s.ident in self._requested
                 if not s.announced:  # once per session, with its location known
                     s.announced = True
@@ -238,6 +240,13 @@ class DebugSessions:
         if not ok:
             raise ValueError(body)
         return body
+
+    def pause(self, s: Session) -> None:
+        """Make the running session ``s`` (it continued, and its pdb still traces: a
+        breakpoint is set) stop at its next traced line; a ``repaused`` follows."""
+        if s.ended:
+            raise KeyError(f"the session on rank {s.rank} has ended")
+        self._ctrl.send(m.DebuggerMessage(s.rank, s.stream, ("pause",)), [s.rank], check=False)
 
     def command(self, s: Session, line: str, timeout: float = 60.0) -> str:
         self.send(s, line)

@@ -14,6 +14,9 @@ the command ended), ("dap", (rid, ok, body)) answering a structured request.
 A structured request arrives in the queue as ``("dap", rid, command, args)``
 instead of a line: pdb answers it (inspect_frames.Inspector) and keeps waiting
 for its line; the references it hands out last until the stream runs on.
+Two actions never reach the queue (the receiver, worker/breakpoints.py
+``deliver``): ``("breakpoints", table)``, the gutter breakpoints, and
+``("pause",)``, which makes a session that still traces stop at its next line.
 """
 
 from __future__ import annotations
@@ -33,10 +36,30 @@ from .inspect_frames import Inspector
 _POLL = 0.05
 _current = threading.local()  # .stream: the stream whose thread this is
 INTERRUPT = object()  # put in a debugger queue: end the session as an interrupt
+_SKIP = ("monarch_nb.worker.*", "monarch_nb.protocol.*")  # never stop in the worker's own code
 
 
 def set_current_stream(stream) -> None:
     _current.stream = stream
+
+
+def current_stream():
+    """The stream whose thread this is (None off the stream threads)."""
+    return getattr(_current, "stream", None)
+
+
+def pause(stream) -> bool:
+    """The receiver thread: make the session tracing ``stream``'s running command
+    stop at its next traced line (DAP ``pause``); False when none traces it."""
+    session = stream.debug_session
+    if session is None:
+        return False
+    if stream.paused is not None:  # at its prompt, a "continue" maybe on its way: after it
+        session.pause_asked = True
+        return True
+    session.reason = "pause"
+    session.set_step()
+    return True
 
 
 def next_line(stream):
@@ -86,11 +109,15 @@ class RemotePdb(pdb.Pdb):
     def __init__(self, stream):
         self.stream = stream
         self.rank = stream.worker.rank
-        super().__init__(stdin=_Input(self), stdout=_Output(self), nosigint=True, readrc=False)
+        super().__init__(
+            stdin=_Input(self), stdout=_Output(self), nosigint=True, readrc=False, skip=_SKIP
+        )
         self.use_rawinput = False
         self.prompt = f"(Pdb r{self.rank}) "
         self._paused_sent = False
         self.inspector = Inspector(self)
+        self.reason: str | None = None  # why it stops now: "step", "breakpoint", "pause"
+        self.pause_asked = False  # a pause that came while it waited at its prompt
 
     # -------------------------------------------------------------- wire
 
@@ -107,6 +134,7 @@ class RemotePdb(pdb.Pdb):
             "line": f.f_lineno,
             "function": f.f_code.co_name,
             "ident": self.stream.running[0] if self.stream.running else None,
+            "reason": self.reason or "step",
         }
 
     def next_line(self) -> str:
@@ -137,12 +165,22 @@ class RemotePdb(pdb.Pdb):
         new_index = next((i for i, (fr, _) in enumerate(kept) if fr is current), len(kept) - 1)
         return kept, new_index
 
+    def user_line(self, frame):
+        if self.reason is None:  # not a pause asked for: a step, or a breakpoint hit
+            self.reason = "step" if self.stop_here(frame) else "breakpoint"
+        super().user_line(frame)
+
     def interaction(self, frame, tb_or_exc):
         self.stream.debug_session = self
         try:
             super().interaction(frame, tb_or_exc)
         finally:
+            self.reason = None
             self.stream.paused = None
+            if self.pause_asked and not self.quitting:
+                self.pause_asked = False
+                self.reason = "pause"
+                self.set_step()  # it left the prompt running: stop at the next line
             if sys.gettrace() is None or self.quitting:
                 self.end()
             else:

@@ -20,8 +20,7 @@ import pprint
 import sys
 import threading
 
-from . import context
-from .code import run_source
+from . import breakpoints, context
 
 MAX_TEXT = 200_000  # characters of one text repr kept; the rest is dropped with a notice
 MAX_FIGURES = 20  # figures sent per cell and rank
@@ -58,7 +57,7 @@ def run_cell(
                 ns[name] = _auto[name] = obj
         if names:
             ns.update(names)
-        value = run_source(source, filename, ns)
+        value = breakpoints.run_source(source, filename, ns)
     finally:
         _collecting.figures = None
         figures.extend(_take_open_figures(skip=_figure_of(value)))

@@ -11,6 +11,7 @@ as long as the pause lasts.
 from __future__ import annotations
 
 import itertools
+import linecache
 import reprlib
 
 MAX_VALUE = 300  # characters of one value's summary
@@ -162,6 +163,14 @@ class Inspector:
             "variablesReference": var["variablesReference"],
         }
 
+    def source(self, args: dict) -> dict:
+        """The text of a file as this worker knows it (its linecache: cells, files)."""
+        path = str(args["path"])
+        lines = linecache.getlines(path)
+        if not lines:
+            raise LookupError(f"source of {path} is not available on rank {self.pdb.rank} either")
+        return {"content": "".join(lines)}
+
     def answer(self, command: str, args: dict) -> tuple[bool, object]:
         """(True, body) or (False, why): never raises."""
         fn = {
@@ -169,6 +178,7 @@ class Inspector:
             "scopes": self.scopes,
             "variables": self.variables,
             "evaluate": self.evaluate,
+            "source": self.source,
         }.get(command)
         if fn is None:
             return False, f"unknown debugger request {command!r}"

@@ -21,7 +21,7 @@ import zmq
 from ..protocol import Signer, encode
 from ..protocol import messages as m
 from ..protocol.pickling import resolve_function, unpack_args
-from . import capture, context, debugger, display
+from . import breakpoints, capture, context, debugger, display
 from .cell import Cell, DependentOnError, MissingRef, get_value
 from .code import run_source
 from .comm_handlers import CommHandlers
@@ -172,7 +172,7 @@ class Worker(Connection, CommHandlers, OpHandlers):
         def work():
             fn = resolve_function(function)
             a, kw = unpack_args(args, resolve)
-            return fn(*a, **kw)
+            return breakpoints.call(fn, a, kw)
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
 
@@ -347,7 +347,7 @@ class Worker(Connection, CommHandlers, OpHandlers):
     # ------------------------------------------------------------ debugger
 
     def DebuggerMessage(self, msg: m.DebuggerMessage) -> None:
-        self._stream(msg.stream).debugger_queue.put(msg.action)
+        breakpoints.deliver(self._stream(msg.stream), msg.action)
 
     def PostMortem(self, msg: m.PostMortem) -> None:
         stream = self._stream(msg.stream)
