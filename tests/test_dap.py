@@ -244,6 +244,40 @@ def test_step_in_and_out_of_a_function_on_a_rank(k, dap):
     assert got == ["100", "103"]
 
 
+def test_with_the_panel_attached_a_paused_cell_asks_no_stdin(k, dap):
+    """The panel serves the paused ranks of a blocking cell: no inline prompt (a stdin
+    request could not be taken back once the panel continued them)."""
+    msg_id = k.kc.execute("%%monarch\nbreakpoint()\nrank * 10", allow_stdin=True)
+    tids, texts, continued = set(), [], False
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, f"the cell did not end; paused: {tids}"
+        told = "the debugger panel shows the paused ranks" in "".join(texts)
+        if len(tids) == 2 and told and not continued:
+            for tid in tids:
+                dap.ok("continue", threadId=tid)
+            continued = True
+        try:
+            msg = k.kc.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        body = msg["content"].get("body") or {}
+        if msg["msg_type"] == "debug_event" and msg["content"]["event"] == "stopped":
+            if body.get("threadId", 0) >= THREAD_BASE:
+                tids.add(body["threadId"])
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            texts.append(msg["content"]["text"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert continued
+    assert "the debugger panel shows the paused ranks" in "".join(texts)
+    with pytest.raises(queue.Empty):
+        k.kc.get_stdin_msg(timeout=0.5)  # it never asked for a line
+    assert k.value("1 + 1") == 2
+
+
 def test_a_worker_that_dies_while_paused_leaves_the_threads(k, dap):
     """Last in the module: it breaks the mesh."""
     k.ok("%%monarch --noblock\nif rank == 1:\n    breakpoint()\nrank", output_hook=dap.hook)

@@ -91,9 +91,9 @@ def test_a_gutter_breakpoint_in_a_monarch_cell_through_jupyterlabs_debugger(page
     out = cell.locator(".jp-OutputArea")
     out.filter(has_text="done 16").wait_for(timeout=T)
     out.filter(has_text="done 36").wait_for(timeout=T)
-    # the cell's inline (monarch-dbg) prompt asked the kernel's stdin when both ranks
-    # paused, and a stdin request cannot be taken back: Enter there ends it
-    page.locator(".jp-Stdin-input").last.press("Enter")
     lab.wait_idle()
+    # with the panel on, the cell never asked the kernel's stdin (no inline prompt)
+    assert page.locator(".jp-Stdin-input").count() == 0
+    out.filter(has_text="the debugger panel shows the paused ranks").wait_for(timeout=T)
     assert page.locator(FRAME).count() == 0  # nothing paused any more
     lab.shot("dap-done", cell)

@@ -10,6 +10,7 @@ the replies are in, so are the cell's output and failures.
 
 from __future__ import annotations
 
+import sys
 import time
 
 from IPython.core.error import UsageError
@@ -183,7 +184,15 @@ class CellRun:
 
     def _debug(self) -> None:
         """Serve this cell's paused sessions at the kernel's stdin until they go on or
-        the user detaches."""
+        the user detaches; with JupyterLab's debugger on, its panel serves them."""
+        if _panel_open():  # a stdin prompt could not be taken back once they continue
+            self._debug_detached = True
+            print(
+                "monarch_nb: paused in the debugger: the debugger panel shows the paused "
+                "ranks (continue them there)",
+                flush=True,
+            )
+            return
         prompt = Prompt(self.ctrl.debugger, only=self._mine)
         try:
             prompt.serve()
@@ -293,3 +302,8 @@ def crash_line(e: WorkerCrashed, mesh) -> str:
 
 
 __all__ = ["CellRun", "RemoteCellError", "render_failures"]
+
+
+def _panel_open() -> bool:
+    dap = sys.modules.get(f"{__package__}.dap")  # loaded only where the adapter is
+    return dap is not None and dap.PANEL[0]

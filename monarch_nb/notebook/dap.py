@@ -31,6 +31,9 @@ _STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
 _THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
 
 
+PANEL = [False]  # JupyterLab's debugger is attached: its panel serves paused ranks
+
+
 class RemoteThreads:
     """The DAP adapter for remote threads, between JupyterLab and ipykernel's Debugger."""
 
@@ -337,6 +340,7 @@ class RemoteThreads:
         if command in ("initialize", "attach"):
             dap_debugpy.keep_workers_plain()
             dap_debugpy.keep_threads_running()
+            PANEL[0] = command == "attach" or PANEL[0]
         if command == "threads":
             reply = reply or response(message, {"threads": []})
             reply.setdefault("body", {}).setdefault("threads", []).extend(self.threads())
@@ -345,6 +349,7 @@ class RemoteThreads:
             stopped.extend(t["id"] for t in self.threads())
         elif command == "disconnect":
             self.breakpoints.clear()
+            PANEL[0] = False
         return reply
 
     async def _source(self, message: dict, args: dict) -> dict:
