@@ -29,7 +29,6 @@ from .context import recording_trace
 from .protocol import messages as m
 from .protocol.pickling import unpack_args
 from .remote import Ref
-from .tensor import Tensor
 
 RECORDABLE = ("CallFunction", "Reduce", "RunCode")
 MAX_ATTEMPTS = 4  # recordings in a row of a function with state that do not settle
@@ -57,7 +56,7 @@ class _Trace:
 
     def note(self, refs) -> None:
         for r in refs:
-            if isinstance(r, Tensor):
+            if _is_tensor(r):
                 self.tensors.setdefault(r.id, weakref.ref(r))
             else:
                 self.refs[r.id] = r
@@ -67,7 +66,7 @@ def _walk(obj, refs: list):
     """A hashable description of ``obj`` with each Ref replaced by its place
     (mesh ranks and stream); the Refs are appended to ``refs``."""
     t = type(obj)
-    if t is Ref or isinstance(obj, Tensor):
+    if t is Ref or _is_tensor(obj):
         refs.append(obj)
         return ("ref", obj.mesh.targets, obj.stream.id, getattr(obj, "_layout", None))
     if t in (tuple, list):
@@ -82,6 +81,12 @@ def _walk(obj, refs: list):
         return ("object", id(obj))
 
 
+def _is_tensor(obj) -> bool:
+    """A mesh tensor (``mnb.Tensor``): the one kind of Ref with a layout (tested
+    without importing the tensor engine, which imports torch)."""
+    return isinstance(obj, Ref) and hasattr(obj, "_layout")
+
+
 def _is_torch_object(obj) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
@@ -92,7 +97,7 @@ def _template(obj, defined: set, formals: list, state: set):
     stream) (a mesh tensor, ("tensor", ..., layout)); a Ref passed in, ("formal",
     its position); a state tensor, ("obj", weakref); any other Ref is returned as is."""
     t = type(obj)
-    if t is Ref or isinstance(obj, Tensor):
+    if t is Ref or _is_tensor(obj):
         if id(obj) in state:
             return ("obj", weakref.ref(obj))
         if obj.id in defined:
@@ -116,6 +121,8 @@ def _build(tpl, new_ids: dict, ident: int, actuals: list):
         return Ref(new_ids[rid], mesh, stream, ident)
     if kind == "tensor":
         _, rid, mesh, stream, layout = tpl
+        from .tensor import Tensor  # a recording with mesh tensors: the engine is loaded
+
         return Tensor(layout, new_ids[rid], mesh, stream, ident)
     if kind == "obj":
         return tpl[1]()

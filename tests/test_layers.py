@@ -111,6 +111,16 @@ def test_the_api_runs_without_ipython_or_ipywidgets():
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
 
 
+def test_import_monarch_nb_does_not_import_torch():
+    """The package loads in milliseconds (simulated hosts, the CLI); the tensor
+    engine, and torch, load on first use."""
+    code = "import sys, monarch_nb, monarch_nb.recording; print('torch' in sys.modules)"
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
+    )
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr
+
+
 def test_the_dashboard_hook_is_the_packages_and_says_when_missing():
     class _Mesh:
         pass
