@@ -1,0 +1,190 @@
+"""Simulated scale: light ranks (``monarch-nb-host --simulate N``, no torch) on
+simulated hosts, each its own process, every rank with its own signed ZeroMQ
+connection to a real controller. CI runs 256 ranks (8 hosts x 32); the benchmark
+(benchmarks/scale.py) runs 1,024."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from wait_helpers import alive, pids_gone, wait_for
+
+import monarch_nb as mnb
+from monarch_nb.controller.errors import RemoteError, WorkerCrashed
+from monarch_nb.controller.host_launcher import HostAgent, sim_boot_path
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTS, PER_HOST = 8, 32
+WORLD = HOSTS * PER_HOST
+
+
+def noop():
+    return None
+
+
+def double(x):
+    return 2 * x
+
+
+@pytest.fixture(scope="module")
+def sim():
+    m = mnb.local_mesh(host=HOSTS, gpu=PER_HOST, simulate=True, name="sim256")
+    yield m
+    m.shutdown()
+
+
+def _hosts(mesh) -> list[int]:
+    return mesh._controller.workers.launcher.pids()
+
+
+def _env() -> dict:
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
+def test_256_light_ranks_broadcast_exec_fetch_and_status(sim):
+    assert sim.backend == "simulated" and sim.size == WORLD
+    mnb.remote(noop)(mesh=sim)
+    sim.wait(timeout=60)
+    sim.exec("x = rank * 3 + gpu").fetch(timeout=60)
+    assert sim.exec("x").fetch(timeout=60) == [r * 3 + r % PER_HOST for r in range(WORLD)]
+    ref = sim.exec("rank + 1")
+    assert mnb.remote(double)(ref, mesh=sim).fetch(timeout=60) == [
+        2 * (r + 1) for r in range(WORLD)
+    ]
+    status = wait_for(
+        lambda: (s := sim.status())["ranks"][WORLD - 1]["rss"] is not None and s,
+        30,
+        "every light rank's first Health",
+    )
+    assert sorted(status["ranks"]) == list(range(WORLD))
+    assert all(w["alive"] for w in status["ranks"].values())
+    hosts = {r: w["host"] for r, w in status["ranks"].items()}
+    assert {hosts[r] for r in range(WORLD)} == {f"sim-{i}" for i in range(HOSTS)}
+    assert all(hosts[r] == f"sim-{r // PER_HOST}" for r in range(WORLD))
+    # one process per simulated host, and none of them loaded torch
+    pids = _hosts(sim)
+    assert len(set(pids)) == HOSTS
+    assert {w["pid"] for w in status["ranks"].values()} == set(pids)
+    for pid in pids:
+        maps = open(f"/proc/{pid}/maps").read()
+        assert "libtorch" not in maps, f"simulated host {pid} loaded torch"
+
+
+def test_a_light_rank_reports_failures_as_a_worker_does(sim):
+    with pytest.raises(RemoteError) as ei:
+        sim.exec("1 / (rank - 7)").fetch(timeout=60)
+    assert "ZeroDivisionError" in str(ei.value) and "7" in str(ei.value)
+    assert sim.exec("rank").fetch(rank=7, timeout=60) == 7  # the mesh serves on
+
+
+def test_what_needs_torch_is_refused_naming_simulate_mode(sim):
+    ref = sim.exec("rank")
+    with pytest.raises(RemoteError) as ei:
+        ref.reduce("gpu").fetch(rank=0, timeout=60)
+    assert "simulated light rank" in str(ei.value) and "Reduce" in str(ei.value)
+    assert sim.exec("rank").fetch(rank=WORLD - 1, timeout=60) == WORLD - 1
+
+
+def test_restart_keeps_the_simulated_hosts_and_starts_fresh_ranks(sim):
+    sim.exec("marker = 1").fetch(timeout=60)
+    before = _hosts(sim)
+    sim.restart()
+    assert _hosts(sim) == before
+    assert sim.exec("'marker' in globals()").fetch(timeout=60) == [False] * WORLD
+    mnb.remote(noop)(mesh=sim)
+    sim.wait(timeout=60)
+
+
+def test_a_mesh_beyond_the_slots_is_refused_and_the_other_meshes_serve_on(sim):
+    with pytest.raises(ValueError, match=r"1025 ranks does not fit.*1024 simulated rank slots"):
+        mnb.local_mesh(host=41, gpu=25, simulate=True, name="too-big")
+    # two meshes claiming more slots than exist: the second is refused, naming the first
+    with pytest.raises(ValueError, match=r"769 ranks does not fit.*256 held.*'sim256': 256"):
+        mnb.local_mesh(world=769, simulate=32, name="too-many")
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="ranks per simulated host must be a positive int"):
+            mnb.local_mesh(world=4, simulate=bad, name="bad-simulate")
+    mnb.remote(noop)(mesh=sim)
+    sim.wait(timeout=60)
+    small = mnb.local_mesh(host=2, gpu=2, simulate=True, name="fits")  # the slots are free again
+    assert small.exec("rank").fetch(timeout=60) == [0, 1, 2, 3]
+    small.shutdown()
+
+
+@pytest.mark.parametrize(
+    "args", [["--simulate", "0"], ["--local-ranks", "0"], ["--simulate", "-2"]]
+)
+def test_bad_simulate_or_local_ranks_is_a_clear_error(args):
+    p = subprocess.run(
+        [sys.executable, sim_boot_path(), *args, "--stdio"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
+    assert p.returncode == 2
+    assert f"{args[0]} must be at least 1 (got {args[1]})" in p.stderr
+
+
+def test_a_simulated_host_refuses_spawns_beyond_its_slots():
+    agent = HostAgent(simulate=2, host_name="tiny")
+    try:
+        ranks = [agent.spawn(r, 3, "tcp://127.0.0.1:9", b"k" * 32, {}) for r in range(3)]
+        wait_for(lambda: all(r.spawned.is_set() for r in ranks), 30, "the agent's answers")
+        assert ranks[0].spawn_error is None and ranks[1].spawn_error is None
+        assert "simulated host tiny has 2 light rank slot(s)" in ranks[2].spawn_error
+        assert "rank 2 does not fit" in ranks[2].spawn_error
+        assert agent.alive
+    finally:
+        agent.stop()
+    assert not alive(agent.pid)
+
+
+def test_a_killed_light_rank_fails_pending_work_naming_host_and_rank():
+    with mnb.local_mesh(host=2, gpu=4, simulate=True, name="sim-crash") as m:
+        m.exec("x = 1").fetch(timeout=60)
+        m._controller.workers.procs[5].kill(signal.SIGKILL)
+        with pytest.raises(WorkerCrashed) as ei:
+            m.exec("x").fetch(timeout=30)
+        e = ei.value
+        assert e.rank == 5 and e.exit_code == -signal.SIGKILL
+        assert "simulated rank 5 on sim-1 was killed" in e.stderr_tail
+        assert m.status()["ranks"][5]["alive"] is False
+        m.restart()
+        assert m.exec("rank").fetch(rank=5, timeout=60) == 5
+
+
+def test_a_killed_simulated_host_fails_all_its_ranks_and_a_restart_replaces_it():
+    with mnb.local_mesh(host=2, gpu=4, simulate=True, name="sim-host-crash") as m:
+        m.exec("x = 1").fetch(timeout=60)
+        dead = _hosts(m)[1]
+        os.kill(dead, signal.SIGKILL)
+        with pytest.raises(WorkerCrashed) as ei:
+            m.exec("x").fetch(timeout=30)
+        assert ei.value.rank in (4, 5, 6, 7)
+        assert f"simulated host sim-1 (pid {dead}) was killed" in ei.value.stderr_tail
+        wait_for(
+            lambda: not any(m.status()["ranks"][r]["alive"] for r in (4, 5, 6, 7)),
+            10,
+            "every rank of the killed host marked dead",
+        )
+        m.restart()
+        assert _hosts(m)[1] != dead
+        assert m.exec("rank").fetch(timeout=60) == list(range(8))
+
+
+def test_shutdown_leaves_no_process():
+    m = mnb.local_mesh(host=3, gpu=2, simulate=True, name="sim-end")
+    pids = _hosts(m)
+    assert len(pids) == 3 and all(alive(p) for p in pids)
+    kids = {c.pid for c in psutil.Process().children(recursive=True)}
+    assert set(pids) <= kids
+    m.shutdown()
+    assert pids_gone(pids) == []
