@@ -188,3 +188,41 @@ def test_shutdown_leaves_no_process():
     assert set(pids) <= kids
     m.shutdown()
     assert pids_gone(pids) == []
+
+
+def test_mesh_state_forgets_a_command_once_every_rank_finished_it_in_any_order():
+    """The bookkeeping each Status updates stays linear at 1,024 ranks: the scan of
+    the oldest command resumes where it stopped, and still never forgets early."""
+    from monarch_nb.controller.state import MeshState
+
+    n = 1024
+    s = MeshState("bookkeeping", {"world": n}, "simulated")
+    s.reset(range(n))
+    for r in range(n):
+        s.worker_ready(r, 1, "h")
+    looks = [0]
+    finished = s._finished
+
+    def counted(rank, sid):
+        looks[0] += 1
+        return finished(rank, sid)
+
+    s._finished = counted
+    s.record_sent(1, 0, tuple(range(n)), "first")
+    s.record_sent(2, 0, tuple(range(n)), "second")
+    for r in range(1, n):  # every rank but rank 0 finishes both, in rank order
+        s.progress(r, {0: (2, 2, 2)})
+    assert [c[0] for c in s.sent[0]] == [1, 2]  # rank 0 has finished neither
+    s.progress(0, {0: (1, 1, 1)})
+    assert [c[0] for c in s.sent[0]] == [2]
+    s.record_sent(3, 0, tuple(range(n)), "third")
+    for r in range(n):  # in rank order: a scan from the start each time is quadratic
+        s.progress(r, {0: (3, 3, 3)})
+    assert not s.sent[0]
+    assert looks[0] < 6 * n, f"{looks[0]} looks at ranks for {n} ranks"
+    s.record_sent(4, 0, tuple(range(n)), "fourth")
+    s.worker_exited(0, -9)  # a dead rank finishes nothing more: not waited for
+    for r in range(1, n):
+        s.progress(r, {0: (4, 4, 4)})
+    assert not s.sent[0]
+    assert s.snapshot()["ranks"][7]["streams"]["default"]["queued"] == 0
