@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 from wait_helpers import alive, pids_gone, wait_for
 
 import monarch_nb as mnb
@@ -95,6 +96,9 @@ def test_what_needs_torch_is_refused_naming_simulate_mode(sim):
 def test_restart_keeps_the_simulated_hosts_and_starts_fresh_ranks(sim):
     sim.exec("marker = 1").fetch(timeout=60)
     before = _hosts(sim)
+    # 256 ranks connect at once: a listen backlog of ZeroMQ's default (100) makes
+    # the rest wait for TCP's resend of their SYN (1 s) at every start and restart
+    assert sim._controller.io._router.getsockopt(zmq.BACKLOG) >= 1024
     sim.restart()
     assert _hosts(sim) == before
     assert sim.exec("'marker' in globals()").fetch(timeout=60) == [False] * WORLD
