@@ -29,7 +29,8 @@ HEALTH_PERIOD = 1.0
 # messages that need torch or a real process: refused, naming simulate mode
 REFUSED = (
     "Reduce SendTensor RunOp RunCell PostMortem PipeRecv CallRecording BorrowCreate "
-    "DefineOp CreateProcessGroup CreatePipe DefineRecording DebuggerMessage"
+    "DefineOp CreateProcessGroup CreatePipe ClosePipe DefineRecording DebuggerMessage "
+    "BorrowFirstUse BorrowDrop"
 ).split()
 _REPLIES = {"RunCell", "PostMortem"}  # their caller waits for a FetchResult too
 
@@ -144,8 +145,8 @@ class LightRank:
         if now >= self.next_health:
             self.next_health = now + HEALTH_PERIOD
             rej = dict(self.peers.rejections)
-            health = m.Health(self.rank, os.getpid(), rss, cpu, None, sum(rej.values()), 0, rej)
-            self._send(health._replace(env_size=len(self.env)))
+            bad = sum(rej.values())
+            self._send(m.Health(self.rank, os.getpid(), rss, cpu, None, bad, len(self.env), rej))
 
     def stop(self, code: int, note: str = "") -> None:
         """Stop serving (Exit: 0); the agent reports the end. Nothing more is sent."""
