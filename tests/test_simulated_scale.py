@@ -5,6 +5,7 @@ connection to a real controller. CI runs 256 ranks (8 hosts x 32); the benchmark
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -230,3 +231,30 @@ def test_mesh_state_forgets_a_command_once_every_rank_finished_it_in_any_order()
         s.progress(r, {0: (4, 4, 4)})
     assert not s.sent[0]
     assert s.snapshot()["ranks"][7]["streams"]["default"]["queued"] == 0
+
+
+def test_the_controller_killed_takes_its_simulated_hosts():
+    script = (
+        "import json, sys\n"
+        "import monarch_nb as mnb\n"
+        "m = mnb.local_mesh(host=4, gpu=8, simulate=True, name='doomed')\n"
+        "m.exec('x = 1').fetch(timeout=60)\n"
+        "print(json.dumps(m._controller.workers.launcher.pids()), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        pids = json.loads(p.stdout.readline())
+        assert len(pids) == 4 and all(alive(q) for q in pids)
+        p.kill()
+        p.wait(30)
+        assert pids_gone(pids, timeout=5) == []
+    finally:
+        p.kill()
+        p.wait(30)
