@@ -9,6 +9,8 @@ fan-out through host agents is the next slice).
   one small signed message per peer to 1,024 DEALERs in 32 processes and
   collects one signed reply each), alternated with ours. ipyparallel's
   broadcast view runs only where ipyparallel is installed.
+  ``raw_per_host_ms`` / ``raw_per_host_cpu_us_per_rank`` ride along: the same raw
+  fan-out to 32 peers, one per host, the floor of the next slice's design.
 * ``status_1024``: ``mesh.status()`` at 1,024 ranks (ms).
 * ``memory_per_rank_1024``: what the controller process grew by per rank (USS,
   KB), the raw ROUTER's growth per peer as baseline; the light rank's own cost
@@ -21,6 +23,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -65,6 +70,46 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def measure_memory(kind: str) -> None:
+    """In a fresh process (``_memory_in_child``): print what this process grows by
+    (USS, KB) per rank for a 1,024-rank simulated mesh after 5 broadcasts
+    (``ours``), or per peer for the raw ROUTER's 1,024 connections (``raw``)."""
+    import monarch_nb as mnb
+
+    warm = mnb.local_mesh(host=1, gpu=2, simulate=True, name="warm")  # one-time costs
+    mnb.remote(noop)(mesh=warm)
+    warm.wait()
+    warm.shutdown()
+    gc.collect()
+    before = _uss()
+    if kind == "ours":
+        mesh = mnb.local_mesh(host=HOSTS, gpu=PER_HOST, simulate=True, name="bench-memory")
+        for _ in range(5):
+            mnb.remote(noop)(mesh=mesh)
+            mesh.wait()
+        gc.collect()
+        grown = _uss() - before
+        mesh.shutdown()
+    else:
+        with RawFanout(WORLD, PER_HOST) as raw:
+            for _ in range(5):
+                raw.broadcast()
+            gc.collect()
+            grown = _uss() - before
+    print(grown / 1024 / WORLD)
+
+
+def _memory_in_child(kind: str) -> float:
+    code = f"from benchmarks.scale import measure_memory; measure_memory({kind!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the memory measurement ({kind}) failed: {out.stderr[-2000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def _cpu(pids: list[int]) -> float:
     """The CPU seconds these processes have used."""
     return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
@@ -85,8 +130,7 @@ def bench_scale(quick: bool) -> list[Entry]:
         base_host = _uss(one._controller.workers.launcher.pids()[0])
     finally:
         one.shutdown()
-    gc.collect()
-    before = _uss()
+    ours_kb, raw_kb = _memory_in_child("ours"), _memory_in_child("raw")
     mesh = mnb.local_mesh(host=HOSTS, gpu=PER_HOST, simulate=True, name="bench-scale")
     try:
         f = mnb.remote(noop)
@@ -97,15 +141,10 @@ def bench_scale(quick: bool) -> list[Entry]:
 
         for _ in range(5):
             ours()
-        gc.collect()
-        ours_kb = (_uss() - before) / 1024 / WORLD
         hosts = mesh._controller.workers.launcher.pids()
         light_kb = (_median([_uss(p) for p in hosts]) - base_host) / 1024 / (PER_HOST - 1)
-        before_raw = _uss()
         with RawFanout(WORLD, PER_HOST) as raw:
-            raw.broadcast()
-            raw_kb = (_uss() - before_raw) / 1024 / WORLD
-            for _ in range(3):
+            for _ in range(4):
                 raw.broadcast()
             o_t, o_c, r_t, r_c, h_c = [], [], [], [], []
             for _ in range(reps):  # alternated: both feel the same machine
@@ -117,6 +156,10 @@ def bench_scale(quick: bool) -> list[Entry]:
                 t, c = _timed(raw.broadcast)
                 r_t.append(t)
                 r_c.append(c)
+        with RawFanout(HOSTS, PER_HOST) as per_host:  # the fan-out's floor: a message per host
+            for _ in range(3):
+                per_host.broadcast()
+            h_t = [_timed(per_host.broadcast) for _ in range(reps)]
         status = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -142,7 +185,11 @@ def bench_scale(quick: bool) -> list[Entry]:
             raw_is,
             note=f"remote(noop)(mesh) + mesh.wait() on {where}; median of {reps}, alternated "
             f"with the baseline; ipyparallel {ipp}",
-            extra={"ipyparallel": ipp},
+            extra={
+                "ipyparallel": ipp,
+                "raw_per_host_ms": round(_median([t for t, _ in h_t]) * 1e3, 3),
+                "raw_per_host_cpu_us_per_rank": round(_median([c for _, c in h_t]) * per_rank, 2),
+            },
         ),
         BoundEntry(
             "broadcast_1024_cpu",
@@ -171,8 +218,8 @@ def bench_scale(quick: bool) -> list[Entry]:
             raw_kb,
             "KB",
             "<= 50 KB",
-            "the raw ROUTER process's growth per peer (USS) for its 1,024 connections",
-            note=f"the controller process's growth (USS) per rank for {where}, after 5 "
+            "a fresh raw ROUTER process's growth per peer (USS) for its 1,024 connections",
+            note=f"a fresh controller process's growth (USS) per rank for {where}, after 5 "
             f"broadcasts; a light rank costs its simulated host {light_kb:.0f} KB",
             extra={"light_rank_kb_on_its_host": round(light_kb, 1)},
         ),
