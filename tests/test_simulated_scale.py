@@ -258,3 +258,39 @@ def test_the_controller_killed_takes_its_simulated_hosts():
     finally:
         p.kill()
         p.wait(30)
+
+
+def _limited(soft: int, hard: int, code: str) -> subprocess.CompletedProcess:
+    import resource
+
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+    )
+
+
+def test_a_mesh_beyond_the_open_file_limit_is_a_clear_error_and_a_short_soft_one_is_raised():
+    code = (
+        "import resource, monarch_nb as mnb\n"
+        "try:\n"
+        "    mnb.local_mesh(world=300, simulate=30, name='wide')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+        "else:\n"
+        "    m = mnb.get_mesh('wide')\n"
+        "    print('ranks', len(m.exec('rank').fetch(timeout=60)), "
+        "'soft', resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+        "    m.shutdown()\n"
+    )
+    hard = _limited(256, 256, code)
+    assert hard.returncode == 0, hard.stderr[-2000:]
+    assert "refused: a simulated mesh needs about 330 more open files" in hard.stdout
+    assert "the limit is 256 (ulimit -n, hard)" in hard.stdout
+    soft = _limited(256, 4096, code)
+    assert soft.returncode == 0, soft.stderr[-2000:]
+    ranks, n, _, limit = soft.stdout.split()
+    assert int(n) == 300 and int(limit) > 300

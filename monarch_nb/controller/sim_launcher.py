@@ -33,6 +33,7 @@ class SimLauncher:
             raise ValueError(f"ranks per simulated host must be a positive int, got {per_host!r}")
         self.name, self.world, self.per_host = name, world, per_host
         self.agents: list[HostAgent] = []
+        ensure_descriptors(world + 3 * self.hosts)
         with _held_lock:
             others = [(n, k) for n, k in _held.values()]
             used = sum(k for _, k in others)
@@ -47,6 +48,7 @@ class SimLauncher:
 
     @property
     def hosts(self) -> int:
+        """How many simulated hosts hold the mesh."""
         return -(-self.world // self.per_host)
 
     def launch(self, address: str, key: bytes, world: int) -> dict[int, AgentRank]:
@@ -98,3 +100,29 @@ class SimLauncher:
         self.agents = []
         with _held_lock:
             _held.pop(id(self), None)
+
+
+def ensure_descriptors(more: int) -> None:
+    """Room for ``more`` open files in this process (the controller holds a TCP
+    connection per rank): a soft limit that is short (1,024 is a common default)
+    is raised to what is needed, within the hard one; a ValueError naming the
+    limit when even the hard one is short."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX: nothing to check
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    need = in_use + more + 64
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise ValueError(
+            f"a simulated mesh needs about {more} more open files here (a connection per "
+            f"rank), {in_use} are open and the limit is {hard} (ulimit -n, hard): raise it "
+            f"or ask for fewer ranks"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
