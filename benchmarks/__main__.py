@@ -43,6 +43,7 @@ MODULES = (
     "benchmarks.tensor",
     "benchmarks.tensor_vs_monarch",
     "benchmarks.mesh_start",
+    "benchmarks.scale",
 )
 
 PEERS_FOOTER = (

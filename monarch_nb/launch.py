@@ -42,6 +42,7 @@ def local_mesh(
     interface: str = "127.0.0.1",
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     liveness_timeout: float | None = None,
+    simulate: bool | int = False,
     **dims: int,
 ) -> DeviceMesh:
     """Spawn ``prod(dims)`` local workers (one per GPU when there are GPUs) on the
@@ -51,25 +52,45 @@ def local_mesh(
     ``status()`` (announced in the notebook, and again when it answers); after
     ``liveness_timeout`` s (None: never, the default for local workers) it is
     presumed lost and pending calls raise WorkerUnresponsive. ``name``,
-    ``backend``, ``interface`` and the two timeouts are reserved words, not dims.
-    The new mesh becomes the active one."""
+    ``backend``, ``interface``, ``simulate`` and the two timeouts are reserved
+    words, not dims. The new mesh becomes the active one.
+
+    ``simulate=True`` gives light ranks instead (no torch: the control path
+    only, to measure the controller at scale), as many per simulated host (a
+    process each) as the last dim's size: ``local_mesh(host=32, gpu=32,
+    simulate=True)`` is 32 hosts of 32 ranks; ``simulate=K``: K per host."""
     if not dims:
         raise ValueError("local_mesh() needs at least one named dim, e.g. local_mesh(dp=2)")
     _check_dims(dims)
     _check_backend(backend)
     name = context.new_name(name)
-    warm_local_agent()  # its import of torch overlaps ours (_default_backend)
     world = 1
     for v in dims.values():
         world *= v
-    ctrl = Controller(
-        name,
-        dims,
-        backend or _default_backend(world),
-        interface=interface,
-        heartbeat_timeout=heartbeat_timeout,
-        liveness_timeout=liveness_timeout,
-    )
+    launcher = None
+    if simulate is not False:
+        from .controller.sim_launcher import SimLauncher
+
+        per_host = list(dims.values())[-1] if simulate is True else simulate
+        launcher = SimLauncher(name, world, per_host)  # refuses a mesh beyond the slots
+        backend = backend or "simulated"
+    else:
+        warm_local_agent()  # its import of torch overlaps ours (_default_backend)
+        backend = backend or _default_backend(world)
+    try:
+        ctrl = Controller(
+            name,
+            dims,
+            backend,
+            interface=interface,
+            launcher=launcher,
+            heartbeat_timeout=heartbeat_timeout,
+            liveness_timeout=liveness_timeout,
+        )
+    except BaseException:
+        if launcher is not None:
+            launcher.close()
+        raise
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     context.register(mesh)
     return mesh

@@ -78,10 +78,19 @@ class AgentRank:
 class HostAgent:
     """A local agent process (``local_ranks`` slots) and the thread that reads its reports."""
 
-    def __init__(self, local_ranks: int = LOCAL_RANKS, wait: bool = True):
+    def __init__(
+        self,
+        local_ranks: int = LOCAL_RANKS,
+        wait: bool = True,
+        simulate: int = 0,
+        host_name: str | None = None,
+    ):
         """Start the agent; with ``wait``, return once it takes Spawns (else call
-        ``wait_ready``, as ``HostLauncher`` does)."""
-        self.local_ranks = local_ranks
+        ``wait_ready``, as ``HostLauncher`` does). ``simulate=N``: a simulated host
+        of N light ranks named ``host_name`` (``monarch-nb-host --simulate``)."""
+        self.local_ranks = simulate or local_ranks
+        self.simulate, self.host_name = simulate, host_name
+        self.label = f"simulated host {host_name}" if simulate else "the host agent"
         self.ranks: dict[int, AgentRank] = {}  # slot -> rank not ended yet
         self._slots = itertools.count(1)
         self._lock = threading.Lock()  # ranks (never held across IO)
@@ -125,8 +134,13 @@ class HostAgent:
     # ------------------------------------------------------------ the reader thread
 
     def _run(self, env: dict) -> None:
-        cmd = [sys.executable, "-m", "monarch_nb.host", "--stdio", "--local-ranks"]
-        cmd += [str(self.local_ranks), "--parent-pid", str(os.getpid())]
+        if self.simulate:  # a script that loads neither the API nor torch (sim_boot.py)
+            cmd = [sys.executable, sim_boot_path(), "--stdio", "--simulate", str(self.simulate)]
+            cmd += ["--host-name", str(self.host_name)]
+        else:
+            cmd = [sys.executable, "-m", "monarch_nb.host", "--stdio"]
+            cmd += ["--local-ranks", str(self.local_ranks)]
+        cmd += ["--parent-pid", str(os.getpid())]
         try:
             self.popen = subprocess.Popen(
                 cmd,
@@ -138,7 +152,7 @@ class HostAgent:
                 close_fds=True,
             )
         except OSError as e:
-            self.error = f"cannot start the host agent ({' '.join(cmd[:3])}): {e}"
+            self.error = f"cannot start {self.label} ({' '.join(cmd[:3])}): {e}"
             self._ready.set()
             self._started.set()
             return
@@ -191,7 +205,7 @@ class HostAgent:
         """The agent exited: its ranks died with it (their parent-death signal)."""
         how = describe_exit(code)
         how = f"was {how}" if code < 0 else f"exited ({how})"
-        why = f"the host agent (pid {self.pid}) {how}"
+        why = f"{self.label} (pid {self.pid}) {how}"
         if self.info is None:
             self.error = f"{why} before it was ready (its stderr went to this process's stderr)"
         else:
@@ -315,6 +329,12 @@ def warm_local_agent() -> None:
             local_agent(wait=False)
         except Exception:
             pass
+
+
+def sim_boot_path() -> str:
+    """monarch_nb/host/sim_boot.py, found without importing monarch_nb.host."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(root, "host", "sim_boot.py")
 
 
 def import_time_env(env: dict) -> tuple:

@@ -64,6 +64,9 @@ class IOLoop:
         # stream blocks, instead of piling up here
         self._router.setsockopt(zmq.RCVHWM, RECV_HWM)
         self._router.setsockopt(zmq.LINGER, 0)
+        # ranks joining at once (hundreds at a mesh's start): ZeroMQ's default of 100
+        # drops the rest's SYNs, which TCP resends only after 1 s
+        self._router.setsockopt(zmq.BACKLOG, 1024)
         self.port = self._router.bind_to_random_port(f"tcp://{interface}")
         self._outq: deque = deque()
         self._wake_r, self._wake_w = os.pipe()

@@ -2,13 +2,16 @@
 
 It imports torch and the worker once, then forks this host's ranks when the
 controller asks (``--stdio``: the controller that started it speaks on its
-stdin/stdout, the local case).
+stdin/stdout, the local case). ``--simulate N`` runs N light ranks instead
+(no torch, no fork: the control path only, see ``light.py``), so that one
+machine can stand for many hosts.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 
@@ -21,9 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--local-ranks",
         type=int,
-        required=True,
         help="how many ranks this host runs at most (one per GPU on a GPU host)",
     )
+    p.add_argument(
+        "--simulate",
+        type=int,
+        metavar="N",
+        help="run N light ranks in this process instead (no torch: the control path "
+        "only, to measure the controller at scale)",
+    )
+    p.add_argument("--host-name", help="the name a simulated host reports (default: hostname/pid)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--stdio",
@@ -37,7 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--parent-pid", type=int, help="exit when this process (the controller) is gone")
     a = p.parse_args(argv)
-    if a.local_ranks < 1:
+    if a.simulate is not None:
+        if a.local_ranks is not None:
+            p.error("--simulate N is the number of light ranks: leave out --local-ranks")
+        if a.simulate < 1:
+            p.error(f"--simulate must be at least 1 (got {a.simulate}): a host runs its ranks")
+    elif a.local_ranks is None:
+        p.error("--local-ranks N (or --simulate N) is required")
+    elif a.local_ranks < 1:
         p.error(f"--local-ranks must be at least 1 (got {a.local_ranks}): a host runs its ranks")
     if a.connect:
         p.error(
@@ -55,6 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(null, 0)
     os.close(null)
     os.dup2(2, 1)
+    if a.simulate is not None:  # no torch: nothing here is forked
+        from .sim_agent import SimAgent
+
+        host = a.host_name or f"{socket.gethostname()}/{os.getpid()}"
+        SimAgent(a.simulate, ctl_in, ctl_out, a.parent_pid, host).serve()
+        os._exit(0)
     # what every rank imports, once, here (before any thread exists: fork stays safe)
     os.environ["MPLBACKEND"] = "module://monarch_nb.worker.mpl_backend"
     import torch  # noqa: F401

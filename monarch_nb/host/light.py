@@ -1,0 +1,334 @@
+"""A light rank (``monarch-nb-host --simulate N``): the worker protocol's control
+path without torch, so that the controller's cost at 1,024 ranks can be measured
+on one machine.
+
+Each light rank has its own signed ZeroMQ DEALER to the controller, as a worker
+has, and joins the same way (WorkerReady, then Health and Progress). Commands run
+at once, in arrival order, on the agent's one thread: a stream's ``Status`` always
+comes after what was sent before it. What needs torch (collectives, tensors, pdb,
+pipes, recordings) fails with a clear error naming simulate mode.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import os
+import sys
+import traceback
+
+import zmq
+
+from ..protocol import BadMessage, Signer, decode, encode
+from ..protocol import messages as m
+from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, unseal
+from ..protocol.wire import recv_ready, resolve_function, send_frames, unpack_args
+
+PROGRESS_PERIOD = 0.1
+HEALTH_PERIOD = 1.0
+# messages that need torch or a real process: refused, naming simulate mode
+REFUSED = (
+    "Reduce SendTensor RunOp RunCell PostMortem PipeRecv CallRecording BorrowCreate "
+    "DefineOp CreateProcessGroup CreatePipe ClosePipe DefineRecording DebuggerMessage "
+    "BorrowFirstUse BorrowDrop"
+).split()
+_REPLIES = {"RunCell", "PostMortem"}  # their caller waits for a FetchResult too
+
+
+class Failed:
+    """The value of a command that failed (its ``ident``): what reads it fails too."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self, ident: int):
+        self.ident = ident
+
+
+class _Dependent(Exception):
+    def __init__(self, ident: int):
+        super().__init__(f"depends on failed command {ident}")
+        self.ident = ident
+
+
+class LightRank:
+    """One simulated rank of ``world`` joining ``address``; ``host`` names its
+    simulated host in what it reports."""
+
+    def __init__(self, ctx, address: str, key: bytes, rank: int, world: int, host: str):
+        self.rank, self.world, self.host = rank, world, host
+        self.signer = Signer(key)
+        self.sealer = Sealer(self.signer, rank)
+        self.peers = PeerTable()
+        self.peers.allow(CONTROLLER)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(address)
+        self.env: dict = {}  # ref id -> value (or Failed)
+        self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
+        self.streams: dict[int, list] = {0: [0, 0, 0]}  # id -> [started, finished, done]
+        self.stream_names: dict[int, str] = {0: "default"}
+        self.known: dict = {}  # what the controller was last told of progress
+        self.ended: int | None = None  # the exit code once it stops serving
+        self.note = ""  # why it ended, for the controller's tail
+        self.next_progress = 0.0
+        self.next_health = 0.0
+        self._send(
+            m.WorkerReady(
+                rank,
+                world,
+                os.getpid(),
+                host,
+                False,
+                {"python": sys.version.split()[0], "torch": None, "simulated": True},
+            )
+        )
+
+    # ------------------------------------------------------------ wire
+
+    def _send(self, msg) -> None:
+        send_frames(self.sock, self.sealer.seal(encode(msg, self.signer)))
+
+    def receive(self) -> None:
+        """Handle what is waiting on the socket (at most 256 messages)."""
+        for _ in range(256):
+            frames = recv_ready(self.sock)
+            if frames is None:
+                return
+            self._dispatch(frames)
+            if self.ended is not None:
+                return
+
+    def _dispatch(self, frames) -> None:
+        try:
+            header, parts = unseal(frames, self.signer)
+            missed = self.peers.admit(b"", header)
+        except VersionMismatch as e:
+            self.stop(2, f"the controller speaks protocol {e.version}: not this version")
+            return
+        except BadMessage as e:
+            self.peers.count(e.kind)
+            return
+        if missed is None:
+            self.peers.count("rank")
+            return
+        if missed:
+            self.peers.count("gap")
+        for p in parts:
+            try:
+                msg = decode(p, self.signer)
+            except BadMessage as e:
+                self.peers.count(e.kind)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg) -> None:
+        name = type(msg).__name__
+        handler = getattr(self, "on_" + name, None)
+        if handler is not None:
+            handler(msg)
+        elif name in REFUSED:
+            self._refuse(msg, name)
+        else:
+            self.peers.count("malformed")
+
+    def tick(self, now: float, rss: int, cpu: float) -> None:
+        """Progress when it changed (not more often than PROGRESS_PERIOD), Health
+        every HEALTH_PERIOD (``rss``, ``cpu``: the simulated host's, per rank)."""
+        if now >= self.next_progress:
+            self.next_progress = now + PROGRESS_PERIOD
+            progress = {sid: tuple(v) for sid, v in self.streams.items()}
+            if progress != self.known:
+                self.known = progress
+                self._send(m.Progress(self.rank, progress))
+        if now >= self.next_health:
+            self.next_health = now + HEALTH_PERIOD
+            rej = dict(self.peers.rejections)
+            bad = sum(rej.values())
+            self._send(m.Health(self.rank, os.getpid(), rss, cpu, None, bad, len(self.env), rej))
+
+    def stop(self, code: int, note: str = "") -> None:
+        """Stop serving (Exit: 0); the agent reports the end. Nothing more is sent."""
+        if self.ended is None:
+            self.ended, self.note = code, note
+            self.sock.close(linger=1000 if code == 0 else 0)
+
+    # ------------------------------------------------------------ commands
+
+    def _run(self, ident: int, sid: int, work, result: int | None = None, report=True):
+        """Run ``work`` as command ``ident`` of stream ``sid``; its value goes to
+        ``result``, its failure to ``result`` and (``report``) to the controller.
+        Returns (value, failure)."""
+        s = self.streams.get(sid)
+        if s is None:
+            s = self.streams[sid] = [0, 0, 0]
+        s[0] = ident
+        value = failure = None
+        try:
+            value = work()
+        except _Dependent as e:
+            failure = m.DependentOn(e.ident)
+            value = Failed(e.ident)
+        except BaseException as e:  # noqa: B036 - user code failed: reported, never raised here
+            failure = describe(e)
+            value = Failed(ident)
+            if report:
+                self._send(m.RemoteFunctionFailed(ident, self.rank, sid, failure))
+        if result is not None:
+            self.env[result] = value
+        s[1] = ident
+        s[2] += 1
+        return value, failure
+
+    def _resolve(self, rid: int):
+        v = self.env.get(rid, _MISSING)
+        if v is _MISSING:
+            raise KeyError(f"Ref {rid} is not defined on simulated rank {self.rank} (deleted?)")
+        if type(v) is Failed:
+            raise _Dependent(v.ident)
+        return v
+
+    def _refuse(self, msg, name: str) -> None:
+        ident = getattr(msg, "ident", None)
+        why = (
+            f"rank {self.rank} is a simulated light rank (monarch-nb-host --simulate, on "
+            f"{self.host}): {name} needs torch or a real worker process (collectives, "
+            f"tensors, pdb, pipes and recordings are not simulated)"
+        )
+        if ident is None:  # a setup message (a group, a pipe): its first use says why
+            return
+        sid = getattr(msg, "stream", 0)
+
+        def refuse():
+            raise NotImplementedError(why)
+
+        _, failure = self._run(ident, sid, refuse, getattr(msg, "result", None))
+        if name in _REPLIES:
+            self._send(m.FetchResult(ident, self.rank, None, failure))
+
+    def on_CreateDeviceMesh(self, msg: m.CreateDeviceMesh) -> None:
+        coords = msg.ranks.coordinates(self.rank)
+        if msg.result == 0 and coords is not None:
+            named = dict(zip(msg.names, coords))
+            self.namespace.update(rank=self.rank, size=len(msg.ranks), **named)
+
+    def on_InitBackend(self, msg: m.InitBackend) -> None:
+        # no torch.distributed: the control path only
+        self._send(m.FetchResult(msg.ident, self.rank, None, None))
+
+    def on_CreateStream(self, msg: m.CreateStream) -> None:
+        self.streams.setdefault(msg.result, [0, 0, 0])
+        self.stream_names[msg.result] = msg.name
+
+    def on_CallFunction(self, msg: m.CallFunction) -> None:
+        def work():
+            fn = resolve_function(msg.function)
+            a, kw = unpack_args(msg.args, self._resolve)
+            return fn(*a, **kw)
+
+        self._run(msg.ident, msg.stream, work, msg.result)
+
+    def on_RunCode(self, msg: m.RunCode) -> None:
+        ns = self.namespace
+        self._run(
+            msg.ident, msg.stream, lambda: run_source(msg.source, msg.filename, ns), msg.result
+        )
+
+    def on_SetNames(self, msg: m.SetNames) -> None:
+        self._run(
+            msg.ident,
+            msg.stream,
+            lambda: self.namespace.update(unpack_args(msg.args, self._resolve)[1]),
+        )
+
+    def on_SendValue(self, msg: m.SendValue) -> None:
+        def work():
+            a, kw = unpack_args(msg.args, self._resolve)
+            return a[0] if msg.function is None else resolve_function(msg.function)(*a, **kw)
+
+        value, failure = self._run(msg.ident, msg.stream, work, report=False)
+        self._reply(msg.ident, None if failure else value, failure)
+
+    def on_Pull(self, msg: m.Pull) -> None:
+        def work():
+            if msg.name not in self.namespace:
+                raise NameError(f"name {msg.name!r} is not defined on rank {self.rank}")
+            return self.namespace[msg.name]
+
+        value, failure = self._run(msg.ident, msg.stream, work, report=False)
+        self._reply(msg.ident, None if failure else value, failure)
+
+    def _reply(self, ident: int, value, failure) -> None:
+        reply = m.FetchResult(ident, self.rank, value, failure)
+        try:
+            frames = encode(reply, self.signer)
+        except Exception as e:
+            why = m.RemoteFailure(type(e).__name__, f"cannot send the value back: {e}", "")
+            frames = encode(m.FetchResult(ident, self.rank, None, why), self.signer)
+        send_frames(self.sock, self.sealer.seal(frames))
+
+    def on_RequestStatus(self, msg: m.RequestStatus) -> None:
+        for sid, (started, finished, done) in self.streams.items():
+            self._send(m.Status(self.rank, sid, msg.ident, (started, finished, done)))
+        self.known = {sid: tuple(v) for sid, v in self.streams.items()}
+
+    def on_RequestStacks(self, msg: m.RequestStacks) -> None:
+        stacks = {n: {"running": None, "stack": ""} for n in self.stream_names.values()}
+        self._send(m.FetchResult(msg.ident, self.rank, stacks, None))
+
+    def on_DeleteRefs(self, msg: m.DeleteRefs) -> None:
+        for rid in msg.refs:
+            self.env.pop(rid, None)
+
+    def on_CommandGroup(self, msg: m.CommandGroup) -> None:
+        for c in msg.commands:
+            self.handle(c)
+
+    def on_Interrupt(self, msg: m.Interrupt) -> None:
+        pass  # commands run to their end as they arrive: nothing runs between messages
+
+    def on_Cancel(self, msg: m.Cancel) -> None:
+        pass  # likewise: nothing waits to start
+
+    def on_ReleaseFailures(self, msg: m.ReleaseFailures) -> None:
+        pass  # no failure is kept for post-mortem here
+
+    def on_Ping(self, msg: m.Ping) -> None:
+        pass
+
+    def on_Refused(self, msg: m.Refused) -> None:
+        self.stop(2, f"the controller refused simulated rank {self.rank}: {msg.reason}")
+
+    def on_Exit(self, msg: m.Exit) -> None:
+        progress = {sid: tuple(v) for sid, v in self.streams.items()}
+        if progress != self.known:
+            self._send(m.Progress(self.rank, progress))
+        self.stop(0)
+
+
+_MISSING = object()
+
+
+def run_source(source: str, filename: str, namespace: dict):
+    """Execute ``source`` in ``namespace``; the value of a trailing expression."""
+    tree = ast.parse(source, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    if tree.body:
+        exec(compile(tree, filename, "exec"), namespace)
+    return None if last is None else eval(compile(last, filename, "eval"), namespace)
+
+
+def describe(e: BaseException) -> m.RemoteFailure:
+    """``e`` as the controller receives a worker's failure (without this module's frames)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+    text += "".join(traceback.format_exception_only(type(e), e))
+    t = type(e)
+    try:
+        message = str(e)
+    except Exception:
+        message = "<unprintable exception>"
+    return m.RemoteFailure(t.__name__, message, text, t.__module__, t.__qualname__)
