@@ -19,8 +19,11 @@ class _RecordingTrace:
     @property
     def active(self):
         """The _Trace of the recording in progress (this thread's, else any)."""
+        anyone = self._any
+        if anyone is None:  # nobody records: the common case, read on every command
+            return None
         mine = getattr(self._tls, "trace", None)
-        return mine if mine is not None else self._any
+        return mine if mine is not None else anyone
 
     @active.setter
     def active(self, trace) -> None:
