@@ -18,6 +18,7 @@ import sys
 from .._version import __version__
 from ..protocol import host_messages as hm
 from .child import fork_rank
+from .control import ControlChannel
 
 POLL_MS = 500  # the longest the loop sleeps: the parent check runs at least this often
 
@@ -29,7 +30,7 @@ class Rank:
         self.slot, self.rank, self.pid, self.out = slot, rank, pid, out
 
 
-class Agent:
+class Agent(ControlChannel):
     """Serves one controller over ``ctl_in``/``ctl_out`` (host_messages lines)."""
 
     def __init__(self, local_ranks: int, ctl_in: int, ctl_out: int, parent_pid: int | None):
@@ -75,36 +76,6 @@ class Agent:
         self.running = False
 
     # ------------------------------------------------------------ the controller
-
-    def send(self, msg) -> None:
-        data = memoryview(hm.encode(msg))
-        while data:
-            try:
-                n = os.write(self.ctl_out, data)
-            except BrokenPipeError:
-                self.running = False
-                return
-            data = data[n:]
-
-    def _read_control(self) -> None:
-        try:
-            data = os.read(self.ctl_in, 1 << 16)
-        except OSError:
-            data = b""
-        if not data:
-            self.running = False  # the controller closed its end: it is gone
-            return
-        for msg in self.reader.feed(data):
-            if isinstance(msg, hm.HostMessageError):
-                self.send(hm.Refused(str(msg)))
-            elif isinstance(msg, hm.Spawn):
-                self._spawn(msg)
-            elif isinstance(msg, hm.Kill):
-                self._kill(msg.slot, msg.sig)
-            elif isinstance(msg, hm.Quit):
-                self.running = False
-            else:
-                self.send(hm.Refused(f"{type(msg).__name__} is not a command for an agent"))
 
     def _spawn(self, msg: hm.Spawn) -> None:
         if len(self.ranks) >= self.local_ranks:

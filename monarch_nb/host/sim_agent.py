@@ -19,6 +19,7 @@ from zmq.backend import zmq_poll
 
 from .._version import __version__
 from ..protocol import host_messages as hm
+from .control import ControlChannel
 from .light import HEALTH_PERIOD, LightRank
 
 POLL_MS = 100  # the longest the loop sleeps: ticks and the parent check run this often
@@ -26,7 +27,7 @@ POLLIN = int(zmq.POLLIN)
 TICK = 0.05  # ranks' progress and health are looked at this often, at most
 
 
-class SimAgent:
+class SimAgent(ControlChannel):
     """Serves one controller over ``ctl_in``/``ctl_out`` with ``slots`` light ranks."""
 
     def __init__(self, slots: int, ctl_in: int, ctl_out: int, parent_pid, host: str):
@@ -95,36 +96,6 @@ class SimAgent:
         self._cpu_at = (now, cpu)
 
     # ------------------------------------------------------------ the controller
-
-    def send(self, msg) -> None:
-        data = memoryview(hm.encode(msg))
-        while data:
-            try:
-                n = os.write(self.ctl_out, data)
-            except BrokenPipeError:
-                self.running = False
-                return
-            data = data[n:]
-
-    def _read_control(self) -> None:
-        try:
-            data = os.read(self.ctl_in, 1 << 16)
-        except OSError:
-            data = b""
-        if not data:
-            self.running = False  # the controller closed its end: it is gone
-            return
-        for msg in self.reader.feed(data):
-            if isinstance(msg, hm.HostMessageError):
-                self.send(hm.Refused(str(msg)))
-            elif isinstance(msg, hm.Spawn):
-                self._spawn(msg)
-            elif isinstance(msg, hm.Kill):
-                self._kill(msg.slot, msg.sig)
-            elif isinstance(msg, hm.Quit):
-                self.running = False
-            else:
-                self.send(hm.Refused(f"{type(msg).__name__} is not a command for an agent"))
 
     def _spawn(self, msg: hm.Spawn) -> None:
         if len(self.by_sock) >= self.slots:
