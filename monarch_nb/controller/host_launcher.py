@@ -365,21 +365,27 @@ class HostLauncher:
             r: agent.spawn(r, world, address, key, rank_env(base, r, world, gpus))
             for r in range(world)
         }
-        for r in ranks.values():
-            r.spawned.wait(SPAWN_TIMEOUT)
-        failed = [r for r in ranks.values() if r.spawn_error or not r.spawned.is_set()]
-        if failed:
-            for r in ranks.values():
-                r.kill(signal.SIGKILL)
-            first = failed[0]
-            raise RuntimeError(
-                f"the host agent (pid {agent.pid}) could not start rank {first.rank} of "
-                f"{world}: {first.spawn_error or f'no answer within {SPAWN_TIMEOUT:.0f} s'}"
-            )
+        await_spawned(ranks, world, lambda r: f"the host agent (pid {agent.pid})", "rank")
         return ranks
 
     def close(self) -> None:
         """Nothing to clean up: the agent stays warm for the next mesh."""
+
+
+def await_spawned(ranks: dict, world: int, agent_of, what: str) -> None:
+    """Wait for each rank's start (SPAWN_TIMEOUT s each); if one failed, kill them all
+    and raise naming the first (``agent_of(rank)``: the agent that could not)."""
+    for r in ranks.values():
+        r.spawned.wait(SPAWN_TIMEOUT)
+    failed = [r for r in ranks.values() if r.spawn_error or not r.spawned.is_set()]
+    if failed:
+        for r in ranks.values():
+            r.kill(signal.SIGKILL)
+        first = failed[0]
+        raise RuntimeError(
+            f"{agent_of(first.rank)} could not start {what} {first.rank} of {world}: "
+            f"{first.spawn_error or f'no answer within {SPAWN_TIMEOUT:.0f} s'}"
+        )
 
 
 def default_launcher():

@@ -12,10 +12,9 @@ that would go beyond is refused before anything starts.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 
-from .host_launcher import SPAWN_TIMEOUT, AgentRank, HostAgent
+from .host_launcher import AgentRank, HostAgent, await_spawned
 
 SLOTS = int(os.environ.get("MONARCH_NB_SIM_SLOTS", "1024"))  # simulated ranks, all meshes
 
@@ -57,19 +56,12 @@ class SimLauncher:
             r: self.agents[r // self.per_host].spawn(r, world, address, key, {})
             for r in range(world)
         }
-        for r in ranks.values():
-            r.spawned.wait(SPAWN_TIMEOUT)
-        failed = [r for r in ranks.values() if r.spawn_error or not r.spawned.is_set()]
-        if failed:
-            for r in ranks.values():
-                r.kill(signal.SIGKILL)
-            first = failed[0]
-            host = self.agents[first.rank // self.per_host]
-            raise RuntimeError(
-                f"{host.label} (pid {host.pid}) could not start light rank {first.rank} of "
-                f"{world}: {first.spawn_error or f'no answer within {SPAWN_TIMEOUT:.0f} s'}"
-            )
+        await_spawned(ranks, world, self._host_of, "light rank")
         return ranks
+
+    def _host_of(self, rank: int) -> str:
+        host = self.agents[rank // self.per_host]
+        return f"{host.label} (pid {host.pid})"
 
     def _start_hosts(self) -> None:
         """One agent per simulated host: started in parallel, a dead one replaced."""
