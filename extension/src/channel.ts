@@ -31,6 +31,7 @@ export interface IMeshSummary {
   total: number;
   dead: { [rank: string]: string };
   busy: number[];
+  busy_ranks?: string; // the busy ranks folded: 'ranks 0-511,513-1023'
   queued: number;
   paused: number;
   sessions: ISession[];

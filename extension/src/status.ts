@@ -15,7 +15,11 @@ export function statusParts(s: IMeshSummary): [string, string][] {
   if (s.state !== 'shut down') {
     parts.push([`${s.alive}/${s.total} alive`, s.alive < s.total ? 'mnb-lab-bad' : '']);
     parts.push([
-      s.busy.length ? `busy ${s.busy.map(r => 'r' + r).join(',')}` : 'idle',
+      s.busy.length > 4 && s.busy_ranks
+        ? `busy ${s.busy_ranks}`
+        : s.busy.length
+          ? `busy ${s.busy.map(r => 'r' + r).join(',')}`
+          : 'idle',
       s.busy.length ? 'mnb-lab-busy' : ''
     ]);
   }

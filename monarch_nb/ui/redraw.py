@@ -33,6 +33,7 @@ class RedrawLoop:
     def __init__(self, period: float = REDRAW_PERIOD):
         self.period = period
         self.passes = 0
+        self.cpu = 0.0  # the passes' CPU time, in seconds (the thread's own)
         self._lock = threading.Lock()
         self._dashboards: list = []
         self._thread: threading.Thread | None = None
@@ -76,6 +77,7 @@ class RedrawLoop:
                     logger.exception("monarch_nb dashboard redraw failed (continuing)")
             self.passes += 1
             cost = time.thread_time() - t0
+            self.cpu += cost
             wait = min(MAX_WAIT, max(self.period, cost * (1.0 / MAX_OVERHEAD - 1.0)))
 
 

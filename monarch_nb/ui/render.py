@@ -64,7 +64,7 @@ def summary(status: dict, state: str = "ok") -> dict:
     paused debugger sessions and the failures seen (one per rank and command)."""
     ranks = status["ranks"]
     sessions = status.get("debugger") or []
-    return {
+    out = {
         "name": status["name"],
         "generation": status.get("generation", 0),
         "shape": " ".join(f"{k}={v}" for k, v in status["dims"].items()),
@@ -82,6 +82,7 @@ def summary(status: dict, state: str = "ok") -> dict:
             for r, w in ranks.items()
             if w["alive"] and any(s["running"] or s.get("paused") for s in w["streams"].values())
         ),
+        "busy_ranks": "",  # the busy ranks folded (``ranks 0-511,513-1023``): a short line
         "queued": sum(
             s["queued"] for w in ranks.values() if w["alive"] for s in w["streams"].values()
         ),
@@ -91,6 +92,8 @@ def summary(status: dict, state: str = "ok") -> dict:
         ],
         "errors": sum(len(g["ranks"]) for g in status["errors"]),
     }
+    out["busy_ranks"] = format_ranks(out["busy"]) if out["busy"] else ""
+    return out
 
 
 def failed_streams(status: dict) -> set:
