@@ -86,7 +86,7 @@ def test_dashboard_draws_grid_and_drills_down(mesh256):
     d = Dashboard(mesh256, live=False)
     try:
         assert "mnb-grid-host" in d.main.value
-        assert d.grid.layout.display == "flex"
+        assert d.grid.layout.display == "flex" and d.children[1] is d.grid
         assert d.grid.detail.value == ""
         d.grid.show_rank(77)  # the Text's Enter: the detail redraws at once
         detail = d.grid.detail.value
@@ -132,7 +132,7 @@ def test_small_mesh_keeps_the_table():
             assert not grid.use_grid(m.status())
             assert "mnb-queues" in d.main.value and "mnb-health" in d.main.value
             assert "mnb-grid" not in d.main.value
-            assert d.grid.layout.display == "none"
+            assert d.grid.layout.display == "none" and d.grid not in d.children
         finally:
             d.close()
     finally:

@@ -5,7 +5,8 @@ Layout (every widget has a stable ``mnb-...`` class)::
     Dashboard (VBox, mnb-dashboard)
       HTML  mnb-dash-main      header, queues (ranks x streams), workers' health; above
                                GRID_ABOVE ranks: the heat grid of hosts x ranks (grid.py)
-      VBox  mnb-grid-controls  big meshes only: stream choice, drill-down to a rank
+      VBox  mnb-grid-controls  big meshes only (not a child otherwise): stream choice,
+                               drill-down to a rank (grid_view.py)
       HBox  mnb-dash-buttons   interrupt, restart, shut down (the last two: click twice)
                                and a note (mnb-dash-note) saying what they did
       HTML  mnb-dash-errors    failures per distinct traceback, newest first, expandable
@@ -104,7 +105,7 @@ class Dashboard(W.VBox):
             tooltip="stop every worker of this mesh (click twice)",
         )
         self.note = _classed(W.HTML, "mnb-dash-note")
-        buttons = _classed(
+        self.buttons = buttons = _classed(
             W.HBox,
             "mnb-dash-buttons",
             children=[self.b_interrupt, self.b_restart, self.b_shutdown, self.note],
@@ -137,7 +138,9 @@ class Dashboard(W.VBox):
         self.debugger_panel = _classed(
             W.VBox, "mnb-dbg", children=[self.sessions, self.command_row, self.output]
         )
-        parts = [self.main, self.grid, buttons, self.errors]
+        # the grid's controls are a child only of a big mesh's dashboard (its size is fixed)
+        big = grid.use_grid(snapshot(mesh)[0])
+        parts = [self.main] + ([self.grid] if big else []) + [buttons, self.errors]
         parts += [self.debugger_panel] if debugger else []
         super().__init__(parts, _dom_classes=("mnb-dashboard",))
 
@@ -259,7 +262,7 @@ class Dashboard(W.VBox):
 
     def _all_widgets(self) -> list:
         return [self.main, self.errors, self.b_interrupt, self.b_restart, self.b_shutdown] + [
-            self.note, self.children[2], self.sessions, self.select, self.input, self.b_continue,
+            self.note, self.buttons, self.sessions, self.select, self.input, self.b_continue,
             self.output, self.command_row, self.debugger_panel, self.grid, *self.grid.widgets(),
         ]  # fmt: skip
 
