@@ -87,6 +87,23 @@ def stream_state(worker: dict, stream: dict, failed: bool) -> str:
 
 def host_rows(status: dict) -> list[tuple[str, list[int]]]:
     """(host, its ranks) in rank order. One host for all: rows of the last dim."""
+    ranks = status["ranks"]
+    first, last = (ranks[min(ranks)], ranks[max(ranks)]) if ranks else ({}, {})
+    # a mesh's hosts change only when it restarts: the key holds what tells
+    key = (status.get("name"), status.get("generation"), len(ranks), first.get("host"))
+    key += (last.get("host"), tuple(status["dims"].items()))
+    rows = _ROWS.get(key)
+    if rows is None:
+        rows = _ROWS[key] = _host_rows(status)
+        while len(_ROWS) > 64:
+            del _ROWS[next(iter(_ROWS))]
+    return rows
+
+
+_ROWS: dict = {}
+
+
+def _host_rows(status: dict) -> list[tuple[str, list[int]]]:
     rows: dict[str, list[int]] = {}
     for r, w in status["ranks"].items():
         rows.setdefault(str(w.get("host") or "-"), []).append(r)
@@ -99,25 +116,32 @@ def host_rows(status: dict) -> list[tuple[str, list[int]]]:
     return [(f"{name}:{i // width}", ranks[i : i + width]) for i in range(0, len(ranks), width)]
 
 
-def rank_cells(status: dict, stream: str = ALL) -> dict[int, tuple[str, int]]:
-    """rank -> (state, deepest queue) on ``stream`` (ALL: the worst of its streams)."""
-    failed = render.failed_streams(status)
+def rank_cells(status: dict, stream: str = ALL) -> dict[int, tuple[int, str, int]]:
+    """rank -> (rank, state, deepest queue) on ``stream`` (ALL: the worst of its streams)."""
+    failed = render.failed_streams(status) if status["errors"] else ()
     out = {}
     for r, w in status["ranks"].items():
+        if not w["alive"]:
+            out[r] = (r, "dead", 0)
+            continue
         streams = w["streams"]
-        if stream != ALL:
-            info = streams.get(stream)
-            items = [(stream, info)] if info is not None else []
+        if stream == ALL:
+            items = streams.items()
         else:
-            items = list(streams.items())
+            info = streams.get(stream)
+            items = ((stream, info),) if info is not None else ()
         best, depth = "idle", 0
         for s, info in items:
-            st = stream_state(w, info, (r, s) in failed)
-            if _WORST[st] < _WORST[best]:
-                best = st
-            if info["queued"] > depth:
-                depth = info["queued"]
-        out[r] = (best, depth if w["alive"] else 0)
+            q = info["queued"]
+            if q or info["running"] or info.get("paused") or failed:
+                st = stream_state(w, info, (r, s) in failed)
+                if _WORST[st] < _WORST[best]:
+                    best = st
+                if q > depth:
+                    depth = q
+        if w.get("unresponsive"):
+            best = "unresponsive"
+        out[r] = (r, best, depth)
     return out
 
 
@@ -160,7 +184,7 @@ def grid_html(status: dict, stream: str = ALL) -> str:
     """Hosts x ranks: a summary line and a row of cells per host."""
     cells = rank_cells(status, stream)
     rows = [
-        host_row(host, tuple((r, *cells[r]) for r in ranks)) for host, ranks in host_rows(status)
+        host_row(host, tuple(map(cells.__getitem__, ranks))) for host, ranks in host_rows(status)
     ]
     shown = "every stream (the worst)" if stream == ALL else f"stream {stream}"
     return (
