@@ -194,3 +194,49 @@ def test_lab_summary_stays_small_at_1024():
     s = render.summary(status)
     assert s["total"] == 1024 and s["alive"] == 1024
     assert s["busy_ranks"] == "ranks 0-1023"  # what the Lab status item shows past 4 ranks
+
+
+@pytest.mark.browser
+def test_grid_in_jupyterlab(page, server):
+    from browser_helpers import Lab, missing
+
+    if missing() is not None:
+        pytest.skip(missing())
+    lab = Lab(
+        server,
+        page,
+        "dashboard-grid",
+        [
+            "import monarch_nb as mnb\n"
+            "m = mnb.local_mesh(host=8, gpu=32, simulate=True, name='grid')\n"
+            "m.dashboard()",
+            "def bad():\n    raise ValueError('no')\n"
+            "try:\n    mnb.remote(bad)(mesh=m.slice(host=2, gpu=13)).fetch()\n"
+            "except mnb.RemoteError:\n    pass",
+        ],
+    )
+    lab.open()
+    lab.run_all()
+    grid_rows = page.locator(".mnb-dashboard tr.mnb-grid-host")
+    page.wait_for_function(
+        "() => document.querySelectorAll('.mnb-dashboard tr.mnb-grid-host').length === 8",
+        timeout=60_000,
+    )
+    assert grid_rows.nth(0).locator("i[data-rank]").count() == 32
+    failed = page.locator(".mnb-dashboard i.mnb-g-failed[data-rank='77']")
+    failed.wait_for(timeout=60_000)
+    assert failed.is_visible()
+    assert "1 failed" in grid_rows.nth(2).inner_text()
+    box = page.locator(".mnb-dashboard .mnb-grid-rank input")
+    box.fill("77")
+    box.press("Enter")
+    detail = page.locator(".mnb-dashboard .mnb-grid-detail")
+    page.wait_for_function(
+        "() => /rank 77/.test(document.querySelector('.mnb-dashboard .mnb-grid-detail')"
+        "?.innerText || '')",
+        timeout=60_000,
+    )
+    assert "sim-2" in detail.inner_text()
+    lab.shot("dashboard-grid", ".mnb-dashboard")
+    lab.add_cell("m.shutdown()")
+    lab.run_cell(2)

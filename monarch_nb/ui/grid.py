@@ -48,8 +48,8 @@ _esc = html.escape
 STYLE = (
     "<style>.mnb-grid{border-collapse:collapse;margin:4px 0}"
     ".mnb-grid td{padding:0 4px;white-space:nowrap;vertical-align:middle}"
-    ".mnb-grid i{display:inline-block;width:9px;height:9px;margin:0 1px 0 0;"
-    "border-radius:1px}"
+    ".mnb-grid i,.mnb-g-legend i{display:inline-block;width:9px;height:9px;margin:0 1px 0 0;"
+    "border-radius:1px}.mnb-g-legend i{margin-left:8px}"
     + "".join(f".mnb-g-{s}{{background:{c}}}" for s, c in GRID_COLORS.items())
     + "</style>"
 )
