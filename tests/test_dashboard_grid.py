@@ -34,7 +34,7 @@ def mesh256():
 def _hosts(html: str) -> list[tuple[str, list[str]]]:
     """(host, the states of its cells) per grid row."""
     rows = re.findall(r"<tr class='mnb-grid-host' data-host='([^']*)'>(.*?)</tr>", html)
-    return [(h, re.findall(r"<i class='mnb-g-(\w+)' data-rank", body)) for h, body in rows]
+    return [(h, re.findall(r"<i class=g-(\w+) title='\d+ ", body)) for h, body in rows]
 
 
 def _row(html: str, host: str) -> str:
@@ -49,7 +49,7 @@ def test_grid_shows_hosts_by_ranks(mesh256):
     assert [h for h, _ in hosts] == [f"sim-{i}" for i in range(8)]
     assert all(len(cells) == 32 for _, cells in hosts)
     assert all(set(cells) == {"idle"} for _, cells in hosts), hosts
-    ranks = [int(r) for r in re.findall(r"data-rank='(\d+)'", html)]
+    ranks = [int(r) for r in re.findall(r"<i class=g-\w+ title='(\d+) ", html)]
     assert ranks == list(range(256))
     assert "32/32 alive" in _row(html, "sim-3")
     assert "mnb-queues" not in html  # no per-rank table at this size
@@ -165,7 +165,7 @@ def test_cell_states_and_host_summary_pure():
     }
     assert "busiest queue 20 (rank 3)" in _row(html, "a")
     assert "3/4 alive" in _row(html, "b")
-    assert "title='rank 3: queued 16+, 20 queued'" in html
+    assert "<i class=g-q3 title='3 queued 16+, 20 queued'></i>" in html
 
 
 def test_one_host_rows_follow_the_last_dim():
@@ -222,8 +222,8 @@ def test_grid_in_jupyterlab(page, server):
         "() => document.querySelectorAll('.mnb-dashboard tr.mnb-grid-host').length === 8",
         timeout=60_000,
     )
-    assert grid_rows.nth(0).locator("i[data-rank]").count() == 32
-    failed = page.locator(".mnb-dashboard i.mnb-g-failed[data-rank='77']")
+    assert grid_rows.nth(0).locator("td.mnb-g-cells i").count() == 32
+    failed = page.locator(".mnb-dashboard i.g-failed[title^='77 ']")
     failed.wait_for(timeout=60_000)
     assert failed.is_visible()
     assert "1 failed" in grid_rows.nth(2).inner_text()

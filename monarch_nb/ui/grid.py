@@ -50,7 +50,7 @@ STYLE = (
     ".mnb-grid td{padding:0 4px;white-space:nowrap;vertical-align:middle}"
     ".mnb-grid i,.mnb-g-legend i{display:inline-block;width:9px;height:9px;margin:0 1px 0 0;"
     "border-radius:1px}.mnb-g-legend i{margin-left:8px}"
-    + "".join(f".mnb-g-{s}{{background:{c}}}" for s, c in GRID_COLORS.items())
+    + "".join(f".mnb-grid-view i.g-{s}{{background:{c}}}" for s, c in GRID_COLORS.items())
     + "</style>"
 )
 
@@ -160,10 +160,10 @@ def host_row(host: str, cells: tuple) -> str:
         parts.append("queues empty")
     if failed:
         parts.append(f"<span class='mnb-g-fails' style='color:{render.RED}'>{failed} failed</span>")
+    # the smallest markup per rank (a 1,024-rank grid is sent whole on a change):
+    # its state as a class, its rank first in the title
     marks = "".join(
-        f"<i class='mnb-g-{s}' data-rank='{r}' title='rank {r}: {LABELS[s]}"
-        + (f", {q} queued" if q else "")
-        + "'></i>"
+        f"<i class=g-{s} title='{r} {LABELS[s]}" + (f", {q} queued'></i>" if q else "'></i>")
         for r, s, q in cells
     )
     return (
@@ -175,7 +175,7 @@ def host_row(host: str, cells: tuple) -> str:
 def legend_html() -> str:
     return (
         "<div class='mnb-g-legend'>"
-        + " ".join(f"<i class='mnb-g-{s}'></i> {_esc(LABELS[s])}" for s in GRID_COLORS)
+        + " ".join(f"<i class=g-{s}></i> {_esc(LABELS[s])}" for s in GRID_COLORS)
         + "</div>"
     )
 

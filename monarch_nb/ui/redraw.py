@@ -58,7 +58,7 @@ class RedrawLoop:
         return [d for d, c in views if c is not None and (controller is None or c is controller)]
 
     def _run(self) -> None:
-        wait = self.period
+        wait, recent = self.period, []
         while True:
             time.sleep(wait)
             with self._lock:
@@ -78,7 +78,10 @@ class RedrawLoop:
             self.passes += 1
             cost = time.thread_time() - t0
             self.cpu += cost
-            wait = min(MAX_WAIT, max(self.period, cost * (1.0 / MAX_OVERHEAD - 1.0)))
+            # spaced by the dearest of the last few passes: a cheap pass (nothing
+            # changed) between dear ones (widget updates sent) must not pull them closer
+            recent = (recent + [cost])[-4:]
+            wait = min(MAX_WAIT, max(self.period, max(recent) * (1.0 / MAX_OVERHEAD - 1.0)))
 
 
 LOOP = RedrawLoop()
