@@ -85,6 +85,9 @@ def test_failed_rank_marked_and_counted(mesh256):
 def test_dashboard_draws_grid_and_drills_down(mesh256):
     d = Dashboard(mesh256, live=False)
     try:
+        bundle = d._repr_mimebundle_()  # what a saved notebook keeps: the grid, one line
+        assert "mnb-grid-host" in bundle["text/html"] and "mnb-queues" not in bundle["text/html"]
+        assert bundle["text/plain"].endswith("256/256 alive (8 hosts, 8 processes)")
         assert "mnb-grid-host" in d.main.value
         assert d.grid.layout.display == "flex" and d.children[1] is d.grid
         assert d.grid.detail.value == ""

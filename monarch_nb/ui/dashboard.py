@@ -270,7 +270,8 @@ class Dashboard(W.VBox):
         data = super()._repr_mimebundle_(**kwargs)
         status, state = snapshot(self.mesh)
         data["text/plain"] = render.status_text(status, state)
-        data["text/html"] = render.main_html(status, state) + render.errors_html(status)
+        main = grid.main_html(status, state) if grid.use_grid(status) else None
+        data["text/html"] = (main or render.main_html(status, state)) + render.errors_html(status)
         return data
 
     def __repr__(self) -> str:

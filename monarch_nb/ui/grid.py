@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from . import render
 
-GRID_ABOVE = 32  # meshes with more ranks than this draw the grid (smaller ones the table)
+GRID_ABOVE = render.BIG  # meshes with more ranks than this draw the grid (smaller: the table)
 ALL = "*"  # the stream choice that draws every stream's worst state
 
 # cell state -> background (a queue's depth darkens its blue)

@@ -20,6 +20,7 @@ HEARTBEAT_STALE = 5.0  # seconds without a word from a live worker: its heartbea
 MAX_ERROR_GROUPS = 20  # distinct tracebacks listed (the newest)
 MAX_TRACEBACK = 8000  # characters of a traceback kept (its end)
 WHAT_CHARS = 36  # characters of a running command's description
+BIG = 32  # ranks past which the views fold (the grid, the status line)
 
 # cell state -> (background, text colour)
 COLORS = {
@@ -54,6 +55,11 @@ def status_text(status: dict, state: str = "ok") -> str:
     what = f"{alive}/{len(ranks)} alive" if state != "shut down" else "shut down"
     if state in ("broken", "restarting"):
         what += f", {state}"
+    if len(ranks) > BIG:  # a pid per rank would be a line of thousands of characters
+        hosts = len({r.get("host") for r in ranks.values() if r["pid"]})
+        procs = len({r["pid"] for r in ranks.values() if r["pid"]})
+        where = f"{hosts} host{'s' * (hosts != 1)}, {procs} process{'es' * (procs != 1)}"
+        return f"mesh {status['name']!r}: {dims}, {status['backend']}, {what} ({where})"
     pids = ", ".join(str(r["pid"]) for r in ranks.values() if r["pid"])
     return f"mesh {status['name']!r}: {dims}, {status['backend']}, {what} (pids {pids or '-'})"
 
