@@ -243,3 +243,17 @@ def test_grid_in_jupyterlab(page, server):
     lab.shot("dashboard-grid", ".mnb-dashboard")
     lab.add_cell("m.shutdown()")
     lab.run_cell(2)
+
+
+def test_cell_lines_and_errors_fold_at_1024_ranks():
+    from monarch_nb.controller import RemoteError
+    from monarch_nb.notebook.live import fold_rows
+
+    rows = {r: "step 3 done" for r in range(1024)}
+    rows[512] = "step 2 done"
+    assert fold_rows(rows) == ["[ranks 0-511,513-1023] step 3 done", "[rank 512] step 2 done"]
+    tb = "Traceback (most recent call last):\nValueError: bad"
+    failures = {r: ("ValueError", "bad", tb) for r in range(1024) if r != 512}
+    text = str(RemoteError(failures, ident=7, context="f failed"))
+    assert "--- ranks 0-511,513-1023 ---" in text
+    assert text.count("ValueError: bad") == 1 and len(text) < 500
