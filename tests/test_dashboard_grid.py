@@ -197,6 +197,11 @@ def test_lab_summary_stays_small_at_1024():
     s = render.summary(status)
     assert s["total"] == 1024 and s["alive"] == 1024
     assert s["busy_ranks"] == "ranks 0-1023"  # what the Lab status item shows past 4 ranks
+    for r in range(32, 64):
+        ranks[r].update(alive=False, exit="killed by signal SIGKILL")
+    s = render.summary(status)
+    assert len(s["dead"]) == 32  # the tooltip's lines past 4 dead ranks: one per reason
+    assert s["dead_folded"] == {"killed by signal SIGKILL": "ranks 32-63"}
 
 
 @pytest.mark.browser

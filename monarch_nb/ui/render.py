@@ -99,6 +99,10 @@ def summary(status: dict, state: str = "ok") -> dict:
         "errors": sum(len(g["ranks"]) for g in status["errors"]),
     }
     out["busy_ranks"] = format_ranks(out["busy"]) if out["busy"] else ""
+    by_why: dict = {}
+    for r, why in out["dead"].items():
+        by_why.setdefault(why, []).append(int(r))
+    out["dead_folded"] = {why: format_ranks(rs) for why, rs in by_why.items()}
     return out
 
 
