@@ -30,7 +30,9 @@ export interface IMeshSummary {
   alive: number;
   total: number;
   dead: { [rank: string]: string };
+  dead_folded?: { [why: string]: string }; // why -> its ranks folded ('ranks 0-31')
   busy: number[];
+  busy_ranks?: string; // the busy ranks folded: 'ranks 0-511,513-1023'
   queued: number;
   paused: number;
   sessions: ISession[];

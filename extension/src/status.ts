@@ -15,7 +15,11 @@ export function statusParts(s: IMeshSummary): [string, string][] {
   if (s.state !== 'shut down') {
     parts.push([`${s.alive}/${s.total} alive`, s.alive < s.total ? 'mnb-lab-bad' : '']);
     parts.push([
-      s.busy.length ? `busy ${s.busy.map(r => 'r' + r).join(',')}` : 'idle',
+      s.busy.length > 4 && s.busy_ranks
+        ? `busy ${s.busy_ranks}`
+        : s.busy.length
+          ? `busy ${s.busy.map(r => 'r' + r).join(',')}`
+          : 'idle',
       s.busy.length ? 'mnb-lab-busy' : ''
     ]);
   }
@@ -31,8 +35,15 @@ export function statusParts(s: IMeshSummary): [string, string][] {
 /** A tooltip with what the line leaves out. */
 export function statusTitle(s: IMeshSummary): string {
   const lines = [`monarch_nb mesh '${s.name}' (${s.shape}, ${s.backend}): ${s.state}`];
-  for (const [rank, why] of Object.entries(s.dead)) {
-    lines.push(`rank ${rank}: ${why}`);
+  const dead = Object.entries(s.dead);
+  if (dead.length > 4 && s.dead_folded) {
+    for (const [why, ranks] of Object.entries(s.dead_folded)) {
+      lines.push(`${ranks}: ${why}`);
+    }
+  } else {
+    for (const [rank, why] of dead) {
+      lines.push(`rank ${rank}: ${why}`);
+    }
   }
   if (s.queued) {
     lines.push(`${s.queued} command(s) queued`);

@@ -182,14 +182,20 @@ class MeshState:
         """Plain, JSON-serialisable data: the shape of ``mesh.status()``."""
         now = time.time()
         with self.lock:
+            # targets as sets, once per snapshot: a membership test per rank and command
+            # on a 1,024-rank tuple made status() quadratic in the ranks under load
+            sent = {
+                sid: [(i, frozenset(t), what, at) for i, t, what, at in q]
+                for sid, q in self.sent.items()
+            }
             ranks = {}
             for r, w in sorted(self.workers.items()):
                 streams = {}
                 for sid, name in self.stream_names.items():
                     started, finished, _ = w.progress.get(sid, (0, 0, 0))
                     queued, running = 0, None
-                    for ident, targets, what, sent_at in self.sent.get(sid, ()):
-                        if r not in targets or ident <= finished:
+                    for ident, targets, what, sent_at in sent.get(sid, ()):
+                        if ident <= finished or r not in targets:
                             continue
                         if ident == started and started > finished:
                             running = {"ident": ident, "what": what, "elapsed": now - sent_at}

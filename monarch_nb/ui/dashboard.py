@@ -3,7 +3,10 @@
 Layout (every widget has a stable ``mnb-...`` class)::
 
     Dashboard (VBox, mnb-dashboard)
-      HTML  mnb-dash-main      header, queues (ranks x streams), workers' health
+      HTML  mnb-dash-main      header, queues (ranks x streams), workers' health; above
+                               GRID_ABOVE ranks: the heat grid of hosts x ranks (grid.py)
+      VBox  mnb-grid-controls  big meshes only (not a child otherwise): stream choice,
+                               drill-down to a rank (grid_view.py)
       HBox  mnb-dash-buttons   interrupt, restart, shut down (the last two: click twice)
                                and a note (mnb-dash-note) saying what they did
       HTML  mnb-dash-errors    failures per distinct traceback, newest first, expandable
@@ -31,8 +34,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import ipywidgets as W
 
-from . import render
+from . import grid, render
 from .debugger import continue_all, debugger_command
+from .grid_view import GridControls
 from .redraw import LOOP, snapshot
 
 logger = logging.getLogger("monarch_nb.ui")
@@ -75,6 +79,7 @@ class Dashboard(W.VBox):
         self.redraws = 0  # redraws that sent at least one update
 
         self.main = _classed(W.HTML, "mnb-dash-main")
+        self.grid = GridControls(on_change=self.redraw)
         self.errors = _classed(W.HTML, "mnb-dash-errors")
         self.b_interrupt = _classed(
             W.Button,
@@ -100,7 +105,7 @@ class Dashboard(W.VBox):
             tooltip="stop every worker of this mesh (click twice)",
         )
         self.note = _classed(W.HTML, "mnb-dash-note")
-        buttons = _classed(
+        self.buttons = buttons = _classed(
             W.HBox,
             "mnb-dash-buttons",
             children=[self.b_interrupt, self.b_restart, self.b_shutdown, self.note],
@@ -133,7 +138,10 @@ class Dashboard(W.VBox):
         self.debugger_panel = _classed(
             W.VBox, "mnb-dbg", children=[self.sessions, self.command_row, self.output]
         )
-        parts = [self.main, buttons, self.errors] + ([self.debugger_panel] if debugger else [])
+        # the grid's controls are a child only of a big mesh's dashboard (its size is fixed)
+        big = grid.use_grid(snapshot(mesh)[0])
+        parts = [self.main] + ([self.grid] if big else []) + [buttons, self.errors]
+        parts += [self.debugger_panel] if debugger else []
         super().__init__(parts, _dom_classes=("mnb-dashboard",))
 
         self.b_interrupt.on_click(self._click_interrupt)
@@ -169,7 +177,10 @@ class Dashboard(W.VBox):
                         self._log = ""
                         self._set(self.output, "output", "")
                 self._generation = status.get("generation")
-            changed |= self._set(self.main, "main", render.main_html(status, state))
+            big = grid.use_grid(status)
+            main = grid.main_html(status, state, self.grid.stream) if big else None
+            changed |= self._set(self.main, "main", main or render.main_html(status, state))
+            changed |= self.grid.draw(status, big)
             changed |= self._set(self.errors, "errors", render.errors_html(status))
             changed |= self._draw_sessions(status, state)
             if self._armed and time.monotonic() - self._armed[1] > CONFIRM_WINDOW:
@@ -250,28 +261,17 @@ class Dashboard(W.VBox):
         super().close()
 
     def _all_widgets(self) -> list:
-        return [
-            self.main,
-            self.errors,
-            self.b_interrupt,
-            self.b_restart,
-            self.b_shutdown,
-            self.note,
-            self.children[1],
-            self.sessions,
-            self.select,
-            self.input,
-            self.b_continue,
-            self.output,
-            self.command_row,
-            self.debugger_panel,
-        ]
+        return [self.main, self.errors, self.b_interrupt, self.b_restart, self.b_shutdown] + [
+            self.note, self.buttons, self.sessions, self.select, self.input, self.b_continue,
+            self.output, self.command_row, self.debugger_panel, self.grid, *self.grid.widgets(),
+        ]  # fmt: skip
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
         status, state = snapshot(self.mesh)
         data["text/plain"] = render.status_text(status, state)
-        data["text/html"] = render.main_html(status, state) + render.errors_html(status)
+        main = grid.main_html(status, state) if grid.use_grid(status) else None
+        data["text/html"] = (main or render.main_html(status, state)) + render.errors_html(status)
         return data
 
     def __repr__(self) -> str:

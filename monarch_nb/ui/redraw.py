@@ -33,6 +33,7 @@ class RedrawLoop:
     def __init__(self, period: float = REDRAW_PERIOD):
         self.period = period
         self.passes = 0
+        self.cpu = 0.0  # the passes' CPU time, in seconds (the thread's own)
         self._lock = threading.Lock()
         self._dashboards: list = []
         self._thread: threading.Thread | None = None
@@ -57,7 +58,7 @@ class RedrawLoop:
         return [d for d, c in views if c is not None and (controller is None or c is controller)]
 
     def _run(self) -> None:
-        wait = self.period
+        wait, recent = self.period, []
         while True:
             time.sleep(wait)
             with self._lock:
@@ -76,7 +77,11 @@ class RedrawLoop:
                     logger.exception("monarch_nb dashboard redraw failed (continuing)")
             self.passes += 1
             cost = time.thread_time() - t0
-            wait = min(MAX_WAIT, max(self.period, cost * (1.0 / MAX_OVERHEAD - 1.0)))
+            self.cpu += cost
+            # spaced by the dearest of the last few passes: a cheap pass (nothing
+            # changed) between dear ones (widget updates sent) must not pull them closer
+            recent = (recent + [cost])[-4:]
+            wait = min(MAX_WAIT, max(self.period, max(recent) * (1.0 / MAX_OVERHEAD - 1.0)))
 
 
 LOOP = RedrawLoop()

@@ -20,6 +20,7 @@ HEARTBEAT_STALE = 5.0  # seconds without a word from a live worker: its heartbea
 MAX_ERROR_GROUPS = 20  # distinct tracebacks listed (the newest)
 MAX_TRACEBACK = 8000  # characters of a traceback kept (its end)
 WHAT_CHARS = 36  # characters of a running command's description
+BIG = 32  # ranks past which the views fold (the grid, the status line)
 
 # cell state -> (background, text colour)
 COLORS = {
@@ -54,6 +55,11 @@ def status_text(status: dict, state: str = "ok") -> str:
     what = f"{alive}/{len(ranks)} alive" if state != "shut down" else "shut down"
     if state in ("broken", "restarting"):
         what += f", {state}"
+    if len(ranks) > BIG:  # a pid per rank would be a line of thousands of characters
+        hosts = len({r.get("host") for r in ranks.values() if r["pid"]})
+        procs = len({r["pid"] for r in ranks.values() if r["pid"]})
+        where = f"{hosts} host{'s' * (hosts != 1)}, {procs} process{'es' * (procs != 1)}"
+        return f"mesh {status['name']!r}: {dims}, {status['backend']}, {what} ({where})"
     pids = ", ".join(str(r["pid"]) for r in ranks.values() if r["pid"])
     return f"mesh {status['name']!r}: {dims}, {status['backend']}, {what} (pids {pids or '-'})"
 
@@ -64,7 +70,7 @@ def summary(status: dict, state: str = "ok") -> dict:
     paused debugger sessions and the failures seen (one per rank and command)."""
     ranks = status["ranks"]
     sessions = status.get("debugger") or []
-    return {
+    out = {
         "name": status["name"],
         "generation": status.get("generation", 0),
         "shape": " ".join(f"{k}={v}" for k, v in status["dims"].items()),
@@ -82,6 +88,7 @@ def summary(status: dict, state: str = "ok") -> dict:
             for r, w in ranks.items()
             if w["alive"] and any(s["running"] or s.get("paused") for s in w["streams"].values())
         ),
+        "busy_ranks": "",  # the busy ranks folded (``ranks 0-511,513-1023``): a short line
         "queued": sum(
             s["queued"] for w in ranks.values() if w["alive"] for s in w["streams"].values()
         ),
@@ -91,6 +98,12 @@ def summary(status: dict, state: str = "ok") -> dict:
         ],
         "errors": sum(len(g["ranks"]) for g in status["errors"]),
     }
+    out["busy_ranks"] = format_ranks(out["busy"]) if out["busy"] else ""
+    by_why: dict = {}
+    for r, why in out["dead"].items():
+        by_why.setdefault(why, []).append(int(r))
+    out["dead_folded"] = {why: format_ranks(rs) for why, rs in by_why.items()}
+    return out
 
 
 def failed_streams(status: dict) -> set:
