@@ -12,30 +12,7 @@ from ..protocol import messages as m
 from ..protocol.aten import OpSlot, resolve_op, run_op
 from ..protocol.pickling import resolve_function
 from .cell import Cell, get_value
-
-
-def _has_slot(obj) -> bool:
-    t = type(obj)
-    if t is OpSlot:
-        return True
-    if t in (tuple, list):
-        return any(_has_slot(o) for o in obj)
-    if t is dict:
-        return any(_has_slot(v) for v in obj.values())
-    return False
-
-
-def _fill(obj, values: list):
-    t = type(obj)
-    if t is OpSlot:
-        return values[obj.i]
-    if t is tuple:
-        return tuple(_fill(o, values) for o in obj)
-    if t is list:
-        return [_fill(o, values) for o in obj]
-    if t is dict:
-        return {k: _fill(v, values) for k, v in obj.items()}
-    return obj
+from .slots import fill, slot_keys
 
 
 class OpTemplate:
@@ -47,13 +24,13 @@ class OpTemplate:
             fn, args = resolve_op(args[0]), args[1:]  # the op itself: no lookup per call
         self.fn, self.args, self.kwargs, self.what = fn, args, kwargs, msg.what
         self._slots = [(i, a.i) for i, a in enumerate(args) if type(a) is OpSlot]
-        self._nested = _has_slot(kwargs) or any(
-            type(a) is not OpSlot and _has_slot(a) for a in args
+        self._nested = bool(slot_keys(kwargs, set())) or any(
+            type(a) is not OpSlot and slot_keys(a, set()) for a in args
         )
 
     def run(self, values: list):
         if self._nested:
-            return self.fn(*_fill(self.args, values), **_fill(self.kwargs, values))
+            return self.fn(*fill(self.args, values), **fill(self.kwargs, values))
         a = list(self.args)
         for i, j in self._slots:
             a[i] = values[j]

@@ -19,16 +19,11 @@ commands that read it, with MissingRef.
 from __future__ import annotations
 
 from ..protocol import messages as m
+from ..protocol.aten import OpSlot
 from ..protocol.wire import resolve_function, unpack_args
 from .cell import Cell, DependentOnError, MissingRef
 from .code import run_source
-
-
-class _Slot:
-    __slots__ = ("rid",)
-
-    def __init__(self, rid: int):
-        self.rid = rid
+from .slots import fill, slot_keys
 
 
 class _Missing(DependentOnError):
@@ -40,42 +35,13 @@ class _Missing(DependentOnError):
         self.error = error
 
 
-def _slot_ids(obj, out: set) -> set:
-    t = type(obj)
-    if t is _Slot:
-        out.add(obj.rid)
-    elif t in (tuple, list):
-        for o in obj:
-            _slot_ids(o, out)
-    elif t is dict:
-        for v in obj.values():
-            _slot_ids(v, out)
-    return out
-
-
-def _bind(obj, values: dict):
-    t = type(obj)
-    if t is _Slot:
-        v = values[obj.rid]
-        if isinstance(v, DependentOnError):
-            raise v
-        return v
-    if t is tuple:
-        return tuple(_bind(o, values) for o in obj)
-    if t is list:
-        return [_bind(o, values) for o in obj]
-    if t is dict:
-        return {k: _bind(v, values) for k, v in obj.items()}
-    return obj
-
-
 def _call_runner(fn, args: tuple, kwargs: dict):
     """``run(values, worker, ident)`` for a CallFunction: flat Refs are filled in
     by position, nested ones rebuilt per replay, arguments without Refs reused."""
-    slots = [(i, a.rid) for i, a in enumerate(args) if type(a) is _Slot]
-    nested = any(type(a) is not _Slot and _slot_ids(a, set()) for a in args)
-    if nested or _slot_ids(kwargs, set()):
-        return lambda values, worker, ident: fn(*_bind(args, values), **_bind(kwargs, values))
+    slots = [(i, a.i) for i, a in enumerate(args) if type(a) is OpSlot]
+    nested = any(type(a) is not OpSlot and slot_keys(a, set()) for a in args)
+    if nested or slot_keys(kwargs, set()):
+        return lambda values, worker, ident: fn(*fill(args, values), **fill(kwargs, values))
     if not slots:
         return lambda values, worker, ident: fn(*args, **kwargs)
 
@@ -116,10 +82,10 @@ def _step(msg) -> tuple:
     kind = type(msg).__name__
     if kind == "CallFunction":
         fn = resolve_function(msg.function)
-        args, kwargs = unpack_args(msg.args, _Slot)
-        reads = _slot_ids((args, kwargs), set())
-        if args and type(args[0]) is _Slot and not kwargs and not _slot_ids(args[1:], set()):
-            return fn, args[0].rid, args[1:], msg.result, reads
+        args, kwargs = unpack_args(msg.args, OpSlot)
+        reads = slot_keys((args, kwargs), set())
+        if args and type(args[0]) is OpSlot and not kwargs and not slot_keys(args[1:], set()):
+            return fn, args[0].i, args[1:], msg.result, reads
         return _call_runner(fn, args, kwargs), None, (), msg.result, reads
     if kind == "Reduce":
         reads = {msg.source} | ({msg.out} if msg.out is not None else set())
