@@ -112,7 +112,8 @@ class Controller:
         self.io.on_item = self.cancels.on_item
         self.io.on_process_output_end = lambda p: self._check_process(p, wait=0.5)
         self.io.encode_deletes = self._encode_deletes
-        self.io.seal = self.sealer.seal
+        self.io.routes.seal = self.sealer.seal
+        self.io.routes.encode_host_command = lambda t, n: encode(m.HostCommand(t, n), self.signer)
         self.on_output = print_output
         self.debugger = DebugSessions(self)
         self.interrupts = Interrupts(self)
@@ -300,7 +301,7 @@ class Controller:
         if not closing:
             if self.workers.pings_due():
                 frames = encode(m.Ping(), self.signer)
-                for identity in list(self.workers.identities.values()):
+                for identity in set(self.workers.identities.values()):
                     self.io.send_now(identity, frames)
             self.liveness.check()
         for req in self.table.tick(time.monotonic()):

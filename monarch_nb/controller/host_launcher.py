@@ -233,15 +233,15 @@ class HostAgent:
             except (BrokenPipeError, ValueError, OSError) as e:
                 raise RuntimeError(f"the host agent (pid {self.pid}) is gone: {e}") from None
 
-    def spawn(self, rank: int, world: int, address: str, key: bytes, env: dict) -> AgentRank:
-        """Ask for one rank (answered by ``spawned`` on the AgentRank)."""
+    def spawn(self, rank: int, world: int, address: str, key: bytes, env: dict, host=-1):
+        """Ask for one rank (answered by ``spawned`` on the AgentRank), of mesh host ``host``."""
         with self._lock:
             slot = next(self._slots)
             r = self.ranks[slot] = AgentRank(self, slot, rank)
         cwd = os.getcwd()
         paths = [p if p else cwd for p in sys.path]
         try:
-            self.send(hm.Spawn(slot, rank, world, rank, address, key.hex(), env, paths, cwd))
+            self.send(hm.Spawn(slot, rank, world, rank, address, key.hex(), env, paths, cwd, host))
         except RuntimeError as e:
             with self._lock:
                 self.ranks.pop(slot, None)

@@ -26,7 +26,8 @@ from concurrent.futures import Future
 
 import zmq
 
-from ..protocol.wire import recv_ready, send_frames
+from ..protocol.wire import recv_ready
+from .routing import Routes
 from .sigint import held_interrupt
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -68,6 +69,7 @@ class IOLoop:
         # drops the rest's SYNs, which TCP resends only after 1 s
         self._router.setsockopt(zmq.BACKLOG, 1024)
         self.port = self._router.bind_to_random_port(f"tcp://{interface}")
+        self.routes = Routes(self._router, identities)  # how a rank's message leaves
         self._outq: deque = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -89,7 +91,6 @@ class IOLoop:
         self.on_item = lambda item: None
         self.on_process_output_end = lambda proc: None
         self.encode_deletes = lambda ids: None  # -> frames of a DeleteRefs, or None
-        self.seal = lambda inner, count, identity: inner  # the envelope per destination
         self.thread = threading.Thread(target=self._run, name=f"monarch-io-{name}", daemon=True)
 
     def start(self) -> None:
@@ -188,11 +189,15 @@ class IOLoop:
     def send_now(self, identity: bytes, frames) -> None:
         """Send one encoded message to one socket, sealed (the lease holder: handlers'
         refusals, pings)."""
-        send_frames(self._router, [identity, *self.seal(frames, 1, identity)])
+        self.routes.send_now(identity, frames)
+
+    def send_via_host(self, identity: bytes, ranks, frames) -> None:
+        """Send one buffer-less message to ``ranks`` of the host socket ``identity``."""
+        self.routes.to_host(identity, ranks, [frames])
 
     def send_to(self, ranks, frames) -> None:
         """Send to ``ranks`` on the IO thread itself."""
-        self._route(ranks, frames, None)
+        self.routes.route(ranks, frames, None)
 
     def watch(self, proc) -> None:
         """Read ``proc``'s output pipe here (``proc.fd``, ``proc.read_output()``)."""
@@ -323,8 +328,8 @@ class IOLoop:
                         else:
                             b.append(frames)
                 else:
-                    self._flush(batches)
-                    self._route(ranks, frames, done)
+                    self.routes.flush(batches)
+                    self.routes.route(ranks, frames, done)
             elif kind == "del":
                 # sent after the batch: a deleted Ref cannot be named by a later command
                 deletes.append(item[1])
@@ -333,7 +338,7 @@ class IOLoop:
                     q.appendleft(item)
                     self._io_needed.set()
                     break
-                self._flush(batches)
+                self.routes.flush(batches)
                 fn, fut = item[1], item[2]
                 try:
                     fut.set_result(fn())
@@ -349,37 +354,7 @@ class IOLoop:
             if frames is not None:
                 for r in self.identities:
                     batches.setdefault(r, []).append(frames)
-        self._flush(batches)
-
-    def _flush(self, batches: dict) -> None:
-        router, seal = self._router, self.seal
-        for r, msgs in batches.items():
-            ident = self.identities.get(r)
-            if ident is None:
-                continue
-            if len(msgs) == 1:
-                send_frames(router, [ident, *seal(msgs[0], 1, ident)])
-            else:
-                inner = [f for frames in msgs for f in frames]
-                send_frames(router, [ident, *seal(inner, len(msgs), ident)])
-        batches.clear()
-
-    def _route(self, ranks, frames, done: Future | None) -> None:
-        router = self._router
-        tracker = None
-        try:
-            for r in ranks:
-                ident = self.identities.get(r)
-                if ident is None:
-                    continue
-                sealed = self.seal(frames, 1, ident)
-                if done is None:
-                    send_frames(router, [ident, *sealed])
-                else:
-                    tracker = router.send_multipart([ident, *sealed], copy=False, track=True)
-        finally:
-            if done is not None:
-                done.set_result(tracker)
+        self.routes.flush(batches)
 
     def _receive(self) -> None:
         router = self._router

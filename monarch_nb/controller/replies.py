@@ -9,8 +9,9 @@ import traceback
 
 from ..protocol import BadMessage, decode, encode
 from ..protocol import messages as m
-from ..protocol.envelope import PROTOCOL_VERSION, VersionMismatch, unseal
+from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, VersionMismatch, unseal
 from .errors import IOThreadError, RemoteError
+from .hosts import HostLinks
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -28,6 +29,7 @@ class Replies:
             and cls.__module__ == m.__name__
             and hasattr(self, cls.__name__)
         }
+        self.hosts = HostLinks(ctrl, self)
 
     def on_frames(self, frames) -> None:
         """One ZeroMQ message from a worker socket: its envelope is opened and checked
@@ -43,6 +45,14 @@ class Replies:
             return
         except BadMessage as e:
             self._drop(e.kind, str(e))
+            return
+        if header.rank < CONTROLLER:  # a host agent's socket: its ranks' traffic
+            if missed:
+                self._drop("gap", f"{missed} message(s) of host {header.rank} never arrived")
+                link = self.hosts.links.get(identity)
+                for r in link.ranks if link is not None else ():
+                    ctrl.on_gap(r, missed)
+            self.hosts.on_envelope(identity, header, parts)
             return
         if missed:
             self._drop("gap", f"{missed} message(s) of rank {header.rank} never arrived")
@@ -63,7 +73,9 @@ class Replies:
             self._drop("malformed", f"an unexpected {type(msg).__name__}")
             return
         if rank != header.rank:
-            self._drop("rank", f"a {type(msg).__name__} of rank {rank} sealed by rank {header.rank}")
+            self._drop(
+                "rank", f"a {type(msg).__name__} of rank {rank} sealed by rank {header.rank}"
+            )
             return
         if not (joined or ready):  # joined ranks are within the mesh
             self._drop("rank", f"a {type(msg).__name__} of rank {rank}, which has not joined")
@@ -81,7 +93,11 @@ class Replies:
     def _drop(self, kind: str, why: str) -> None:
         n = self.ctrl.peers.count(kind)
         logger.warning(
-            "mesh %r dropped a message (%s: %s); %d of that kind so far", self.ctrl.name, kind, why, n
+            "mesh %r dropped a message (%s: %s); %d of that kind so far",
+            self.ctrl.name,
+            kind,
+            why,
+            n,
         )
 
     def _refuse_version(self, identity: bytes, version: int) -> None:

@@ -137,6 +137,15 @@ class RequestTable:
         if not req.expected:
             self._finish(req)
 
+    def on_status_many(self, ident: int, ranks, stream: int) -> None:
+        """``on_status`` of several ranks at once (a host's folded Status)."""
+        req = self._table.get(ident)
+        if req is None:
+            return
+        req.expected.difference_update([(r, stream) for r in ranks])
+        if not req.expected:
+            self._finish(req)
+
     def on_failure(self, ident: int) -> None:
         """Command ``ident`` failed: the replies that depend on it can finish now."""
         for _, req in self._awaiting.pop(ident, []):

@@ -53,11 +53,17 @@ class SimLauncher:
     def launch(self, address: str, key: bytes, world: int) -> dict[int, AgentRank]:
         self._start_hosts()
         ranks = {
-            r: self.agents[r // self.per_host].spawn(r, world, address, key, {})
+            r: self.agents[r // self.per_host].spawn(r, world, address, key, {}, r // self.per_host)
             for r in range(world)
         }
         await_spawned(ranks, world, self._host_of, "light rank")
         return ranks
+
+    def host_ranks(self, host: int, pid: int) -> range | None:
+        """The ranks simulated host ``host`` serves, if ``pid`` is its process (else None)."""
+        if not 0 <= host < len(self.agents) or self.agents[host].pid != pid:
+            return None
+        return range(host * self.per_host, min((host + 1) * self.per_host, self.world))
 
     def _host_of(self, rank: int) -> str:
         host = self.agents[rank // self.per_host]

@@ -15,9 +15,9 @@ def start_generation(ctrl, secret: bytes, startup_timeout: float) -> None:
     """Start ``ctrl``'s workers for its current generation (raises when they do not
     all join and start their backend within ``startup_timeout`` s)."""
     workers = ctrl.workers
-    procs = ctrl.io.call(
-        lambda: workers.launcher.launch(ctrl.address, secret, ctrl.world)
-    ).result(timeout=60)
+    procs = ctrl.io.call(lambda: workers.launcher.launch(ctrl.address, secret, ctrl.world)).result(
+        timeout=60
+    )
     workers.procs = procs
     for p in procs.values():
         if p.fd is not None:

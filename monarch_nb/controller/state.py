@@ -100,6 +100,13 @@ class MeshState:
         if w is not None:
             w.last_seen = time.time()
 
+    def seen_many(self, ranks, now: float) -> None:
+        workers = self.workers
+        for r in ranks:
+            w = workers.get(r)
+            if w is not None:
+                w.last_seen = now
+
     def worker_exited(self, rank: int, code: int | None) -> None:
         with self.lock:
             w = self.workers[rank]
@@ -108,15 +115,30 @@ class MeshState:
 
     def progress(self, rank: int, streams: dict) -> None:
         with self.lock:
-            w = self.workers[rank]
-            for sid, v in streams.items():
-                old = w.progress.get(sid)
-                # reports travel on several sockets: never go backwards
-                w.progress[sid] = list(v) if old is None else [max(a, b) for a, b in zip(old, v)]
+            self._progress(self.workers[rank], streams)
+            self._prune()
+
+    def progress_many(self, ranks, streams: dict) -> None:
+        """The same progress of several ranks (a host's folded report)."""
+        with self.lock:
+            workers = self.workers
+            for r in ranks:
+                self._progress(workers[r], streams)
+            self._prune()
+
+    @staticmethod
+    def _progress(w, streams: dict) -> None:
+        for sid, v in streams.items():
+            old = w.progress.get(sid)
+            # reports travel on several sockets: never go backwards
+            if old is None:
+                w.progress[sid] = list(v)
+            elif old[0] < v[0] or old[1] < v[1] or old[2] < v[2]:
+                w.progress[sid] = [max(a, b) for a, b in zip(old, v)]
+            if w.stalled:
                 st = w.stalled.get(sid)
                 if st is not None and w.progress[sid][1] >= st["ident"]:
                     del w.stalled[sid]  # the stalled command finished
-            self._prune()
 
     def stalled(self, rank: int, sid: int, ident: int, what: str, seconds: float, stack: str):
         with self.lock:

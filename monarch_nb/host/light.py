@@ -2,10 +2,11 @@
 path without torch, so that the controller's cost at 1,024 ranks can be measured
 on one machine.
 
-Each light rank has its own signed ZeroMQ DEALER to the controller, as a worker
-has, and joins the same way (WorkerReady, then Health and Progress). Commands run
-at once, in arrival order, on the agent's one thread: a stream's ``Status`` always
-comes after what was sent before it. What needs torch (collectives, tensors, pdb,
+A light rank joins as a worker does (WorkerReady, then Health and Progress), through
+its host's one signed socket (``fanout.HostChannel``): the host verifies each command
+once and hands it to every rank it names. Commands run at once, in arrival order, on
+the agent's one thread: a stream's ``Status`` always comes after what was sent before
+it. What needs torch (collectives, tensors, pdb,
 pipes, recordings) fails with a clear error naming simulate mode.
 """
 
@@ -17,12 +18,9 @@ import os
 import sys
 import traceback
 
-import zmq
-
-from ..protocol import BadMessage, Signer, decode, encode
+from ..protocol import encode
 from ..protocol import messages as m
-from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, unseal
-from ..protocol.wire import recv_ready, resolve_function, send_frames, unpack_args
+from ..protocol.wire import resolve_function, unpack_args
 
 PROGRESS_PERIOD = 0.1
 HEALTH_PERIOD = 1.0
@@ -54,17 +52,11 @@ class LightRank:
     """One simulated rank of ``world`` joining ``address``; ``host`` names its
     simulated host in what it reports."""
 
-    def __init__(self, ctx, address: str, key: bytes, rank: int, world: int, host: str):
+    def __init__(self, channel, rank: int, world: int, host: str):
         self.rank, self.world, self.host = rank, world, host
-        self.signer = Signer(key)
-        self.sealer = Sealer(self.signer, rank)
-        self.peers = PeerTable()
-        self.peers.allow(CONTROLLER)
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.connect(address)
+        self.channel = channel
+        self.signer = channel.signer
+        self.peers = channel.peers
         self.env: dict = {}  # ref id -> value (or Failed)
         self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
         self.streams: dict[int, list] = {0: [0, 0, 0]}  # id -> [started, finished, done]
@@ -88,40 +80,8 @@ class LightRank:
     # ------------------------------------------------------------ wire
 
     def _send(self, msg) -> None:
-        send_frames(self.sock, self.sealer.seal(encode(msg, self.signer)))
-
-    def receive(self) -> None:
-        """Handle what is waiting on the socket (at most 256 messages)."""
-        for _ in range(256):
-            frames = recv_ready(self.sock)
-            if frames is None:
-                return
-            self._dispatch(frames)
-            if self.ended is not None:
-                return
-
-    def _dispatch(self, frames) -> None:
-        try:
-            header, parts = unseal(frames, self.signer)
-            missed = self.peers.admit(b"", header)
-        except VersionMismatch as e:
-            self.stop(2, f"the controller speaks protocol {e.version}: not this version")
-            return
-        except BadMessage as e:
-            self.peers.count(e.kind)
-            return
-        if missed is None:
-            self.peers.count("rank")
-            return
-        if missed:
-            self.peers.count("gap")
-        for p in parts:
-            try:
-                msg = decode(p, self.signer)
-            except BadMessage as e:
-                self.peers.count(e.kind)
-                continue
-            self.handle(msg)
+        if self.ended is None:
+            self.channel.post(msg)
 
     def handle(self, msg) -> None:
         name = type(msg).__name__
@@ -152,7 +112,6 @@ class LightRank:
         """Stop serving (Exit: 0); the agent reports the end. Nothing more is sent."""
         if self.ended is None:
             self.ended, self.note = code, note
-            self.sock.close(linger=1000 if code == 0 else 0)
 
     # ------------------------------------------------------------ commands
 
@@ -266,7 +225,8 @@ class LightRank:
         except Exception as e:
             why = m.RemoteFailure(type(e).__name__, f"cannot send the value back: {e}", "")
             frames = encode(m.FetchResult(ident, self.rank, None, why), self.signer)
-        send_frames(self.sock, self.sealer.seal(frames))
+        if self.ended is None:
+            self.channel.post(frames)  # encoded: the channel sends it as it is
 
     def on_RequestStatus(self, msg: m.RequestStatus) -> None:
         for sid, (started, finished, done) in self.streams.items():

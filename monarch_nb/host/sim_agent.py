@@ -4,8 +4,9 @@
 It speaks the agent's channel as the forking agent does (Spawn, Kill, Quit in;
 AgentReady, Spawned, Output, Exited out), so the controller's HostAgent and
 WorkerSet watch its ranks the same way. One ``zmq.Poller`` waits on the
-channel and every rank's socket; a rank "killed" (Kill) closes its socket at
-once and is reported ended by that signal, with a line naming its host.
+channel and the host's one socket to the controller (``fanout.HostChannel``), which
+carries every command and report of its ranks; a rank "killed" (Kill) stops at once
+and is reported ended by that signal, with a line naming its host.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from zmq.backend import zmq_poll
 from .._version import __version__
 from ..protocol import host_messages as hm
 from .control import ControlChannel
+from .fanout import HostChannel
 from .light import HEALTH_PERIOD, LightRank
 
 POLL_MS = 100  # the longest the loop sleeps: ticks and the parent check run this often
@@ -35,9 +37,11 @@ class SimAgent(ControlChannel):
         self.parent_pid, self.host = parent_pid, host
         self.ctx = zmq.Context(1)
         # zmq_poll on plain ints and a list kept between calls: zmq.Poller rebuilds
-        # both per call, a cost paid once per message at 32 ranks a host
+        # both per call
         self.polled: list = []
-        self.by_sock: dict = {}  # socket -> (slot, LightRank)
+        self.channels: dict = {}  # (address, key) -> HostChannel
+        self.by_sock: dict = {}  # socket -> HostChannel
+        self.ranks: dict = {}  # slot -> (LightRank, HostChannel)
         self.reader = hm.LineReader()
         self.running = True
         self._rss, self._cpu = 0, 0.0
@@ -56,11 +60,9 @@ class SimAgent(ControlChannel):
                     if what == self.ctl_in:
                         self._read_control()
                         continue
-                    entry = self.by_sock.get(what)
-                    if entry is not None:
-                        entry[1].receive()
-                        if entry[1].ended is not None:
-                            self._ended(*entry)
+                    ch = self.by_sock.get(what)
+                    if ch is not None:
+                        self._serve_channel(ch)
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + TICK
@@ -68,9 +70,23 @@ class SimAgent(ControlChannel):
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.running = False  # the controller is gone
         finally:
-            for _, r in list(self.by_sock.values()):
+            for r, _ in list(self.ranks.values()):
                 r.stop(-signal.SIGKILL)
             self.ctx.destroy(linger=0)
+
+    def _serve_channel(self, ch) -> None:
+        touched = ch.receive()
+        if ch.refused is not None:
+            for r, c in list(self.ranks.values()):
+                if c is ch:
+                    r.stop(2, f"the controller refused simulated host {self.host}: {ch.refused}")
+        ch.flush()
+        if touched or ch.refused is not None:
+            for slot, (r, c) in list(self.ranks.items()):
+                if c is ch and r.ended is not None:
+                    self._ended(slot, r)
+        if ch.refused is not None:
+            self._drop_channel(ch)
 
     def _stop(self) -> None:
         self.running = False
@@ -79,8 +95,10 @@ class SimAgent(ControlChannel):
         if now >= self._next_sample:
             self._next_sample = now + HEALTH_PERIOD
             self._sample(now)
-        for _, r in list(self.by_sock.values()):
+        for r, _ in self.ranks.values():
             r.tick(now, self._rss, self._cpu)
+        for ch in self.channels.values():
+            ch.flush()
 
     def _sample(self, now: float) -> None:
         """This process's RSS and CPU (every light rank reports its host's)."""
@@ -97,8 +115,31 @@ class SimAgent(ControlChannel):
 
     # ------------------------------------------------------------ the controller
 
+    def _channel(self, msg: hm.Spawn) -> HostChannel:
+        key = (msg.address, msg.key_hex)
+        ch = self.channels.get(key)
+        if ch is None:
+            ch = HostChannel(
+                self.ctx,
+                msg.address,
+                bytes.fromhex(msg.key_hex),
+                max(msg.host, 0),
+                os.getpid(),
+                self.host,
+            )
+            self.channels[key] = ch
+            self.by_sock[ch.sock] = ch
+            self.polled.append((ch.sock, POLLIN))
+        return ch
+
+    def _drop_channel(self, ch) -> None:
+        self.channels = {k: c for k, c in self.channels.items() if c is not ch}
+        self.by_sock.pop(ch.sock, None)
+        self.polled = [p for p in self.polled if p[0] is not ch.sock]
+        ch.close()
+
     def _spawn(self, msg: hm.Spawn) -> None:
-        if len(self.by_sock) >= self.slots:
+        if len(self.ranks) >= self.slots:
             self.send(
                 hm.SpawnFailed(
                     msg.slot,
@@ -108,25 +149,27 @@ class SimAgent(ControlChannel):
             )
             return
         try:
-            r = LightRank(
-                self.ctx, msg.address, bytes.fromhex(msg.key_hex), msg.rank, msg.world, self.host
-            )
+            ch = self._channel(msg)
+            r = LightRank(ch, msg.rank, msg.world, self.host)
         except (zmq.ZMQError, ValueError) as e:
             self.send(hm.SpawnFailed(msg.slot, f"cannot start light rank {msg.rank}: {e}"))
             return
-        self.by_sock[r.sock] = (msg.slot, r)
-        self.polled.append((r.sock, POLLIN))
+        ch.ranks[msg.rank] = r
+        ch.flush()
+        self.ranks[msg.slot] = (r, ch)
         self.send(hm.Spawned(msg.slot, os.getpid()))
 
     def _kill(self, slot: int, sig: int) -> None:
-        for s, r in list(self.by_sock.values()):
-            if s == slot and r.ended is None:
-                r.stop(-sig, f"simulated rank {r.rank} on {self.host} was killed (signal {sig})")
-                self._ended(s, r)
+        entry = self.ranks.get(slot)
+        if entry is not None and entry[0].ended is None:
+            r = entry[0]
+            r.stop(-sig, f"simulated rank {r.rank} on {self.host} was killed (signal {sig})")
+            self._ended(slot, r)
 
     def _ended(self, slot: int, r: LightRank) -> None:
-        self.by_sock.pop(r.sock, None)
-        self.polled = [p for p in self.polled if p[0] is not r.sock]
+        entry = self.ranks.pop(slot, None)
+        if entry is not None and entry[1].ranks.get(r.rank) is r:
+            del entry[1].ranks[r.rank]
         if r.note:
             self.send(hm.output(slot, f"[{r.note}]\n".encode()))
         self.send(hm.Exited(slot, os.getpid(), r.ended))

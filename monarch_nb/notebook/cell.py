@@ -25,6 +25,7 @@ from .results import RemoteCellError, render_failures, result_displays
 INTERRUPT_WAIT = 5.0  # seconds to wait for interrupted ranks to report KeyboardInterrupt
 POLL = 0.25
 
+
 class _Detached(Exception):
     """The cell goes on in the background (paused sessions, no stdin to serve them)."""
 

@@ -162,9 +162,7 @@ class RemoteThreads:
             live = sorted(self._live.items(), key=lambda kv: self._tids[kv[0]])
         live = [(key, dbg, s) for key, (dbg, s) in live if not s.ended and dbg.worker_alive(s)]
         several = len({key[0] for key, _, _ in live}) > 1  # then the name says the mesh
-        return [
-            {"id": self._tids[key], "name": self._name(key, s, several)} for key, _, s in live
-        ]
+        return [{"id": self._tids[key], "name": self._name(key, s, several)} for key, _, s in live]
 
     def _name(self, key, s, several: bool) -> str:
         name = f"rank {s.rank} · {s.stream_name}"

@@ -32,6 +32,13 @@ from .wire import SIG_LEN, BadMessage, Signer, small
 
 PROTOCOL_VERSION = 2
 CONTROLLER = -1  # the controller's rank in headers
+
+
+def host_peer(host: int) -> int:
+    """The rank a host agent's socket seals with: -2 for host 0, -3 for host 1..."""
+    return -2 - host
+
+
 HEADER = struct.Struct("<HiQQI")  # version, rank, socket id, sequence number, count
 KINDS = ("signature", "version", "malformed", "rank", "replay", "gap")
 

@@ -29,6 +29,7 @@ class Spawn(NamedTuple):
     env: dict
     sys_path: list
     cwd: str
+    host: int = -1  # the mesh's index of this host (a simulated host's channel joins as it)
 
 
 class Kill(NamedTuple):

@@ -11,28 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .ndslice import NDSlice
-
-
-class Function(NamedTuple):
-    """A function to call on workers: its pickle (by reference when importable,
-    by value via cloudpickle when defined in ``__main__`` or a notebook)."""
-
-    payload: bytes
-    name: str
-
-
-class Args(NamedTuple):
-    """Positional and keyword arguments pickled apart from the message, so that the
-    worker unpickles them on the stream thread when the Refs inside are ready.
-
-    ``refs`` lists the ref ids the pickle mentions; ``buffers`` are its
-    out-of-band buffers (tensor bytes), which travel as frames of their own.
-    """
-
-    payload: bytes
-    buffers: tuple
-    refs: tuple
-
+from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - their fields
 
 # ---------------------------------------------------------------- controller -> worker
 
@@ -291,6 +270,35 @@ class BorrowDrop(NamedTuple):
     result: int
 
 
+# ---------------------------------------------------------------- host fan-out
+
+
+class HostCommand(NamedTuple):
+    """Controller -> host agent: the next ``count`` messages on the host's socket are
+    for each of ``targets`` (ranks the host serves), in the order they come."""
+
+    targets: tuple
+    count: int
+
+
+class HostJoin(NamedTuple):
+    """Host agent -> controller, the first message on a host's socket: it serves the
+    ranks of ``host`` (the mesh's host index, sealed as ``envelope.host_peer(host)``)."""
+
+    host: int
+    pid: int
+    name: str
+    version: str
+
+
+class Folded(NamedTuple):
+    """Host agent -> controller: messages of type ``kind`` from several of its ranks,
+    one group per distinct content: ``((ranks, fields without the rank), ...)``."""
+
+    kind: str
+    groups: tuple
+
+
 # ---------------------------------------------------------------- worker -> controller
 
 
@@ -310,21 +318,6 @@ class FetchResult(NamedTuple):
     rank: int
     value: Any
     error: Any
-
-
-class RemoteFailure(NamedTuple):
-    """An exception on a worker: type name, ``str()``, traceback; ``exc_module`` and
-    ``exc_qualname`` locate the type (empty for the worker's own reports)."""
-
-    exc_type: str
-    message: str
-    traceback: str
-    exc_module: str = ""
-    exc_qualname: str = ""
-
-
-class DependentOn(NamedTuple):
-    ident: int
 
 
 class RemoteFunctionFailed(NamedTuple):

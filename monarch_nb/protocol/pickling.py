@@ -335,7 +335,6 @@ def resolve_function(f: Function) -> Callable:
     return fn
 
 
-
 def ref_placeholder(ref_id: int) -> tuple:
     """What a Ref reduces to in a pickle (for a Ref class's own ``__reduce_ex__``):
     on a worker, inside a command, it unpickles as the value ``ref_id`` names."""

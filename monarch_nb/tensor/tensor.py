@@ -123,7 +123,13 @@ class Tensor(torch.Tensor, Ref):
     # ---------------------------------------------------------------- collectives
 
     def reduce(
-        self, dims, reduction: str = "sum", scatter: bool = False, inplace=False, out=None, mesh=None
+        self,
+        dims,
+        reduction: str = "sum",
+        scatter: bool = False,
+        inplace=False,
+        out=None,
+        mesh=None,
     ):
         """``Ref.reduce`` (see there) returning a mesh tensor with the result's layout;
         ``mesh``: where the result lives (a slice of this tensor's mesh, whose ranks

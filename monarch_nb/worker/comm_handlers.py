@@ -17,7 +17,6 @@ DEFAULT_STREAM = 0
 class CommHandlers:
     """Handlers of InitBackend, CreateProcessGroup, Reduce, SendTensor and the borrows."""
 
-
     def InitBackend(self, msg: m.InitBackend) -> None:
         comms = self.comms
         stream, rank = self.streams[DEFAULT_STREAM], self.rank
@@ -44,9 +43,7 @@ class CommHandlers:
         comms = self.comms
 
         def work():
-            return collectives.run_reduce(
-                msg, comms, raw(src), None if out is None else raw(out)
-            )
+            return collectives.run_reduce(msg, comms, raw(src), None if out is None else raw(out))
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
 

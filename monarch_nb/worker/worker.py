@@ -367,7 +367,6 @@ class Worker(Connection, CommHandlers, OpHandlers):
                 s.last_failure = None
 
 
-
 def _fetch_failure(e: BaseException, pickling: bool):
     """Why a fetched value does not come: it depends on a failure, computing it
     failed, or (``pickling``) it cannot be sent: unpicklable, too deep, a failing
