@@ -134,7 +134,7 @@ class DeviceMesh(NamespaceCommands, BaseMesh):
 
     def _derive(self, names: tuple, ranks: NDSlice) -> DeviceMesh:
         ctrl = self._controller
-        ctrl.check_usable()
+        ctrl.check_usable(ranks)
         mesh_id = ctrl.next_id()
         ctrl.send(m.CreateDeviceMesh(mesh_id, tuple(names), ranks), None)
         return DeviceMesh(ctrl, mesh_id, tuple(names), ranks, self.name)
@@ -148,7 +148,7 @@ class DeviceMesh(NamespaceCommands, BaseMesh):
         ctrl = self._controller
         sid = ctrl.streams.get(name)
         if sid is None:
-            ctrl.check_usable()
+            ctrl.check_usable(self.targets)
             sid = ctrl.next_id()
             ctrl.send(m.CreateStream(sid, name, False), None)
             ctrl.streams[name] = sid
@@ -169,7 +169,7 @@ class DeviceMesh(NamespaceCommands, BaseMesh):
         """Block until every command sent so far has finished on every stream; raise
         a RemoteError for failures not raised yet."""
         ctrl = self._controller
-        ctrl.check_usable()
+        ctrl.check_usable(self.targets)
         ctrl.request(
             m.RequestStatus(ctrl.next_ident()), self.ranks, "wait", statuses=True, timeout=timeout
         ).result()

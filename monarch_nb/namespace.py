@@ -24,7 +24,7 @@ class NamespaceCommands:
         compile(source, "<exec>", "exec")  # a SyntaxError here, not on every worker
         _, stream = resolve_target(self, stream)
         ctrl = self._controller
-        ctrl.check_usable()
+        ctrl.check_usable(self.targets)
         ident, result = ctrl.next_ident(), ctrl.next_id()
         first = source.strip().splitlines()[0] if source.strip() else ""
         what = f"exec: {first[:40]}"
@@ -61,7 +61,7 @@ class NamespaceCommands:
             raise TypeError(f"run_cell() needs source text, got {type(source).__name__}")
         _, stream = resolve_target(self, stream)
         ctrl = self._controller
-        ctrl.check_usable()
+        ctrl.check_usable(self.targets)
         targets = self.targets if ranks is None else tuple(ranks)
         outside = [r for r in targets if r not in self.targets]
         if outside:
@@ -89,7 +89,7 @@ class NamespaceCommands:
     def push(self, **names) -> None:
         """Bind ``names`` in every worker's namespace (Refs become their per-rank values)."""
         ctrl = self._controller
-        ctrl.check_usable()
+        ctrl.check_usable(self.targets)
         args, refs = pack_args((), names)
         stream = self.default_stream
         check_refs(refs, self, stream)
@@ -99,7 +99,7 @@ class NamespaceCommands:
     def pull(self, name: str, rank: int | None = None, timeout: float | None = None) -> Any:
         """The value of ``name`` in the workers' namespaces: a list per rank, or one rank's."""
         ctrl = self._controller
-        ctrl.check_usable()
+        ctrl.check_usable(self.targets)
         ranks = self.ranks if rank is None else [self._global_rank(rank)]
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"pull() needs a variable name, got {name!r}")

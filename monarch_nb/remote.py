@@ -68,7 +68,7 @@ class Ref:
         self._check()
         mesh = self.mesh
         ctrl = mesh._controller
-        ctrl.check_usable()
+        ctrl.check_usable(mesh.targets)
         self._first_use()
         ranks = mesh.targets if rank is None else (mesh._global_rank(rank),)
         args, _ = pack_args((self,), {})
@@ -220,7 +220,7 @@ class Ref:
         if stream.id == self.stream.id:
             raise ValueError(f"Ref {self.id} is already on stream {stream.name!r}")
         ctrl = self.mesh._controller
-        ctrl.check_usable()
+        ctrl.check_usable(self.mesh.targets)
         self._first_use()
         borrow, result = ctrl.next_id(), ctrl.next_id()
         ctrl.send(
@@ -336,7 +336,7 @@ class RemoteFunction:
     def _send(self, args, kwargs, mesh, stream, function: m.Function | None = None) -> Ref:
         """Send the call (``function`` instead of this one's, if given); its Ref."""
         ctrl = mesh._controller
-        ctrl.check_usable()
+        ctrl.check_usable(mesh.targets)
         if args or kwargs:
             _packing.stream = stream
             try:

@@ -170,7 +170,11 @@ def test_a_breakpoint_in_a_notebook_function_that_runs_remotely(k, dap):
         k.ok("fr = mnb.remote(scaled)(6)", output_hook=dap.hook)
         tids = remote_stops(dap, 2, "breakpoint")
         frame = top(dap, tids[0])
-        assert (frame["name"], frame["line"], frame["source"]["path"]) == ("scaled · rank 0", 3, path)
+        assert (frame["name"], frame["line"], frame["source"]["path"]) == (
+            "scaled · rank 0",
+            3,
+            path,
+        )
         assert local_vars(dap, frame["id"])["w"]["value"] == "42"
         continue_all(dap, tids.values())
         assert k.value("fr.fetch(timeout=30)", output_hook=dap.hook) == [42, 42]
@@ -253,7 +257,9 @@ rank"""
 
 def test_two_meshes_name_their_threads_and_a_shut_down_mesh_refuses(k, dap):
     k.ok("side = mnb.local_mesh(dp=1, name='side')", timeout=120, output_hook=dap.hook)
-    k.ok("%%monarch --mesh default --noblock -o on_default\nbreakpoint()\nrank", output_hook=dap.hook)
+    k.ok(
+        "%%monarch --mesh default --noblock -o on_default\nbreakpoint()\nrank", output_hook=dap.hook
+    )
     remote_stops(dap, 2)  # (events are read before the next cell: it would skip them)
     k.ok(SIDE, output_hook=dap.hook)
     remote_stops(dap, 1)

@@ -177,7 +177,10 @@ print("after the bar")
 
 
 def test_print_dots_make_one_line(k):
-    msgs = monarch(k, "import time\nfor i in range(12):\n    print('.', end='', flush=True); time.sleep(0.05)\nprint(' done')")
+    msgs = monarch(
+        k,
+        "import time\nfor i in range(12):\n    print('.', end='', flush=True); time.sleep(0.05)\nprint(' done')",
+    )
     shown = "".join(live(msgs).values()) + stream(msgs)
     assert ranks_saying(shown, "............ done") == {0, 1}, shown
     dotted = [line for line in stream(msgs).splitlines() if "." in line]

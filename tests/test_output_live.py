@@ -150,7 +150,11 @@ def test_past_the_cap_the_latest_lines_of_every_rank_show_to_the_end():
     step = 0
     while s.published < CELL_CAP + (256 << 10):  # well past the cap
         for r in (0, 1):
-            s.add(r, "stdout", "".join(f"step {step + i} rank {r} " + "y" * 80 + "\n" for i in range(50)))
+            s.add(
+                r,
+                "stdout",
+                "".join(f"step {step + i} rank {r} " + "y" * 80 + "\n" for i in range(50)),
+            )
         step += 50
         s.tick(later(1 + step), sink_mod.PENDING_CAP)
         if step > 40_000:

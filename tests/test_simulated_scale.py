@@ -162,6 +162,15 @@ def test_a_killed_light_rank_fails_pending_work_naming_host_and_rank():
         assert e.rank == 5 and e.exit_code == -signal.SIGKILL
         assert "simulated rank 5 on sim-1 was killed" in e.stderr_tail
         assert m.status()["ranks"][5]["alive"] is False
+        # the call that involves rank 5 says restart; the other host serves on
+        with pytest.raises(WorkerCrashed, match="needs a restart: its worker rank 5 died"):
+            m.exec("x")
+        other = m.slice(host=0)
+        assert other.exec("x + rank").fetch(timeout=30) == [1, 2, 3, 4]
+        mnb.remote(noop)(mesh=other)
+        other.wait(timeout=30)
+        with pytest.raises(WorkerCrashed, match="rank 5"):
+            m.slice(host=1).exec("x").fetch(timeout=30)
         m.restart()
         assert m.exec("rank").fetch(rank=5, timeout=60) == 5
 

@@ -190,7 +190,9 @@ def test_op_without_fake_kernel_names_the_op(mesh):
     lib.impl("nofake", lambda x: x.clone(), "CPU")
     with mesh.activate():
         t = torch.ones(2)
-        with pytest.raises(NotImplementedError, match=r"mnbtest\.nofake.*mnb\.remote\(fn, propagate="):
+        with pytest.raises(
+            NotImplementedError, match=r"mnbtest\.nofake.*mnb\.remote\(fn, propagate="
+        ):
             torch.ops.mnbtest.nofake(t)
         assert mnb.inspect(t + 1).tolist() == [2.0, 2.0]
 

@@ -24,9 +24,7 @@ def mesh():
 def _setup(mesh, momentum=0.0):
     with mesh.activate():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
-        )
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
         x, y = torch.randn(32, 8), torch.randn(32, 1)
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)

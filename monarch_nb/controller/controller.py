@@ -30,7 +30,7 @@ from ..protocol.ndslice import NDSlice
 from .async_result import AsyncResult
 from .cancels import Cancels
 from .debugger import DebugSessions
-from .errors import MeshClosedError, RemoteError, broken_again
+from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again
 from .failures import FailureLog
 from .host_launcher import default_launcher
 from .interrupts import Interrupts
@@ -137,6 +137,7 @@ class Controller:
         self.failures = FailureLog(self.name)
         self.table = RequestTable(self.failures)
         self._broken: BaseException | None = None
+        self._lost: set | None = set()  # ranks lost when broken (None: the whole mesh)
         self._closing = False
         self._closed = False
         self.streams: dict[str, int] = {"default": 0}
@@ -181,11 +182,20 @@ class Controller:
         """Shut down for good (``usable`` is also False while broken or restarting)."""
         return self._closed
 
-    def check_usable(self) -> None:
+    def check_usable(self, ranks=None) -> None:
+        """Raise unless ``ranks`` (default: all) can take commands: none of them lost."""
         if self._closed or self._closing:
             raise MeshClosedError(f"mesh {self.name!r} is shut down")
         if self._broken is not None:
-            raise broken_again(self._broken) from None
+            lost = self._lost
+            if ranks is None or lost is None or not lost.isdisjoint(ranks):
+                raise broken_again(self._broken) from None
+
+    def survivors(self):
+        """Every rank not lost (all unless the mesh broke by losing some)."""
+        if self._broken is None or not self._lost:
+            return range(self.world)
+        return tuple(r for r in range(self.world) if r not in self._lost)
 
     # ------------------------------------------------------------ sending
 
@@ -202,9 +212,10 @@ class Controller:
     ) -> None:
         """Send ``msg`` to ``ranks`` (None: every rank). With ``stream``, it is a
         command whose progress MeshState tracks."""
+        # None: every rank (of a mesh broken by lost ranks: the others)
+        targets = self.survivors() if ranks is None else ranks
         if check:
-            self.check_usable()
-        targets = range(self.world) if ranks is None else ranks
+            self.check_usable(targets)
         frames = self._frames(msg, targets, stream, what)
         nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
         if nbytes <= BIG_SEND:
@@ -238,8 +249,8 @@ class Controller:
         ``failed_by``, a failure of that command (reported before the replies) fails
         the result, whose RemoteError keeps the replies as ``results``."""
         timeout = check_timeout(timeout)
-        self.check_usable()
         ranks = tuple(ranks)
+        self.check_usable(ranks)
         if statuses:
             expected, order = [(r, s) for r in ranks for s in self.streams.values()], None
         else:
@@ -283,10 +294,16 @@ class Controller:
         self.table.fail_rank(rank, err)
 
     def break_mesh(self, err: BaseException) -> None:
-        """The mesh cannot go on (IO thread): fail every request with ``err``."""
+        """The mesh cannot go on (IO thread): fail every request with ``err``. A rank
+        lost (``WorkerCrashed``, ``WorkerUnresponsive``) breaks it for the calls that
+        involve that rank; a sub-mesh of the other ranks goes on serving."""
         first = self._broken is None
         if first:
             self._broken = err
+        if isinstance(err, WorkerCrashed) and self._lost is not None:
+            self._lost.add(err.rank)
+        else:
+            self._lost = None  # every rank
         waiting = self.table.fail_all(err)
         if first:  # said once: by the calls waiting for replies, else by the log
             logger.log(logging.INFO if waiting else logging.ERROR, "%s", str(err).splitlines()[0])

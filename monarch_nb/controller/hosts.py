@@ -94,11 +94,11 @@ class HostLinks:
         for old, li in list(self.links.items()):  # the launcher replaced that host
             if li.host == msg.host:
                 del self.links[old]
-                ctrl.io.routes.hosts.discard(old)
+                ctrl.io.routes.drop_host(old)
         ctrl.peers.join(identity, header)
         link = HostLink(msg.host, frozenset(ranks), msg.pid, msg.name, identity)
         self.links[identity] = link
-        ctrl.io.routes.hosts.add(identity)
+        ctrl.io.routes.add_host(identity)
         return link
 
     # ------------------------------------------------------------ its ranks

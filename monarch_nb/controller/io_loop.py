@@ -321,12 +321,7 @@ class IOLoop:
                     item = item[1:]
                 _, ranks, frames, done = item
                 if done is None and len(frames) == 2:
-                    for r in ranks:
-                        b = batches.get(r)
-                        if b is None:
-                            batches[r] = [frames]
-                        else:
-                            b.append(frames)
+                    self.routes.add(batches, ranks, frames)
                 else:
                     self.routes.flush(batches)
                     self.routes.route(ranks, frames, done)
@@ -352,8 +347,7 @@ class IOLoop:
         if deletes and self.identities:
             frames = self.encode_deletes(deletes)
             if frames is not None:
-                for r in self.identities:
-                    batches.setdefault(r, []).append(frames)
+                self.routes.add(batches, tuple(self.identities), frames)
         self.routes.flush(batches)
 
     def _receive(self) -> None:

@@ -24,47 +24,114 @@ class Routes:
         self.hosts: set[bytes] = set()
         self.seal = lambda inner, count, identity: inner  # the envelope per destination
         self.encode_host_command = lambda targets, count: None  # -> its frames
+        self._runs: dict = {}  # host identity -> [targets, [messages], targets, ...]
+        self._splits: dict = {}  # ranks -> (validity, split)
+        self._epoch = 0
 
     def send_now(self, identity: bytes, frames) -> None:
         """One encoded message to one socket, sealed."""
         send_frames(self.router, [identity, *self.seal(frames, 1, identity)])
 
-    def flush(self, batches: dict) -> None:
-        """Send ``batches`` (rank -> encoded messages) and clear it: one envelope per
-        rank, or per host and group of its ranks that get the same messages."""
-        router, seal, hosts = self.router, self.seal, self.hosts
-        via: dict | None = None  # (host identity, message ids) -> (ranks, messages)
-        for r, msgs in batches.items():
-            ident = self.identities.get(r)
-            if ident is None:
-                continue
-            if hosts and ident in hosts:  # once per host for the ranks that get the same
-                if via is None:
-                    via = {}
-                key = (ident, *map(id, msgs))
-                g = via.get(key)
-                if g is None:
-                    via[key] = ([r], msgs)
+    def add_host(self, identity: bytes) -> None:
+        self.hosts.add(identity)
+        self._epoch += 1
+
+    def drop_host(self, identity: bytes) -> None:
+        self.hosts.discard(identity)
+        self._epoch += 1
+
+    def add(self, batches: dict, ranks, frames) -> None:
+        """Queue buffer-less ``frames`` for ``ranks`` until ``flush``: in ``batches``
+        (rank -> messages) for ranks with sockets of their own, per host otherwise."""
+        if not self.hosts:
+            for r in ranks:
+                b = batches.get(r)
+                if b is None:
+                    batches[r] = [frames]
                 else:
-                    g[0].append(r)
+                    b.append(frames)
+            return
+        direct, hosted = self._split(ranks)
+        for r in direct:
+            b = batches.get(r)
+            if b is None:
+                batches[r] = [frames]
+            else:
+                b.append(frames)
+        runs = self._runs
+        for ident, targets in hosted:
+            q = runs.get(ident)
+            if q is None:
+                runs[ident] = [targets, [frames]]
+            elif q[-2] is targets:
+                q[-1].append(frames)  # the same ranks as the message before: one command
+            else:
+                q += (targets, [frames])
+
+    def _split(self, ranks) -> tuple:
+        """``ranks`` as (ranks with sockets of their own, [(host identity, its ranks)]),
+        kept while no host joins or leaves and nobody joins (a mesh's broadcasts use
+        the same rank tuple: one hash instead of a lookup per rank)."""
+        key = ranks if type(ranks) is tuple else tuple(ranks)
+        identities = self.identities
+        valid = (self._epoch, len(identities))
+        hit = self._splits.get(key)
+        if hit is not None and hit[0] == valid:
+            return hit[1]
+        direct, by_host = [], {}
+        hosts, complete = self.hosts, True
+        for r in key:
+            ident = identities.get(r)
+            if ident is None:
+                complete = False
+            elif ident in hosts:
+                g = by_host.get(ident)
+                if g is None:
+                    by_host[ident] = [r]
+                else:
+                    g.append(r)
+            else:
+                direct.append(r)
+        split = (direct, [(i, tuple(rs)) for i, rs in by_host.items()])
+        if complete:
+            if len(self._splits) > 64:
+                self._splits.clear()
+            self._splits[key] = (valid, split)
+        return split
+
+    def flush(self, batches: dict) -> None:
+        """Send what was queued and clear it: one envelope per rank with messages, one
+        per host (a HostCommand before each run of messages for the same ranks)."""
+        router, seal, identities = self.router, self.seal, self.identities
+        for r, msgs in batches.items():
+            ident = identities.get(r)
+            if ident is None:
                 continue
             if len(msgs) == 1:
                 send_frames(router, [ident, *seal(msgs[0], 1, ident)])
             else:
                 inner = [f for frames in msgs for f in frames]
                 send_frames(router, [ident, *seal(inner, len(msgs), ident)])
-        if via:
-            for key, (ranks, msgs) in via.items():
-                self.to_host(key[0], ranks, msgs)
         batches.clear()
+        if self._runs:
+            for ident, q in self._runs.items():
+                self._send_runs(ident, q)
+            self._runs.clear()
 
     def to_host(self, identity: bytes, ranks, msgs: list) -> None:
-        """Buffer-less ``msgs`` for ``ranks`` of one host, in one envelope after their
-        HostCommand."""
-        inner = list(self.encode_host_command(tuple(ranks), len(msgs)))
-        for frames in msgs:
-            inner += frames
-        send_frames(self.router, [identity, *self.seal(inner, len(msgs) + 1, identity)])
+        """Buffer-less ``msgs`` for ``ranks`` of one host, in one envelope."""
+        self._send_runs(identity, [tuple(ranks), msgs])
+
+    def _send_runs(self, identity: bytes, q: list) -> None:
+        inner: list = []
+        count = 0
+        for i in range(0, len(q), 2):
+            targets, msgs = q[i], q[i + 1]
+            inner += self.encode_host_command(targets, len(msgs))
+            for frames in msgs:
+                inner += frames
+            count += len(msgs) + 1
+        send_frames(self.router, [identity, *self.seal(inner, count, identity)])
 
     def route(self, ranks, frames, done: Future | None) -> None:
         """Send one message (any shape) to ``ranks``; ``done`` gets the ZeroMQ tracker

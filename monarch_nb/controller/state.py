@@ -131,10 +131,10 @@ class MeshState:
         for sid, v in streams.items():
             old = w.progress.get(sid)
             # reports travel on several sockets: never go backwards
-            if old is None:
-                w.progress[sid] = list(v)
+            if old is None or (old[0] <= v[0] and old[1] <= v[1] and old[2] <= v[2]):
+                w.progress[sid] = v  # a tuple, never changed in place: shared is fine
             elif old[0] < v[0] or old[1] < v[1] or old[2] < v[2]:
-                w.progress[sid] = [max(a, b) for a, b in zip(old, v)]
+                w.progress[sid] = tuple(max(a, b) for a, b in zip(old, v))
             if w.stalled:
                 st = w.stalled.get(sid)
                 if st is not None and w.progress[sid][1] >= st["ident"]:

@@ -139,7 +139,7 @@ def dispatch(func, args, kwargs, mesh=None):
         if borrows.live[0]:
             borrows.check(op_name(func), tensors, _written(entry, mutated))
     ctrl = mesh._controller
-    ctrl.check_usable()
+    ctrl.check_usable(mesh.targets)
     names = _names.get(id(func)) or _names_of(func)
     what = names[1]
     if local:

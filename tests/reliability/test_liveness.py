@@ -100,9 +100,11 @@ def test_stacks_show_where_each_rank_is_and_a_silent_rank_as_none(watched, tmp_p
     flag = str(tmp_path / "release")
     ref = mnb.remote(_spin_here_until)(flag, mesh=watched)
     stacks = wait_for(
-        lambda: (s := watched.stacks(timeout=10))
-        and all("_spin_here_until" in s[r]["default"]["stack"] for r in (0, 1))
-        and s,
+        lambda: (
+            (s := watched.stacks(timeout=10))
+            and all("_spin_here_until" in s[r]["default"]["stack"] for r in (0, 1))
+            and s
+        ),
         30,
         "both ranks in _spin_here_until",
     )
