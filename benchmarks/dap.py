@@ -27,7 +27,9 @@ from ._report import Entry, interleaved
 
 LIMIT_MS = 50.0
 OURS_CELL = "%%monarch --noblock\nx = 5\nitems = list(range(100))\nname = 'r'\nbreakpoint()\npass"
-BASE_CELL = "def held():\n    x = 5\n    items = list(range(100))\n    name = 'k'\n    return x\n\nheld()"
+BASE_CELL = (
+    "def held():\n    x = 5\n    items = list(range(100))\n    name = 'k'\n    return x\n\nheld()"
+)
 REMOTE = 1 << 30  # notebook/dap.py's first remote thread id
 
 

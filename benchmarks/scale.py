@@ -1,7 +1,7 @@
 """The controller at 1,024 ranks: simulated light ranks, 32 hosts x 32, each host
-its own process (``local_mesh(host=32, gpu=32, simulate=True)``), every rank with
-its own signed ZeroMQ connection to the controller (the design of now; the
-fan-out through host agents is the next slice).
+its own process (``local_mesh(host=32, gpu=32, simulate=True)``) with one signed
+ZeroMQ connection to the controller: a command goes once per host, the ranks'
+replies come back folded per host (docs/architecture.md, "Fan-out").
 
 * ``broadcast_1024``: ``mnb.remote(noop)(mesh=mesh)`` + ``mesh.wait()``, ms per
   broadcast; ``broadcast_1024_cpu``: the controller process's CPU for it per rank
@@ -10,7 +10,7 @@ fan-out through host agents is the next slice).
   collects one signed reply each), alternated with ours. ipyparallel's
   broadcast view runs only where ipyparallel is installed.
   ``raw_per_host_ms`` / ``raw_per_host_cpu_us_per_rank`` ride along: the same raw
-  fan-out to 32 peers, one per host, the floor of the next slice's design.
+  fan-out to 32 peers, one per host, the floor of the fan-out's design.
 * ``status_1024``: ``mesh.status()`` at 1,024 ranks (ms).
 * ``memory_per_rank_1024``: what the controller process grew by per rank (USS,
   KB), the raw ROUTER's growth per peer as baseline; the light rank's own cost

@@ -200,7 +200,7 @@ def bench_tensor_step(quick: bool) -> list[Entry]:
                 "ours_dispatched_steps_per_s": round(op_dispatched),
                 "commands_per_step": ops,
             },
-        )
+        ),
     ]
 
 

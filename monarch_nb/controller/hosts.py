@@ -139,7 +139,11 @@ class HostLinks:
         now = time.time()
         state = self.ctrl.state
         for ranks, fields in msg.groups:
-            ok = [r for r in ranks if r in link.ranks and joined.get(r) == me]
+            get = joined.get
+            if link.ranks.issuperset(ranks):
+                ok = [r for r in ranks if get(r) is me]
+            else:
+                ok = [r for r in ranks if r in link.ranks and get(r) is me]
             if len(ok) != len(ranks):
                 self.replies._drop(
                     "rank", f"a fold of {msg.kind} naming ranks not of host {link.host}"

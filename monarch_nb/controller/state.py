@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from ..protocol.envelope import KINDS
 from .errors import describe_exit
 
+_ZERO = (0, 0, 0)  # a stream's progress before its first report
+
 
 @dataclass
 class WorkerState:
@@ -122,8 +124,18 @@ class MeshState:
         """The same progress of several ranks (a host's folded report)."""
         with self.lock:
             workers = self.workers
-            for r in ranks:
-                self._progress(workers[r], streams)
+            items = list(streams.items())
+            for r in ranks:  # _progress, inlined: this runs per rank per broadcast
+                w = workers[r]
+                prog = w.progress
+                for sid, v in items:
+                    old = prog.get(sid)
+                    if old is None or (old[0] <= v[0] and old[1] <= v[1] and old[2] <= v[2]):
+                        prog[sid] = v
+                    else:
+                        prog[sid] = tuple(max(a, b) for a, b in zip(old, v))
+                if w.stalled:
+                    self._progress(w, {})
             self._prune()
 
     @staticmethod
@@ -135,10 +147,9 @@ class MeshState:
                 w.progress[sid] = v  # a tuple, never changed in place: shared is fine
             elif old[0] < v[0] or old[1] < v[1] or old[2] < v[2]:
                 w.progress[sid] = tuple(max(a, b) for a, b in zip(old, v))
-            if w.stalled:
-                st = w.stalled.get(sid)
-                if st is not None and w.progress[sid][1] >= st["ident"]:
-                    del w.stalled[sid]  # the stalled command finished
+        for sid, st in list(w.stalled.items()):
+            if w.progress.get(sid, (0, 0, 0))[1] >= st["ident"]:
+                del w.stalled[sid]  # the stalled command finished
 
     def stalled(self, rank: int, sid: int, ident: int, what: str, seconds: float, stack: str):
         with self.lock:
@@ -196,7 +207,7 @@ class MeshState:
         w = self.workers.get(rank)
         if w is None or not w.alive:
             return 1 << 62  # a dead worker finishes nothing: don't keep its queue
-        return w.progress.get(sid, (0, 0, 0))[1]
+        return w.progress.get(sid, _ZERO)[1]
 
     # -------------------------------------------------------------- snapshot
 
