@@ -84,11 +84,12 @@ class HostAgent:
         wait: bool = True,
         simulate: int = 0,
         host_name: str | None = None,
+        prefix: tuple = (),
     ):
         """Start the agent; with ``wait``, return once it takes Spawns (else call
         ``wait_ready``, as ``HostLauncher`` does). ``simulate=N``: a simulated host
-        of N light ranks named ``host_name`` (``monarch-nb-host --simulate``)."""
-        self.local_ranks = simulate or local_ranks
+        of N light ranks named ``host_name``; ``prefix``: before its command (netns)."""
+        self.local_ranks, self.prefix = simulate or local_ranks, tuple(prefix)
         self.simulate, self.host_name = simulate, host_name
         self.label = f"simulated host {host_name}" if simulate else "the host agent"
         self.ranks: dict[int, AgentRank] = {}  # slot -> rank not ended yet
@@ -140,7 +141,7 @@ class HostAgent:
         else:
             cmd = [sys.executable, "-m", "monarch_nb.host", "--stdio"]
             cmd += ["--local-ranks", str(self.local_ranks)]
-        cmd += ["--parent-pid", str(os.getpid())]
+        cmd = [*self.prefix, *cmd, "--parent-pid", str(os.getpid())]
         try:
             self.popen = subprocess.Popen(
                 cmd,

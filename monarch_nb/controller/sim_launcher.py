@@ -27,10 +27,12 @@ class SimLauncher:
 
     external = False  # the simulated hosts report each rank's end at once
 
-    def __init__(self, name: str, world: int, per_host: int):
+    def __init__(self, name: str, world: int, per_host: int, wrap=None):
+        """``wrap(i)``: a command prefix for simulated host ``i`` (a network namespace)."""
         if isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1:
             raise ValueError(f"ranks per simulated host must be a positive int, got {per_host!r}")
         self.name, self.world, self.per_host = name, world, per_host
+        self.wrap = wrap
         self.agents: list[HostAgent] = []
         ensure_descriptors(world + 3 * self.hosts)
         with _held_lock:
@@ -76,7 +78,8 @@ class SimLauncher:
             if i < len(self.agents) and self.agents[i].alive:
                 continue
             per_host = min(self.per_host, self.world - i * self.per_host)
-            agent = HostAgent(wait=False, simulate=per_host, host_name=f"sim-{i}")
+            prefix = self.wrap(i) if self.wrap is not None else ()
+            agent = HostAgent(wait=False, simulate=per_host, host_name=f"sim-{i}", prefix=prefix)
             if i < len(self.agents):
                 self.agents[i] = agent
             else:
