@@ -36,22 +36,23 @@ def net():
     try:
         try:
             _ip("link", "add", bridge, "type", "bridge")
+            made.append(("link", bridge))
+            _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+            _ip("link", "set", bridge, "up")
+            for i, ns in enumerate(spaces):
+                _ip("netns", "add", ns)
+                made.append(("netns", ns))
+                host_end, ns_end = f"mnbh{tag}{i}", f"mnbn{tag}{i}"
+                _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+                made.append(("link", host_end))
+                _ip("link", "set", ns_end, "netns", ns)
+                _ip("link", "set", host_end, "master", bridge, "up")
+                _ip("-n", ns, "addr", "add", f"{SUBNET}.{10 + i}/24", "dev", ns_end)
+                _ip("-n", ns, "link", "set", ns_end, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
         except (OSError, subprocess.CalledProcessError) as e:
-            pytest.skip(f"cannot make a bridge here (needs root / CAP_NET_ADMIN): {e}")
-        made.append(("link", bridge))
-        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
-        _ip("link", "set", bridge, "up")
-        for i, ns in enumerate(spaces):
-            _ip("netns", "add", ns)
-            made.append(("netns", ns))
-            host_end, ns_end = f"mnbh{tag}{i}", f"mnbn{tag}{i}"
-            _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
-            made.append(("link", host_end))
-            _ip("link", "set", ns_end, "netns", ns)
-            _ip("link", "set", host_end, "master", bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{SUBNET}.{10 + i}/24", "dev", ns_end)
-            _ip("-n", ns, "link", "set", ns_end, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+            why = getattr(e, "stderr", "") or e
+            pytest.skip(f"cannot make network namespaces here (needs root, CAP_NET_ADMIN): {why}")
         yield spaces, [f"mnbh{tag}{i}" for i in range(HOSTS)]
     finally:
         for kind, name in reversed(made):
