@@ -225,7 +225,7 @@ class DebuggerMessage(NamedTuple):
 
 class InitBackend(NamedTuple):
     """Join the default process group through ``store`` (``file:///path`` locally, else
-    ``tcp://host:port``); answered by a FetchResult of ``ident``: None or why not."""
+    ``controller://G``, generation G); answered by a FetchResult of ``ident``: None or why not."""
 
     store: str
     backend: str
@@ -397,3 +397,4 @@ class InternalException(NamedTuple):
 
     rank: int
     failure: RemoteFailure
+from .store_messages import StoreReply, StoreRequest  # noqa: E402, F401 - records of the store
