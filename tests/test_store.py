@@ -251,9 +251,9 @@ def test_a_port_scan_from_another_namespace_finds_only_the_router(tmp_path):
     try:
         try:
             ip("netns", "add", ns)
+            ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", ns)
         except subprocess.CalledProcessError as e:
-            pytest.skip(f"cannot make a network namespace here: {e.stderr.strip()}")
-        ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", ns)
+            pytest.skip(f"cannot make a network namespace and a veth pair: {e.stderr.strip()}")
         ip("addr", "add", f"{host}/24", "dev", here)
         ip("link", "set", here, "up")
         ip("-n", ns, "addr", "add", f"{peer}/24", "dev", there)

@@ -192,6 +192,10 @@ class ControllerStore(dist.Store):
     def multi_set(self, keys, values) -> None:
         self._call("multi_set", ([str(k) for k in keys], [_bytes(v) for v in values]))
 
+    def clone(self) -> ControllerStore:
+        """Another handle on the same keys (torch clones stores for its own threads)."""
+        return ControllerStore(self._link, self.generation, self.timeout)
+
 
 def _bytes(value) -> bytes:
     if isinstance(value, str):
