@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .ndslice import NDSlice
+from .store_messages import StoreReply, StoreRequest  # noqa: F401 - records of the store
 
 
 class Function(NamedTuple):
@@ -397,4 +398,3 @@ class InternalException(NamedTuple):
 
     rank: int
     failure: RemoteFailure
-from .store_messages import StoreReply, StoreRequest  # noqa: E402, F401 - records of the store
