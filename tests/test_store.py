@@ -174,6 +174,13 @@ def test_a_restart_serves_a_fresh_generation(store_mesh):
     assert landed is False
 
 
+def test_an_unknown_rendezvous_kind_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MONARCH_NB_RENDEZVOUS", "tcp")
+    with pytest.raises(ValueError, match=r"MONARCH_NB_RENDEZVOUS must be one of .* got 'tcp'"):
+        mnb.local_mesh(dp=1, name="bad-rendezvous")
+    assert "bad-rendezvous" not in mnb.mesh.all_meshes()
+
+
 def test_the_server_drops_other_generations_and_answers_parked_gets():
     server = StoreServer()
     server.begin(3)
