@@ -101,6 +101,36 @@ def test_store_operations_from_worker_functions(store_mesh):
     assert keys["t/counter"] == b"2" and keys["t/from0"] == b"hello from 0"
 
 
+def concurrent_callers():
+    """A get parked for one thread does not hold up another thread's set."""
+    import time
+
+    s, r = _store(), mnb.current_rank()
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("v", s.get(f"c/late{1 - r}")))
+    t.start()
+
+    def parked():  # its request is out: the thread waits for the reply
+        frame = sys._current_frames().get(t.ident)
+        while frame is not None and frame.f_code.co_name != "replies":
+            frame = frame.f_back
+        return frame is not None
+
+    deadline = time.monotonic() + 30
+    while not parked() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    s.set(f"c/late{r}", f"from {r}".encode())
+    t.join(30)
+    return got.get("v")
+
+
+def test_concurrent_callers_on_one_worker_do_not_wait_for_each_other(store_mesh):
+    assert mnb.remote(concurrent_callers)(mesh=store_mesh).fetch(timeout=60) == [
+        b"from 1",
+        b"from 0",
+    ]
+
+
 def bounded_get():
     from monarch_nb.worker.store import StoreTimeout
 
