@@ -120,11 +120,13 @@ class _Channel:
 class ControllerStore(dist.Store):
     """A torch.distributed store whose keys the controller keeps (one dict per
     generation). Every operation is bounded by the store's timeout (``set_timeout``
-    changes it; ``wait`` takes its own): past it, StoreTimeout."""
+    changes it; ``wait`` takes its own; 0, torch's "none", is the first timeout
+    again): past it, StoreTimeout."""
 
     def __init__(self, link, generation: int, timeout: datetime.timedelta):
         super().__init__()
         self.set_timeout(timeout)
+        self._bound = timeout.total_seconds() or 300.0
         self._link = link  # connect_socket(), signer, rank, peers: the Worker
         self.generation = generation
         self._local = threading.local()
@@ -139,7 +141,8 @@ class ControllerStore(dist.Store):
         return ch
 
     def _call(self, op: str, args: tuple, timeout: datetime.timedelta | None = None):
-        bound = (timeout or self.timeout).total_seconds()
+        # torch's "no timeout" (0) is bounded here too: by the timeout the store began with
+        bound = (timeout or self.timeout).total_seconds() or self._bound
         ch = self._channel()
         request = next(self._ids)
         ch.send(m.StoreRequest(self._link.rank, self.generation, request, op, args, bound))
