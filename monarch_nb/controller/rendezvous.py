@@ -1,51 +1,53 @@
 """Where the workers of a generation meet to start torch.distributed.
 
 On one host: a FileStore in a private (0700) directory, one file per
-generation, no socket at all. Workers on other hosts need a TCPStore served by
-the controller, which listens on every interface and is not authenticated:
-use that on trusted networks (docs/clusters.md).
+generation, no socket at all. A mesh whose controller binds beyond loopback
+(workers on other hosts): the controller's own store (``store_server``), which
+workers reach through the signed controller channel; nothing listens for it.
+``MONARCH_NB_RENDEZVOUS=controller`` (or ``file``) picks one explicitly.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import socket
 import tempfile
 
+from .store_server import StoreServer
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KINDS = ("file", "controller")
 
 
 class Rendezvous:
-    def __init__(self, advertise: str):
-        self._advertise = advertise
+    """The rendezvous of one mesh; ``store`` serves the ``controller`` kind."""
+
+    def __init__(self, advertise: str, kind: str | None = None):
+        kind = kind or os.environ.get("MONARCH_NB_RENDEZVOUS") or None
+        if kind is None:
+            kind = "file" if advertise in _LOOPBACK else "controller"
+        if kind not in KINDS:
+            raise ValueError(f"MONARCH_NB_RENDEZVOUS must be one of {KINDS}, got {kind!r}")
+        self.kind = kind
         self._dir: str | None = None
-        self._store = None  # the TCPStore of the current generation, kept alive here
+        self.store = StoreServer()
 
     def address(self, generation: int) -> str:
         """The store address the workers of ``generation`` join through."""
-        if self._advertise in _LOOPBACK:
+        if self.kind == "file":
             if self._dir is None:
                 self._dir = tempfile.mkdtemp(prefix="mnb-store-")
                 os.chmod(self._dir, 0o700)
             return "file://" + os.path.join(self._dir, f"gen{generation}")
-        import torch.distributed as dist
-
-        self._store = dist.TCPStore(
-            self._advertise,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=300),
-        )
-        return f"tcp://{self._advertise}:{self._store.port}"
+        self.store.begin(generation)
+        return f"controller://{generation}"
 
     def new_generation(self) -> None:
-        self._store = None
+        self.store.begin(-1)  # nothing is served until the generation's address is given
 
     def close(self) -> None:
-        self._store = None
+        self.store.begin(-1)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

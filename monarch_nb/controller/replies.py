@@ -85,6 +85,8 @@ class Replies:
         try:
             if ready:
                 handler(msg, identity, header)
+            elif type(msg) is m.StoreRequest:  # answered on the socket it came from
+                handler(msg, identity)
             else:
                 handler(msg)
         except Exception as e:
@@ -161,6 +163,10 @@ class Replies:
             ctrl.failures.mark_reported(msg.ident)
         ctrl.state.add_error(msg.ident, msg.rank, msg.stream, msg.failure)
         ctrl.table.on_failure(msg.ident)
+
+    def StoreRequest(self, msg: m.StoreRequest, identity: bytes) -> None:
+        for to, reply in self.ctrl.rendezvous.store.handle(msg, identity):
+            self.ctrl.io.send_now(to, encode(reply, self.ctrl.signer))
 
     # ------------------------------------------------------------ reports
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .ndslice import NDSlice
+from .store_messages import StoreReply, StoreRequest  # noqa: F401 - records of the store
 from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - their fields
 
 # ---------------------------------------------------------------- controller -> worker
@@ -204,7 +205,7 @@ class DebuggerMessage(NamedTuple):
 
 class InitBackend(NamedTuple):
     """Join the default process group through ``store`` (``file:///path`` locally, else
-    ``tcp://host:port``); answered by a FetchResult of ``ident``: None or why not."""
+    ``controller://G``, generation G); answered by a FetchResult of ``ident``: None or why not."""
 
     store: str
     backend: str

@@ -68,14 +68,13 @@ class Comms:
 
     # -------------------------------------------------------------- set-up
 
-    def init_backend(self, address: str, backend: str) -> None:
-        """Join the default process group (runs on the default stream, first)."""
+    def init_backend(self, address: str, backend: str, link=None) -> None:
+        """Join the default process group (runs on the default stream, first) through
+        the store of ``address`` (the controller's is reached through ``link``)."""
+        from .store import open_store
+
         try:
-            if address.startswith("file://"):
-                store = dist.FileStore(address[len("file://") :], self.world)
-            else:
-                host, port = address[len("tcp://") :].rsplit(":", 1)
-                store = dist.TCPStore(host, int(port), is_master=False, timeout=_timeout())
+            store = open_store(address, self.world, link, _timeout())
             if backend == "nccl":
                 backend = "cpu:gloo,cuda:nccl"
             dist.init_process_group(

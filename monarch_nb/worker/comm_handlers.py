@@ -23,7 +23,7 @@ class CommHandlers:
 
         def init() -> None:
             try:
-                comms.init_backend(msg.store, msg.backend)
+                comms.init_backend(msg.store, msg.backend, self)
                 failure = None
             except BaseException as e:  # noqa: B036 - the controller fails the start with it
                 logger.exception("torch.distributed failed to start")
