@@ -1,0 +1,259 @@
+"""Host agents on other hosts: ``monarch-nb-host --connect`` (a relay whose child is
+the forking agent) joins a ``connect_mesh`` over the signed agent channel.
+
+Real relays started as subprocesses on loopback, real forked ranks, real gloo:
+2 hosts x 2 ranks make a world of 4. A zombie counts as gone (wait_helpers.alive)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from wait_helpers import alive, pids_gone, wait_for
+
+import monarch_nb as mnb
+from monarch_nb.controller.errors import WorkerCrashed
+
+ROOT = Path(__file__).resolve().parents[1]
+# a remote host imports from its own environment: this test module too (where())
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p
+    ),
+    "GLOO_SOCKET_IFNAME": "lo",
+}
+
+
+def relay(conn, *args, heartbeat: float = 10.0, prefix=()):
+    """``monarch-nb-host --connection-file conn ARGS`` (its stderr kept)."""
+    cmd = [*prefix] or [sys.executable, "-m", "monarch_nb.host"]
+    cmd += ["--connection-file", str(conn), "--heartbeat-timeout", str(heartbeat), *args]
+    return subprocess.Popen(cmd, env=ENV, stderr=subprocess.PIPE, text=True)
+
+
+def tree(p) -> list[int]:
+    """A relay and everything under it: its agent and the agent's ranks."""
+    try:
+        proc = psutil.Process(p.pid)
+        return [proc.pid] + [c.pid for c in proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+class Waiting:
+    """connect_mesh in a thread: it blocks until every rank has joined."""
+
+    def __init__(self, **kw):
+        self.result, self.error, self.printed = [], [], []
+        self.thread = threading.Thread(target=self._run, args=(kw,), daemon=True)
+        self.thread.start()
+
+    def _run(self, kw):
+        try:
+            self.result.append(mnb.connect_mesh(**kw))
+        except BaseException as e:  # noqa: B036 - handed to the test
+            self.error.append(e)
+
+    def mesh(self, timeout=120):
+        self.thread.join(timeout)
+        if self.error:
+            raise self.error[0]
+        assert self.result, "connect_mesh did not return"
+        return self.result[0]
+
+
+def wait_file(path, timeout=30):
+    wait_for(lambda: os.path.exists(path), timeout, f"{path} to appear")
+
+
+def where():
+    import os
+    import socket
+
+    return (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), socket.gethostname(), os.getppid())
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """A world of 4 on two relays of 2 local ranks each (node ranks 0 and 1)."""
+    conn = tmp_path_factory.mktemp("remote") / "mesh.json"
+    w = Waiting(world=4, hosts=2, gpus=2, connection_file=str(conn), timeout=120, name="remote")
+    wait_file(conn)
+    relays = [relay(conn, "--local-ranks", "2", "--node-rank", str(i)) for i in range(2)]
+    try:
+        mesh = w.mesh()
+        yield mesh, relays, conn
+    finally:
+        if w.result:
+            w.result[0].shutdown()
+        for p in relays:
+            p.kill()
+
+
+def test_the_connection_file_names_the_agent_channel(hosts):
+    mesh, relays, conn = hosts
+    info = json.loads(conn.read_text())
+    assert info["agents"].startswith("tcp://127.0.0.1:") and info["agents"] != info["address"]
+
+
+def test_agents_fork_their_blocks_which_run_a_cell_an_all_reduce_and_a_fetch(hosts):
+    mesh, relays, _ = hosts
+    agents = [psutil.Process(p.pid).children()[0].pid for p in relays]
+    seen = mnb.remote(where)(mesh=mesh).fetch(timeout=60)
+    assert [s[:2] for s in seen] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert [s[3] for s in seen] == [agents[0], agents[0], agents[1], agents[1]]
+    mesh.exec("import torch, os\nx = torch.full((2,), float(os.environ['RANK']))")
+    assert mesh.pull("x", rank=3).tolist() == [3.0, 3.0]
+    ones = mnb.remote(torch.ones)(2, mesh=mesh)
+    assert [t.tolist() for t in ones.reduce(("hosts", "gpus"), "sum").fetch(timeout=60)] == [
+        [4.0, 4.0]
+    ] * 4
+
+
+def test_restart_forks_again_through_the_same_agents(hosts):
+    mesh, relays, _ = hosts
+    before = tree(relays[0]) + tree(relays[1])
+    ranks = list(mesh._controller.worker_pids().values())
+    mesh.restart()
+    after = mesh._controller.worker_pids()
+    assert sorted(after) == [0, 1, 2, 3] and not set(after.values()) & set(ranks)
+    assert all(p.poll() is None for p in relays)
+    agents = [psutil.Process(p.pid).children()[0].pid for p in relays]
+    assert all(a in before for a in agents)  # the same relays and agents
+    assert pids_gone(ranks, timeout=10) == []
+    assert mnb.remote(where)(mesh=mesh).fetch(timeout=60)[2][:2] == (2, 0)
+
+
+def test_a_rank_killed_under_a_remote_agent_fails_pending_work_naming_host_and_rank(hosts):
+    mesh, relays, _ = hosts
+    mesh.exec("import os\nos.write(2, b'last words of rank 2\\n')").fetch(timeout=60)
+    busy = mesh.exec("import time\ntime.sleep(60)")
+    os.kill(mesh._controller.worker_pids()[2], signal.SIGKILL)
+    with pytest.raises(WorkerCrashed) as ei:
+        busy.fetch(timeout=30)  # the agent's report fails it long before this bound
+    e = ei.value
+    assert e.rank == 2 and e.exit_code == -signal.SIGKILL
+    assert "last words of rank 2" in e.stderr_tail
+    assert f"rank 2 ran on host {os.uname().nodename} (relay pid {relays[1].pid})" in e.stderr_tail
+    mesh.restart()  # the same agents fork the world again
+    assert mesh.pull("__name__") == ["__main__"] * 4
+
+
+@pytest.mark.parametrize("victim", ["agent", "relay"])
+def test_a_remote_agent_killed_fails_all_its_ranks_naming_its_host(hosts, victim):
+    mesh, relays, conn = hosts
+    i = 0 if victim == "agent" else 1
+    agent = psutil.Process(relays[i].pid).children()[0].pid
+    ranks = [pid for r, pid in mesh._controller.worker_pids().items() if r // 2 == i]
+    busy = mesh.exec("import time\ntime.sleep(60)")
+    os.kill(agent if victim == "agent" else relays[i].pid, signal.SIGKILL)
+    with pytest.raises(WorkerCrashed) as ei:
+        busy.fetch(timeout=30)
+    text = ei.value.stderr_tail
+    assert ei.value.rank in (2 * i, 2 * i + 1)
+    assert f"host {os.uname().nodename} (relay pid {relays[i].pid})" in text
+    if victim == "agent":
+        assert "its host agent was killed by signal SIGKILL" in text
+    else:
+        assert "its connection closed (the relay process is gone)" in text
+    assert "its ranks died with it" in text
+    assert relays[i].wait(30) != 0  # a relay whose agent died leaves
+    assert pids_gone(ranks + [agent], timeout=10) == []
+    relays[i] = relay(conn, "--local-ranks", "2", "--node-rank", str(i))  # a new host
+    wait_for(
+        lambda: len(mesh._controller.workers.launcher.agents.hosts()) == 2, 120, "the new host"
+    )
+    mesh.restart()
+    assert [s[:2] for s in mnb.remote(where)(mesh=mesh).fetch(timeout=60)][2 * i] == (2 * i, 0)
+
+
+def test_bad_agents_are_refused_with_the_cause_and_the_mesh_serves_on(hosts, tmp_path):
+    mesh, relays, conn = hosts
+    zero = relay(conn, "--local-ranks", "0")
+    assert zero.wait(60) == 2 and "--local-ranks must be at least 1" in zero.stderr.read()
+    same = relay(conn, "--local-ranks", "2", "--node-rank", "1")
+    assert same.wait(60) == 2
+    assert "two host agents claim host slot 1" in same.stderr.read()
+    big = relay(conn, "--local-ranks", "8")
+    assert big.wait(60) == 2
+    assert "it offers 8 ranks, more than the 0 free of the mesh's world of 4" in big.stderr.read()
+    wrong = dict(json.loads(conn.read_text()), key=os.urandom(32).hex())
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    bad_key = relay(tmp_path / "wrong.json", "--local-ranks", "1", heartbeat=2)
+    assert bad_key.wait(60) == 3  # never answered: it leaves once its heartbeat timeout passes
+    assert "wrong key" in bad_key.stderr.read()
+    other = relay(
+        conn,
+        "--local-ranks",
+        "1",
+        prefix=[
+            sys.executable,
+            "-c",
+            "import sys, monarch_nb.protocol.envelope as e; e.PROTOCOL_VERSION = 3; "
+            "from monarch_nb.host.__main__ import main; main(sys.argv[1:])",
+        ],
+    )
+    assert other.wait(60) == 2
+    assert "the controller speaks protocol 2, this host agent 3" in other.stderr.read()
+    refusals = mesh._controller.workers.launcher.agents.refusals
+    assert any("a host agent speaks protocol 3, this mesh 2" in r for r in refusals)
+    assert mesh.pull("__name__") == ["__main__"] * 4
+
+
+def test_shutdown_ends_every_relay_agent_and_rank(tmp_path):
+    conn = tmp_path / "mesh.json"
+    w = Waiting(world=2, connection_file=str(conn), timeout=120, name="ending")
+    wait_file(conn)
+    relays = [relay(conn, "--local-ranks", "1") for _ in range(2)]
+    try:
+        mesh = w.mesh()
+        pids = tree(relays[0]) + tree(relays[1])
+        assert len(pids) == 6
+        mesh.shutdown()
+        assert [p.wait(30) for p in relays] == [0, 0]
+        assert pids_gone(pids, timeout=10) == []
+    finally:
+        for p in relays:
+            p.kill()
+
+
+def test_the_controller_killed_takes_every_relay_agent_and_rank(tmp_path):
+    conn = tmp_path / "mesh.json"
+    script = tmp_path / "ctl.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import time, monarch_nb as mnb
+        mesh = mnb.connect_mesh(world=2, connection_file={str(conn)!r}, timeout=120)
+        assert mnb.remote(lambda: 1)(mesh=mesh).fetch() == [1, 1]
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    )
+    ctl = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=ENV
+    )
+    relays = []
+    try:
+        wait_file(conn)
+        relays = [relay(conn, "--local-ranks", "1", heartbeat=3) for _ in range(2)]
+        assert any(line.strip() == "ready" for line in iter(ctl.stdout.readline, ""))
+        pids = tree(relays[0]) + tree(relays[1])
+        assert len(pids) == 6 and all(alive(p) for p in pids)
+        ctl.kill()
+        ctl.wait()
+        assert pids_gone(pids, timeout=15) == [], "a relay, agent or rank outlived its controller"
+        assert [p.wait(5) for p in relays] == [3, 3]  # the heartbeat timeout ended them
+    finally:
+        ctl.kill()
+        for p in relays:
+            p.kill()
