@@ -210,24 +210,35 @@ def test_bad_agents_are_refused_with_the_cause_and_the_mesh_serves_on(hosts, tmp
     assert mesh.pull("__name__") == ["__main__"] * 4
 
 
-def test_shutdown_ends_every_relay_agent_and_rank(tmp_path):
+def test_an_agent_and_a_per_rank_worker_make_one_mesh_and_shutdown_ends_them(tmp_path):
     conn = tmp_path / "mesh.json"
-    w = Waiting(world=2, connection_file=str(conn), timeout=120, name="ending")
+    w = Waiting(world=3, connection_file=str(conn), timeout=120, name="mixed")
     wait_file(conn)
-    relays = [relay(conn, "--local-ranks", "1") for _ in range(2)]
+    host = relay(conn, "--local-ranks", "2")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "monarch_nb.worker", "--connection-file", str(conn)]
+        + ["--rank", "2", "--world", "3"],
+        env=ENV,
+    )
     try:
         mesh = w.mesh()
-        pids = tree(relays[0]) + tree(relays[1])
-        assert len(pids) == 6
+        pids = tree(host)
+        assert len(pids) == 4  # relay, agent, 2 ranks
+        assert mnb.remote(mnb.current_rank)(mesh=mesh).fetch(timeout=60) == [0, 1, 2]
+        ones = mnb.remote(torch.ones)(1, mesh=mesh)
+        assert ones.reduce("world", "sum").fetch(rank=2, timeout=60).tolist() == [3.0]
         mesh.shutdown()
-        assert [p.wait(30) for p in relays] == [0, 0]
+        assert host.wait(30) == 0 and worker.wait(30) == 0
         assert pids_gone(pids, timeout=10) == []
     finally:
-        for p in relays:
-            p.kill()
+        host.kill()
+        worker.kill()
 
 
-def test_the_controller_killed_takes_every_relay_agent_and_rank(tmp_path):
+@pytest.mark.parametrize("end", ["SIGKILL", "SIGSTOP"])
+def test_the_controller_gone_takes_every_relay_agent_and_rank(tmp_path, end):
+    """SIGKILL closes its connections (the relays see them close); SIGSTOP leaves them
+    open but silent (the relays' short heartbeat timeout, here 3 s)."""
     conn = tmp_path / "mesh.json"
     script = tmp_path / "ctl.py"
     script.write_text(
@@ -243,17 +254,60 @@ def test_the_controller_killed_takes_every_relay_agent_and_rank(tmp_path):
         [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=ENV
     )
     relays = []
+    heartbeat = 3 if end == "SIGSTOP" else 60  # SIGKILL: the closed connection ends them
     try:
         wait_file(conn)
-        relays = [relay(conn, "--local-ranks", "1", heartbeat=3) for _ in range(2)]
+        relays = [relay(conn, "--local-ranks", "1", heartbeat=heartbeat) for _ in range(2)]
         assert any(line.strip() == "ready" for line in iter(ctl.stdout.readline, ""))
         pids = tree(relays[0]) + tree(relays[1])
         assert len(pids) == 6 and all(alive(p) for p in pids)
-        ctl.kill()
-        ctl.wait()
-        assert pids_gone(pids, timeout=15) == [], "a relay, agent or rank outlived its controller"
-        assert [p.wait(5) for p in relays] == [3, 3]  # the heartbeat timeout ended them
+        os.kill(ctl.pid, getattr(signal, end))
+        assert pids_gone(pids, timeout=30) == [], "a relay, agent or rank outlived its controller"
+        assert [p.wait(5) for p in relays] == [3, 3]
+        why = "closed and it has not answered" if end == "SIGKILL" else "for 3 s"
+        assert all(why in p.stderr.read() for p in relays)
     finally:
         ctl.kill()
         for p in relays:
             p.kill()
+
+
+def _pids_cgroup(name: str) -> Path:
+    base = Path("/sys/fs/cgroup/pids")
+    if not (base / "cgroup.procs").exists() or not os.access(base, os.W_OK):
+        pytest.skip("no writable pids cgroup here to make a fork fail")
+    d = base / name
+    try:
+        d.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a pids cgroup: {e}")
+    return d
+
+
+def test_an_agent_whose_forks_fail_fails_the_start_naming_host_and_cause(tmp_path):
+    conn = tmp_path / "mesh.json"
+    w = Waiting(world=1, connection_file=str(conn), timeout=120, name="nofork")
+    wait_file(conn)
+    p = relay(conn, "--local-ranks", "1")
+    mesh = w.mesh()
+    group = _pids_cgroup(f"mnb_remote_test_{os.getpid()}")
+    try:
+        for pid in tree(p)[:2]:  # the relay and its agent; the rank stays where it is
+            (group / "cgroup.procs").write_text(str(pid))
+        # their own tasks only (the relay's I/O threads): no fork succeeds
+        (group / "pids.max").write_text((group / "pids.current").read_text().strip())
+        with pytest.raises(WorkerCrashed) as ei:
+            mesh.restart()
+        text = ei.value.stderr_tail
+        assert f"host {os.uname().nodename} (relay pid {p.pid}) could not start rank 0" in text
+        assert "cannot fork rank 0" in text and "Resource temporarily unavailable" in text
+        assert p.poll() is None  # the agent serves on
+        (group / "pids.max").write_text("max")
+        mesh.restart()
+        assert mesh.pull("__name__") == ["__main__"]
+    finally:
+        mesh.shutdown()
+        p.kill()
+        p.wait()
+        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 30, "an empty cgroup")
+        group.rmdir()

@@ -79,6 +79,10 @@ class RankBook:
         """A line after a rank's output when it ends (where it ran, for a remote host)."""
         return ""
 
+    def spawn_note(self, r: AgentRank, error: str) -> str:
+        """The line a rank whose fork failed ends with (``failed_spawn_code`` set)."""
+        return f"[the host agent could not start rank {r.rank}: {error}]"
+
     def on_rank(self, msg) -> bool:
         """Apply a rank's record (Output, Spawned, Exited, SpawnFailed); True when
         no rank is left running."""
@@ -98,8 +102,8 @@ class RankBook:
             r.end(msg.code, self.exit_note(r))
         elif isinstance(msg, hm.SpawnFailed):
             r.spawn_error = msg.error
-            note = f"[{self.exit_note(r) or 'the host agent'}: {msg.error}]"
-            r.end(self.failed_spawn_code, note if self.failed_spawn_code is not None else "")
+            failed = self.failed_spawn_code is not None
+            r.end(self.failed_spawn_code, self.spawn_note(r, msg.error) if failed else "")
         return idle
 
     def spawn(
@@ -126,7 +130,8 @@ class RankBook:
             with self._lock:
                 self.ranks.pop(slot, None)
             r.spawn_error = str(e)
-            r.end(self.failed_spawn_code, f"[{e}]" if self.failed_spawn_code is not None else "")
+            failed = self.failed_spawn_code is not None
+            r.end(self.failed_spawn_code, self.spawn_note(r, str(e)) if failed else "")
         return r
 
     def end_all(self, why: str) -> None:

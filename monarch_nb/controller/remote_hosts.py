@@ -67,6 +67,9 @@ class RemoteAgent(RankBook):
     def exit_note(self, r: AgentRank) -> str:
         return f"[rank {r.rank} ran on {self.label}; its host agent reported its end]"
 
+    def spawn_note(self, r: AgentRank, error: str) -> str:
+        return f"[{self.label} could not start rank {r.rank}: {error}]"
+
 
 class AgentChannel:
     """The agents' ROUTER of mesh ``name``, bound on ``interface``, ``host`` in its address."""
@@ -243,7 +246,10 @@ class AgentChannel:
         if isinstance(msg, hm.AgentReady):
             with self._lock:
                 agent.info = msg
-                if self._target is not None:
+                # a generation that had these ranks (from a host since lost) is past
+                # its start: the next restart forks them
+                had = any(agent.first + i in self._procs for i in range(agent.count))
+                if self._target is not None and not had:
                     self._spawn_block(agent)
         elif isinstance(msg, hm.AgentGone):
             how = describe_exit(msg.code)
@@ -349,8 +355,9 @@ class AgentChannel:
             self._send(identity, hm.Refused(why))
 
     def _say(self, text: str) -> None:
-        logger.warning("mesh %r: %s", self.name, text)
+        """Shown where the mesh's start-up lines are (the notebook), and logged."""
+        logger.info("mesh %r: %s", self.name, text)
         try:
             self._out(f"mesh {self.name!r}: {text}")
         except Exception:
-            pass
+            logger.warning("mesh %r: %s", self.name, text)

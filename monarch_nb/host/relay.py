@@ -31,6 +31,7 @@ from ..protocol.wire import BadMessage, Signer
 
 BEAT_S = 1.0  # how often the relay says it is alive
 POLL_MS = 200
+GONE_S = 2.0  # a closed connection that is not back (and heard on) this soon: the controller is gone
 
 
 class Relay:
@@ -67,6 +68,7 @@ class Relay:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(self.address)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             self._send(
                 hm.Hello(
@@ -76,6 +78,7 @@ class Relay:
             self._loop()
         finally:
             self._end_agent()
+            self.monitor.close(0)
             self.sock.close()
             ctx.term()
         return self.code
@@ -83,16 +86,30 @@ class Relay:
     def _loop(self) -> None:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
+        closed_at = None  # when the connection to the controller last closed
         while self.running:
             for what, _ in self.poller.poll(POLL_MS):
                 if what is self.sock:
                     while self.running and self.sock.poll(0):
                         if self._from_controller(self.sock.recv_multipart(copy=False)):
                             last_heard = time.monotonic()
+                elif what is self.monitor:
+                    while self.monitor.poll(0):
+                        self.monitor.recv_multipart()
+                        closed_at = time.monotonic()
                 elif self.agent is not None and what == self.agent.stdout.fileno():
                     self._from_agent(what)
             now = time.monotonic()
+            if closed_at is not None and now - closed_at > GONE_S:
+                if last_heard < closed_at and self.heard:
+                    self.log(
+                        f"the connection to the controller at {self.address} closed and it has "
+                        f"not answered since ({GONE_S:g} s): ending this host's agent and ranks"
+                    )
+                    self._stop(3)
+                closed_at = None
             if now >= next_beat:
                 next_beat = now + BEAT_S
                 self._send(hm.Beat())
