@@ -104,6 +104,11 @@ def test_the_connection_file_names_the_agent_channel(hosts):
     mesh, relays, conn = hosts
     info = json.loads(conn.read_text())
     assert info["agents"].startswith("tcp://127.0.0.1:") and info["agents"] != info["address"]
+    text = mesh._controller.workers.launcher.lines(info["address"], 4)  # what connect_mesh printed
+    assert f"srun --ntasks-per-node 1 monarch-nb-host --connection-file {conn}" in text
+    assert f"monarch-nb-host --connect {info['agents']} --key-file K" in text
+    assert "torchrun --nnodes NODES --nproc-per-node 1 -m monarch_nb.host" in text
+    assert "Kubernetes" in text and "-m monarch_nb.worker --connection-file" in text
 
 
 def test_agents_fork_their_blocks_which_run_a_cell_an_all_reduce_and_a_fetch(hosts):
@@ -311,3 +316,60 @@ def test_an_agent_whose_forks_fail_fails_the_start_naming_host_and_cause(tmp_pat
         p.wait()
         wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 30, "an empty cgroup")
         group.rmdir()
+
+
+def test_spawns_over_the_network_carry_no_secret_and_every_record_is_signed(tmp_path):
+    """A relay made by hand (a real DEALER speaking the agent link) sees what crosses
+    the network: signed records, the rank's variables, never the mesh key."""
+    import zmq
+
+    from monarch_nb.protocol import agent_link
+    from monarch_nb.protocol import host_messages as hm
+    from monarch_nb.protocol.envelope import Sealer
+    from monarch_nb.protocol.wire import Signer
+
+    conn = tmp_path / "mesh.json"
+    w = Waiting(world=2, connection_file=str(conn), timeout=60, name="handmade")
+    wait_file(conn)
+    info = json.loads(conn.read_text())
+    key = bytes.fromhex(info["key"])
+    signer = Signer(key)
+    sealer = Sealer(signer, agent_link.AGENT)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(info["agents"])
+
+    def send(msg):
+        sock.send_multipart(agent_link.seal(sealer, signer, msg))
+
+    def recv(kind):
+        while True:
+            assert sock.poll(30_000), f"no {kind.__name__} from the controller"
+            frames = sock.recv_multipart()
+            assert hmac_ok(frames, signer)
+            _, msg = agent_link.open_record(frames, signer)
+            if isinstance(msg, kind):
+                return msg
+
+    def hmac_ok(frames, signer):
+        return frames[0] == signer.mac(frames[1] + frames[2]) and frames[2] == signer.mac(frames[3])
+
+    try:
+        send(hm.Hello("handmade", os.getpid(), mnb.__version__, 2, None))
+        assert recv(hm.Welcome) == hm.Welcome(0, 2, 2)
+        send(hm.AgentReady(os.getpid(), "handmade", mnb.__version__, 2))
+        spawns = [recv(hm.Spawn), recv(hm.Spawn)]
+        assert [(s.rank, s.local_rank, s.world) for s in spawns] == [(0, 0, 2), (1, 1, 2)]
+        assert all(s.key_hex == "" and s.sys_path == [] and s.cwd == "" for s in spawns)
+        assert spawns[1].env == {
+            "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"
+        }  # fmt: skip
+        assert spawns[0].address == info["address"]
+        send(hm.AgentGone(-signal.SIGKILL))
+        with pytest.raises(WorkerCrashed) as ei:
+            w.mesh()
+        assert "host handmade" in ei.value.stderr_tail
+        assert "its host agent was killed by signal SIGKILL" in ei.value.stderr_tail
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -264,7 +264,7 @@ class AgentChannel:
 
     def _spawn_block(self, agent: RemoteAgent) -> None:
         """Ask ``agent`` for its ranks of the launched generation (``_lock`` held)."""
-        address, key = self._target
+        address, _ = self._target  # the relay has the key: it never crosses the network
         for i in range(agent.count):
             rank = agent.first + i
             env = {
@@ -273,7 +273,7 @@ class AgentChannel:
                 "LOCAL_RANK": str(i),
                 "LOCAL_WORLD_SIZE": str(agent.count),
             }
-            self._procs[rank] = agent.spawn(rank, self.world, address, key, env, i, here=False)
+            self._procs[rank] = agent.spawn(rank, self.world, address, b"", env, i, here=False)
 
     def _hello(self, identity: bytes, h, msg: hm.Hello, fd) -> None:
         who = f"host {msg.host} (relay pid {msg.pid})"

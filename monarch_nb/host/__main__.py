@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
         help="with --connect: exit (ranks and all) when the controller has been silent this long (s)",
     )
     p.add_argument("--parent-pid", type=int, help="exit when this process (the controller) is gone")
+    # the relay's child: --local-ranks is this host's ranks, one per GPU (the local agent's
+    # is a bound on the ranks of all its meshes, which share the GPUs)
+    p.add_argument("--one-per-gpu", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.simulate is not None:
         if a.local_ranks is not None:
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..worker import worker  # noqa: F401
     from .agent import Agent
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if a.one_per_gpu and torch.cuda.is_available() else 0
     if 0 < gpus < a.local_ranks:
         from ..protocol import host_messages as hm
 

@@ -47,6 +47,7 @@ class Relay:
     ):
         self.address, self.local_ranks, self.node_rank = address, local_ranks, node_rank
         self.heartbeat_timeout = heartbeat_timeout
+        self.key = key
         self.signer = Signer(key)
         self.sealer = Sealer(self.signer, agent_link.AGENT)
         self.peers = PeerTable()
@@ -174,7 +175,8 @@ class Relay:
             return
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "monarch_nb.host", "--stdio"]
-            + ["--local-ranks", str(self.local_ranks), "--parent-pid", str(os.getpid())],
+            + ["--local-ranks", str(self.local_ranks), "--parent-pid", str(os.getpid())]
+            + ["--one-per-gpu"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
@@ -183,14 +185,16 @@ class Relay:
         self.poller.register(self.agent.stdout.fileno(), zmq.POLLIN)
 
     def _here(self, msg: hm.Spawn) -> hm.Spawn:
-        """The Spawn with this host's environment (the controller sent the rank's variables)."""
+        """The Spawn with this host's environment (the controller sent the rank's
+        variables) and the mesh key (which the controller does not send: the
+        channel is signed, not encrypted)."""
         env = {k: v for k, v in os.environ.items() if k != "MONARCH_NB_KEY"}
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.local_ranks)))
         env.update(msg.env)
         cwd = os.getcwd()
         paths = [p if p else cwd for p in sys.path]
-        return msg._replace(env=env, sys_path=paths, cwd=cwd)
+        return msg._replace(env=env, sys_path=paths, cwd=cwd, key_hex=self.key.hex())
 
     def _to_agent(self, msg) -> None:
         if self.agent is None:
