@@ -189,6 +189,9 @@ def test_bad_agents_are_refused_with_the_cause_and_the_mesh_serves_on(hosts, tmp
     same = relay(conn, "--local-ranks", "2", "--node-rank", "1")
     assert same.wait(60) == 2
     assert "two host agents claim host slot 1" in same.stderr.read()
+    beyond = relay(conn, "--local-ranks", "1", "--node-rank", "5")
+    assert beyond.wait(60) == 2
+    assert "ranks 5-5, beyond the mesh's world of 4" in beyond.stderr.read()
     big = relay(conn, "--local-ranks", "8")
     assert big.wait(60) == 2
     assert "it offers 8 ranks, more than the 0 free of the mesh's world of 4" in big.stderr.read()
