@@ -56,6 +56,8 @@ class Relay:
         self.running = True
         self.code = 0
         self.heard = False
+        self.dropped = 0
+        self._to_write = bytearray()  # for the agent's stdin (non-blocking: the agent may be busy)
 
     def log(self, text: str) -> None:
         print(f"[monarch host relay {os.getpid()}] {text}", file=sys.stderr, flush=True)
@@ -68,6 +70,7 @@ class Relay:
         ctx = zmq.Context(1)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)  # while the controller is away: then dropped
         self.sock.connect(self.address)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
@@ -102,6 +105,8 @@ class Relay:
                         closed_at = time.monotonic()
                 elif self.agent is not None and what == self.agent.stdout.fileno():
                     self._from_agent(what)
+                elif self.agent is not None and what == self.agent.stdin.fileno():
+                    self._write_agent()
             now = time.monotonic()
             if closed_at is not None and now - closed_at > GONE_S:
                 if last_heard < closed_at and self.heard:
@@ -131,10 +136,16 @@ class Relay:
         self.running = False
 
     def _send(self, msg) -> None:
+        """Never blocks (the heartbeat checks must go on): a record the socket cannot
+        queue is dropped (the controller is gone, or far behind)."""
+        frames = agent_link.seal(self.sealer, self.signer, msg)
         try:
-            self.sock.send_multipart(agent_link.seal(self.sealer, self.signer, msg), copy=False)
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
-            self.log(f"cannot send to the controller: {e}")
+            self.sealer.retract()
+            if not self.dropped:
+                self.log(f"cannot send to the controller ({e}): dropping records")
+            self.dropped += 1
 
     # ------------------------------------------------------------ controller -> agent
 
@@ -182,6 +193,7 @@ class Relay:
             bufsize=0,
             close_fds=True,
         )
+        os.set_blocking(self.agent.stdin.fileno(), False)
         self.poller.register(self.agent.stdout.fileno(), zmq.POLLIN)
 
     def _here(self, msg: hm.Spawn) -> hm.Spawn:
@@ -197,12 +209,23 @@ class Relay:
         return msg._replace(env=env, sys_path=paths, cwd=cwd, key_hex=self.key.hex())
 
     def _to_agent(self, msg) -> None:
-        if self.agent is None:
-            return
-        try:
-            self.agent.stdin.write(hm.encode(msg))
-        except (BrokenPipeError, ValueError, OSError):
-            pass  # the agent is gone: its end is read from its stdout
+        if self.agent is not None:
+            self._to_write += hm.encode(msg)
+            self._write_agent()
+
+    def _write_agent(self) -> None:
+        """Write what the pipe takes now; the rest when the poll says it has room."""
+        fd = self.agent.stdin.fileno()
+        while self._to_write:
+            try:
+                n = os.write(fd, self._to_write)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._to_write.clear()  # the agent is gone: its end is read from its stdout
+                break
+            del self._to_write[:n]
+        self.poller.register(fd, zmq.POLLOUT if self._to_write else 0)
 
     # ------------------------------------------------------------ agent -> controller
 
