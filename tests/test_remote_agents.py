@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import uuid
 from pathlib import Path
 
 import psutil
@@ -34,11 +36,18 @@ ENV = {
 }
 
 
-def relay(conn, *args, heartbeat: float = 10.0, prefix=()):
-    """``monarch-nb-host --connection-file conn ARGS`` (its stderr kept)."""
+def relay(conn, *args, heartbeat: float = 10.0, prefix=(), key_file=None, env=None):
+    """``monarch-nb-host --connection-file conn ARGS`` (its stderr kept); with
+    ``key_file``: ``--connect ADDR --key-file K``, ADDR the file's agent channel."""
     cmd = [*prefix] or [sys.executable, "-m", "monarch_nb.host"]
-    cmd += ["--connection-file", str(conn), "--heartbeat-timeout", str(heartbeat), *args]
-    return subprocess.Popen(cmd, env=ENV, stderr=subprocess.PIPE, text=True)
+    if key_file is None:
+        cmd += ["--connection-file", str(conn)]
+    else:
+        info = json.loads(Path(conn).read_text())
+        Path(key_file).write_text(info["key"])
+        cmd += ["--connect", info["agents"], "--key-file", str(key_file)]
+    cmd += ["--heartbeat-timeout", str(heartbeat), *args]
+    return subprocess.Popen(cmd, env={**ENV, **(env or {})}, stderr=subprocess.PIPE, text=True)
 
 
 def tree(p) -> list[int]:
@@ -85,11 +94,15 @@ def where():
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    """A world of 4 on two relays of 2 local ranks each (node ranks 0 and 1)."""
+    """A world of 4 on two relays of 2 local ranks each (node ranks 0 and 1): one
+    joins with --connection-file, one with --connect ADDR --key-file K."""
     conn = tmp_path_factory.mktemp("remote") / "mesh.json"
     w = Waiting(world=4, hosts=2, gpus=2, connection_file=str(conn), timeout=120, name="remote")
     wait_file(conn)
-    relays = [relay(conn, "--local-ranks", "2", "--node-rank", str(i)) for i in range(2)]
+    relays = [
+        relay(conn, "--local-ranks", "2", "--node-rank", "0"),
+        relay(conn, "--local-ranks", "2", "--node-rank", "1", key_file=conn.with_name("key")),
+    ]
     try:
         mesh = w.mesh()
         yield mesh, relays, conn
@@ -376,3 +389,74 @@ def test_spawns_over_the_network_carry_no_secret_and_every_record_is_signed(tmp_
     finally:
         sock.close(0)
         ctx.term()
+
+
+def _eth0_addr():
+    import subprocess
+
+    out = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "eth0"], capture_output=True, text=True
+    ).stdout
+    return out.split()[3].split("/")[0]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (ip netns)"
+)
+def test_two_hosts_in_network_namespaces_join_through_their_agents(tmp_path):
+    """Each "host" a network namespace of its own: the agent channel, the ranks'
+    connections and gloo cross the bridge (the controller binds on its address)."""
+    tag = uuid.uuid4().hex[:5]
+    br, nss = f"mnbab{tag}", [f"mnbas{tag}{i}" for i in range(2)]
+    hosts = ["10.213.9.2", "10.213.9.3"]
+
+    def ip(*args, check=True):
+        return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+    try:
+        try:
+            ip("link", "add", br, "type", "bridge")
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"cannot make a bridge here: {e.stderr.strip()}")
+        ip("addr", "add", "10.213.9.1/24", "dev", br)
+        ip("link", "set", br, "up")
+        for i, ns in enumerate(nss):
+            ip("netns", "add", ns)
+            ip("link", "add", f"a{tag}{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("link", "set", f"a{tag}{i}", "master", br)
+            ip("link", "set", f"a{tag}{i}", "up")
+            ip("-n", ns, "addr", "add", f"{hosts[i]}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        conn = tmp_path / "mesh.json"
+        w = Waiting(
+            world=2, connection_file=str(conn), timeout=120, name="nshosts", interface="10.213.9.1"
+        )
+        wait_file(conn)
+        assert json.loads(conn.read_text())["agents"].startswith("tcp://10.213.9.1:")
+        relays = [
+            relay(
+                conn,
+                "--local-ranks",
+                "1",
+                "--node-rank",
+                str(i),
+                prefix=["ip", "netns", "exec", ns, sys.executable, "-m", "monarch_nb.host"],
+                env={"GLOO_SOCKET_IFNAME": "eth0"},
+            )
+            for i, ns in enumerate(nss)
+        ]
+        try:
+            mesh = w.mesh()
+            assert mnb.remote(_eth0_addr)(mesh=mesh).fetch(timeout=60) == hosts
+            ones = mnb.remote(torch.ones)(2, mesh=mesh)
+            assert ones.reduce("world", "sum").fetch(rank=1, timeout=60).tolist() == [2.0, 2.0]
+            mesh.shutdown()
+            assert [p.wait(30) for p in relays] == [0, 0]
+        finally:
+            for p in relays:
+                p.kill()
+    finally:
+        for ns in nss:
+            ip("netns", "del", ns, check=False)
+        ip("link", "del", br, check=False)
