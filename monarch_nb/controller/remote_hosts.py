@@ -83,16 +83,15 @@ class AgentChannel:
         self.sealer = Sealer(self.signer, CONTROLLER)
         self.peers = PeerTable()
         self.agents: dict[bytes, RemoteAgent] = {}
-        self.refusals: list[str] = []  # why agents were refused, for status and tests
+        self.refusals: list[str] = []  # why agents were refused (kept for a look later)
         self._lock = threading.Lock()  # agents, the launch target, procs
-        self._target: tuple | None = None  # (address, key) of the generation launched
+        self._target: str | None = None  # the ranks' address, once a generation launched
         self._procs: dict = {}
         self._posted: queue.SimpleQueue = queue.SimpleQueue()
         self._version_told: set[bytes] = set()
         self._ctx = zmq.Context(1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.port = self._sock.bind_to_random_port(f"tcp://{interface}")
         self.address = f"tcp://{host}:{self.port}"
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -106,19 +105,23 @@ class AgentChannel:
     # ------------------------------------------------------------ API (any thread)
 
     def post(self, identity: bytes, msg) -> None:
-        """Send ``msg`` to the relay of ``identity`` (from the channel's thread)."""
+        """Send ``msg`` to the relay of ``identity`` (from the channel's thread);
+        RuntimeError once the channel is closed."""
+        wake = self._wake_w
+        if wake is None:
+            raise RuntimeError(f"mesh {self.name!r}: the host agents' channel is closed")
         self._posted.put((identity, msg))
         try:
-            os.write(self._wake_w, b"x")
+            os.write(wake, b"x")
         except (BlockingIOError, OSError):
-            pass  # a wake-up is pending (or the channel is closed)
+            pass  # a wake-up is pending
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
         """A generation starts: its ranks' address; the ranks of every ready agent
         are forked now, those of agents that come later when they are ready. The
         dict (rank -> AgentRank) fills as they are asked for."""
         with self._lock:
-            self._target = (address, key)
+            self._target = address
             self._procs = {}
             for agent in self.agents.values():
                 if agent.info is not None:
@@ -131,6 +134,8 @@ class AgentChannel:
 
     def close(self) -> None:
         """The mesh is gone: every relay is told Quit (its agent and ranks end)."""
+        if self._wake_w is None:
+            return
         for agent in self.hosts():
             self.post(agent.identity, hm.Quit())
         self._running = False
@@ -171,8 +176,9 @@ class AgentChannel:
             self._monitor.close(0)
             self._sock.close()
             self._ctx.term()
+            wake, self._wake_w = self._wake_w, None
+            os.close(wake)
             os.close(self._wake_r)
-            os.close(self._wake_w)
 
     def _flush(self) -> None:
         try:
@@ -264,7 +270,7 @@ class AgentChannel:
 
     def _spawn_block(self, agent: RemoteAgent) -> None:
         """Ask ``agent`` for its ranks of the launched generation (``_lock`` held)."""
-        address, _ = self._target  # the relay has the key: it never crosses the network
+        address = self._target
         for i in range(agent.count):
             rank = agent.first + i
             env = {
@@ -273,6 +279,7 @@ class AgentChannel:
                 "LOCAL_RANK": str(i),
                 "LOCAL_WORLD_SIZE": str(agent.count),
             }
+            # no key: the relay has it, and it never crosses the network
             self._procs[rank] = agent.spawn(rank, self.world, address, b"", env, i, here=False)
 
     def _hello(self, identity: bytes, h, msg: hm.Hello, fd) -> None:
