@@ -109,7 +109,11 @@ def connect_mesh(
     **dims: int,
 ) -> DeviceMesh:
     """Wait for ``world`` workers started by another launcher (torchrun, srun, ...)
-    running ``monarch-nb-worker --connection-file F``.
+    running ``monarch-nb-worker --connection-file F`` (one per rank), or host
+    agents running ``monarch-nb-host --connection-file F --local-ranks N`` (one
+    per host: each gets the next block of N ranks, or its ``--node-rank`` /
+    SLURM_NODEID / GROUP_RANK block, forks them, and forks them again at
+    ``mesh.restart()``), or both.
 
     Binds on ``interface`` (loopback unless you name another: "0.0.0.0" or an
     address, for workers on other hosts; ``advertise`` is the address they use
@@ -120,9 +124,12 @@ def connect_mesh(
     progress bar. After ``timeout`` seconds a TimeoutError lists the missing
     ranks. ``dims`` name the ranks (default ``world=N``); their product must be
     ``world``. Late, duplicate, wrong-key and other-protocol-version workers are
-    refused with a logged reason. A joined worker silent
-    for ``liveness_timeout`` s (default: the heartbeat timeout, 10 s) is presumed
-    lost: pending calls raise WorkerUnresponsive."""
+    refused with a logged reason; so are host agents claiming a taken host slot
+    or more ranks than are free. A joined worker silent for
+    ``liveness_timeout`` s (default: the heartbeat timeout, 10 s) is presumed
+    lost: pending calls raise WorkerUnresponsive. A host agent silent for
+    ``heartbeat_timeout`` s, or whose connection closes, is lost with its ranks
+    (WorkerCrashed naming its host)."""
     from .controller import ExternalLauncher
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -136,7 +143,9 @@ def connect_mesh(
     if product != world:
         raise ValueError(f"the dims {dims} hold {product} ranks, not world={world}")
     name = context.new_name(name)
-    launcher = ExternalLauncher(name, dims, connection_file)
+    launcher = ExternalLauncher(
+        name, dims, connection_file, interface=interface, agent_timeout=heartbeat_timeout
+    )
     ctrl = Controller(
         name,
         dims,

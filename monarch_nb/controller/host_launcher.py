@@ -10,7 +10,6 @@ reports and keeps each rank's exit status and output tail for WorkerSet.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import signal
@@ -19,8 +18,9 @@ import sys
 import threading
 
 from ..protocol import host_messages as hm
+from .agent_ranks import AgentRank, RankBook
 from .errors import describe_exit
-from .launcher import LocalLauncher, OutputTail, _visible_gpus, local_env, rank_env
+from .launcher import LocalLauncher, _visible_gpus, local_env, rank_env
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -29,53 +29,10 @@ SPAWN_TIMEOUT = 30.0
 LOCAL_RANKS = 1024  # the local agent's slots: ranks of every mesh of this process
 
 
-class AgentRank:
-    """A rank the agent forked, as WorkerSet watches a process."""
-
-    fd = None  # its output pipe is the agent's; the tail arrives through the channel
-
-    def __init__(self, agent: HostAgent, slot: int, rank: int):
-        self.agent, self.slot, self.rank = agent, slot, rank
-        self.pid: int | None = None
-        self.spawn_error: str | None = None
-        self.returncode: int | None = None
-        self.tail = OutputTail()
-        self.spawned = threading.Event()
-        self.ended = threading.Event()
-
-    def poll(self) -> int | None:
-        return self.returncode if self.ended.is_set() else None
-
-    def wait(self, timeout: float) -> int | None:
-        self.ended.wait(timeout)
-        return self.poll()
-
-    def read_output(self) -> bool:
-        return False
-
-    def tail_text(self) -> str:
-        return self.tail.text()
-
-    def kill(self, sig: int) -> None:
-        if not self.ended.is_set():
-            try:
-                self.agent.send(hm.Kill(self.slot, int(sig)))
-            except RuntimeError:
-                pass  # the agent is gone, and its ranks with it (their end is reported)
-
-    def close(self) -> None:
-        """Nothing to close here: the agent holds the pipe."""
-
-    def end(self, code: int | None, note: str = "") -> None:
-        self.tail.end()
-        if note:
-            self.tail.lines.append(note)
-        self.returncode = code
-        self.spawned.set()
-        self.ended.set()
+__all__ = ["AgentRank", "HostAgent", "HostLauncher", "await_spawned", "local_agent"]
 
 
-class HostAgent:
+class HostAgent(RankBook):
     """A local agent process (``local_ranks`` slots) and the thread that reads its reports."""
 
     def __init__(
@@ -92,9 +49,7 @@ class HostAgent:
         self.local_ranks, self.prefix = simulate or local_ranks, tuple(prefix)
         self.simulate, self.host_name = simulate, host_name
         self.label = f"simulated host {host_name}" if simulate else "the host agent"
-        self.ranks: dict[int, AgentRank] = {}  # slot -> rank not ended yet
-        self._slots = itertools.count(1)
-        self._lock = threading.Lock()  # ranks (never held across IO)
+        self._init_ranks()  # slot -> rank not ended yet
         # whole lines on the agent's stdin; apart from _lock: a write blocked on a full
         # pipe must not stop the reader thread, which the agent may be waiting on
         self._write_lock = threading.Lock()
@@ -182,25 +137,9 @@ class HostAgent:
         if isinstance(msg, (hm.HostMessageError, hm.Refused)):
             print(f"monarch_nb: host agent {self.pid}: {msg}", file=sys.stderr)
             return
-        with self._lock:
-            r = self.ranks.get(msg.slot)
-            if r is not None and isinstance(msg, (hm.Exited, hm.SpawnFailed)):
-                del self.ranks[msg.slot]
-            last = self.retired and not self.ranks
-        if last:  # not from this thread: a write may wait for the agent, which may wait for us
+        if self.on_rank(msg) and self.retired:
+            # not from this thread: a write may wait for the agent, which may wait for us
             threading.Thread(target=self._quit, name="monarch-host-retire", daemon=True).start()
-        if r is None:
-            return
-        if isinstance(msg, hm.Output):
-            r.tail.feed(hm.output_bytes(msg))
-        elif isinstance(msg, hm.Spawned):
-            r.pid = msg.pid
-            r.spawned.set()
-        elif isinstance(msg, hm.Exited):
-            r.end(msg.code)
-        elif isinstance(msg, hm.SpawnFailed):
-            r.spawn_error = msg.error
-            r.end(None)
 
     def _gone(self, code: int) -> None:
         """The agent exited: its ranks died with it (their parent-death signal)."""
@@ -212,13 +151,7 @@ class HostAgent:
         else:
             self.error = why
         self._ready.set()
-        with self._lock:
-            left, self.ranks = list(self.ranks.values()), {}
-        for r in left:
-            if r.pid is None and r.spawn_error is None:
-                r.spawn_error = self.error
-            # their parent-death signal (SIGKILL) ended them with the agent
-            r.end(-signal.SIGKILL, f"[{why}: its ranks died with it]")
+        self.end_all(why)
 
     # ------------------------------------------------------------ commands
 
@@ -233,22 +166,6 @@ class HostAgent:
                     view = view[self.popen.stdin.write(view) :]
             except (BrokenPipeError, ValueError, OSError) as e:
                 raise RuntimeError(f"the host agent (pid {self.pid}) is gone: {e}") from None
-
-    def spawn(self, rank: int, world: int, address: str, key: bytes, env: dict, host=-1):
-        """Ask for one rank (answered by ``spawned`` on the AgentRank), of mesh host ``host``."""
-        with self._lock:
-            slot = next(self._slots)
-            r = self.ranks[slot] = AgentRank(self, slot, rank)
-        cwd = os.getcwd()
-        paths = [p if p else cwd for p in sys.path]
-        try:
-            self.send(hm.Spawn(slot, rank, world, rank, address, key.hex(), env, paths, cwd, host))
-        except RuntimeError as e:
-            with self._lock:
-                self.ranks.pop(slot, None)
-            r.spawn_error = str(e)
-            r.end(None)
-        return r
 
     def retire(self) -> None:
         """No more Spawns: end once the ranks it runs have ended."""

@@ -1,6 +1,6 @@
 """Launchers start worker processes. LocalLauncher: one fresh process per rank on this
 host (host_launcher.py's HostLauncher forks them from a host agent instead);
-ExternalLauncher: workers that another launcher starts."""
+ExternalLauncher: workers, or host agents, that another launcher starts."""
 
 from __future__ import annotations
 
@@ -194,27 +194,62 @@ class LocalLauncher:
 
 class ExternalLauncher:
     """Starts nothing: another launcher (torchrun, srun, mpirun, a pod per rank)
-    runs ``monarch-nb-worker --connection-file F``. Writes the connection file
-    (address and secret, mode 0600), prints the command lines, and removes the
-    file at shutdown."""
+    runs ``monarch-nb-worker --connection-file F`` per rank, or
+    ``monarch-nb-host --connection-file F --local-ranks N`` per host (a host
+    agent, which forks its N ranks when the controller asks: ``remote_hosts.py``).
+    Writes the connection file (address, agent channel and secret, mode 0600),
+    prints the command lines, and removes the file at shutdown."""
 
     external = True
 
-    def __init__(self, name: str, dims: dict, connection_file: str | None = None, out=print):
+    def __init__(
+        self,
+        name: str,
+        dims: dict,
+        connection_file: str | None = None,
+        out=print,
+        interface: str = "127.0.0.1",
+        agent_timeout: float = 10.0,
+    ):
         self.name = name
         self.dims = dict(dims)
         self.connection_file = connection_file or default_connection_file(name)
         self._out = out
         self._written: tuple | None = None  # (device, inode) of the file written here
+        self.interface, self.agent_timeout = interface, agent_timeout
+        self.agents = None  # the AgentChannel, from the first launch on
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
+        if self.agents is None:
+            from .remote_hosts import AgentChannel
+
+            host = address.rsplit(":", 1)[0].split("//", 1)[-1]
+            self.agents = AgentChannel(
+                self.name, self.interface, host, key, world, self.agent_timeout, self._out
+            )
+        procs = self.agents.launch(address, key, world)
         f = self.connection_file
         if not self._still_ours():  # a restart keeps the file it wrote
-            self._written = write_connection_file(f, address, key, world, self.name, self.dims)
-        self._out(
+            self._written = write_connection_file(
+                f, address, key, world, self.name, self.dims, self.agents.address
+            )
+        if len(procs) < world:
+            self._out(self.lines(address, world))
+        return procs
+
+    def lines(self, address: str, world: int) -> str:
+        """How to start the workers (the text printed at launch)."""
+        f, agents = self.connection_file, self.agents.address
+        return (
             f"mesh {self.name!r} waits for {world} workers at {address}\n"
-            f"connection file (address and secret): {f}\n"
-            f"start them with torchrun on each host:\n"
+            f"connection file (addresses and secret): {f}\n"
+            f"start one host agent per host (it forks its ranks; host agents at {agents}):\n"
+            f"  srun --ntasks-per-node 1 monarch-nb-host --connection-file {f} --local-ranks 8\n"
+            f"  (or: monarch-nb-host --connect {agents} --key-file K --local-ranks 8)\n"
+            f"  torchrun --nnodes NODES --nproc-per-node 1 -m monarch_nb.host "
+            f"--connection-file {f} --local-ranks 8\n"
+            f"  (Kubernetes: a Job of one pod per host running the same; docs/clusters.md)\n"
+            f"or one worker per rank, with torchrun on each host:\n"
             f"  torchrun --nnodes NODES --nproc-per-node PER_NODE --node-rank I "
             f"--master-addr HOST0 -m monarch_nb.worker --connection-file {f}\n"
             f"  (one host: torchrun --standalone --nproc-per-node {world} -m monarch_nb.worker "
@@ -222,10 +257,13 @@ class ExternalLauncher:
             f"or with srun inside an allocation:\n"
             f"  srun --ntasks {world} python -m monarch_nb.worker --connection-file {f}"
         )
-        return {}
 
     def close(self) -> None:
-        """Remove the connection file, if the one at its path is still ours."""
+        """End the host agents (Quit) and remove the connection file, if the one at
+        its path is still ours."""
+        if self.agents is not None:
+            self.agents.close()
+            self.agents = None
         if self._still_ours():
             try:
                 os.unlink(self.connection_file)
@@ -257,7 +295,7 @@ def default_connection_file(name: str) -> str:
 
 
 def write_connection_file(
-    path: str, address: str, key: bytes, world: int, name: str, dims: dict
+    path: str, address: str, key: bytes, world: int, name: str, dims: dict, agents: str = ""
 ) -> tuple:
     """Create the file a worker joins with, readable by its owner only (it holds
     the secret): never through a symbolic link, never over an existing file,
@@ -272,6 +310,8 @@ def write_connection_file(
         "pid": os.getpid(),
         "host": socket.gethostname(),
     }
+    if agents:
+        data["agents"] = agents  # the host agents' channel (monarch-nb-host --connection-file)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags, 0o600)

@@ -55,7 +55,9 @@ class SimLauncher:
     def launch(self, address: str, key: bytes, world: int) -> dict[int, AgentRank]:
         self._start_hosts()
         ranks = {
-            r: self.agents[r // self.per_host].spawn(r, world, address, key, {}, r // self.per_host)
+            r: self.agents[r // self.per_host].spawn(
+                r, world, address, key, {}, host=r // self.per_host
+            )
             for r in range(world)
         }
         await_spawned(ranks, world, self._host_of, "light rank")

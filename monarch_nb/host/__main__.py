@@ -2,7 +2,9 @@
 
 It imports torch and the worker once, then forks this host's ranks when the
 controller asks (``--stdio``: the controller that started it speaks on its
-stdin/stdout, the local case). ``--simulate N`` runs N light ranks instead
+stdin/stdout, the local case; ``--connect ADDR`` or ``--connection-file F``:
+join a controller on another host through a relay, see ``relay.py``).
+``--simulate N`` runs N light ranks instead
 (no torch, no fork: the control path only, see ``light.py``), so that one
 machine can stand for many hosts.
 """
@@ -43,9 +45,31 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument(
         "--connect",
         metavar="ADDR",
-        help="join a controller over its signed socket (remote hosts: not built yet)",
+        help="join a controller on another host at its agent channel, tcp://HOST:PORT "
+        "(the secret from --key-file)",
+    )
+    where.add_argument(
+        "--connection-file",
+        metavar="F",
+        help="join the controller named in F (the file connect_mesh wrote: address and secret)",
+    )
+    p.add_argument("--key-file", help="file holding the mesh secret (hex), with --connect")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        help="this host's slot: it runs ranks NODE_RANK*N .. NODE_RANK*N+N-1 (default "
+        "SLURM_NODEID or GROUP_RANK, else the next free block)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10")),
+        help="with --connect: exit (ranks and all) when the controller has been silent this long (s)",
     )
     p.add_argument("--parent-pid", type=int, help="exit when this process (the controller) is gone")
+    # the relay's child: --local-ranks is this host's ranks, one per GPU (the local agent's
+    # is a bound on the ranks of all its meshes, which share the GPUs)
+    p.add_argument("--one-per-gpu", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.simulate is not None:
         if a.local_ranks is not None:
@@ -56,11 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--local-ranks N (or --simulate N) is required")
     elif a.local_ranks < 1:
         p.error(f"--local-ranks must be at least 1 (got {a.local_ranks}): a host runs its ranks")
-    if a.connect:
-        p.error(
-            "--connect: agents on other hosts (a signed ZeroMQ channel) are not built yet; "
-            "the local agent is started by the controller with --stdio"
-        )
+    if a.connect or a.connection_file:
+        sys.exit(_relay(p, a))
     from ..worker.__main__ import set_parent_death_signal
 
     if a.parent_pid:
@@ -85,9 +106,53 @@ def main(argv: list[str] | None = None) -> None:
     from ..worker import worker  # noqa: F401
     from .agent import Agent
 
+    gpus = torch.cuda.device_count() if a.one_per_gpu and torch.cuda.is_available() else 0
+    if 0 < gpus < a.local_ranks:
+        from ..protocol import host_messages as hm
+
+        why = (
+            f"--local-ranks {a.local_ranks} is more than this host's {gpus} GPU(s) "
+            f"({socket.gethostname()}): one rank per GPU"
+        )
+        os.write(ctl_out, hm.encode(hm.Refused(why)))
+        print(f"monarch-nb-host: {why}", file=sys.stderr, flush=True)
+        os._exit(2)
+
     Agent(a.local_ranks, ctl_in, ctl_out, a.parent_pid).serve()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _relay(p: argparse.ArgumentParser, a) -> int:
+    """``--connect`` / ``--connection-file``: the relay (its child is the ``--stdio`` agent)."""
+    from .relay import Relay, env_node_rank, read_connection
+
+    if a.simulate is not None:
+        p.error("--simulate runs on this host only: leave out --connect")
+    if a.connection_file:
+        try:
+            address, key_hex = read_connection(a.connection_file)
+        except ValueError as e:
+            p.error(str(e))
+    else:
+        address = a.connect
+        if not a.key_file:
+            p.error("--connect ADDR needs the mesh secret: --key-file K (or --connection-file F)")
+        try:
+            with open(a.key_file) as f:
+                key_hex = f.read().strip()
+        except OSError as e:
+            p.error(f"cannot read the key file {a.key_file}: {e}")
+    try:
+        key = bytes.fromhex(key_hex)
+    except ValueError:
+        p.error("the mesh secret is not hex")
+    node_rank = a.node_rank if a.node_rank is not None else env_node_rank()
+    if node_rank is not None and node_rank < 0:
+        p.error(f"--node-rank must be at least 0 (got {node_rank})")
+    if a.heartbeat_timeout <= 0:
+        p.error(f"--heartbeat-timeout must be positive (got {a.heartbeat_timeout})")
+    return Relay(address, key, a.local_ranks, node_rank, a.heartbeat_timeout).serve()
 
 
 if __name__ == "__main__":

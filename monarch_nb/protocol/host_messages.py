@@ -84,14 +84,62 @@ class Exited(NamedTuple):
 
 
 class Refused(NamedTuple):
-    """The agent could not read a line it was sent."""
+    """The agent could not read a line it was sent (or, from a controller to a
+    relay, why the agent is not taken)."""
 
     error: str
 
 
+# ---------------------------------------------------------------- relay <-> controller
+# (``monarch-nb-host --connect``: the relay's own records; they never reach the agent)
+
+
+class Hello(NamedTuple):
+    """A relay joins: its host, pid and release, the ranks its agent offers and
+    the host slot it claims (``node_rank``; None: the next free block)."""
+
+    host: str
+    pid: int
+    version: str
+    local_ranks: int
+    node_rank: int | None
+
+
+class Welcome(NamedTuple):
+    """The controller took the agent: ranks ``first`` .. ``first + count - 1`` of ``world``."""
+
+    first: int
+    count: int
+    world: int
+
+
+class Beat(NamedTuple):
+    """A heartbeat, both ways: a side silent for its heartbeat timeout is gone."""
+
+
+class AgentGone(NamedTuple):
+    """The relay's agent ended (``code`` as Popen's returncode): its ranks died with it."""
+
+    code: int
+
+
 TYPES = {
     cls.__name__: cls
-    for cls in (Spawn, Kill, Quit, AgentReady, Spawned, SpawnFailed, Output, Exited, Refused)
+    for cls in (
+        Spawn,
+        Kill,
+        Quit,
+        AgentReady,
+        Spawned,
+        SpawnFailed,
+        Output,
+        Exited,
+        Refused,
+        Hello,
+        Welcome,
+        Beat,
+        AgentGone,
+    )
 }
 
 

@@ -1,0 +1,377 @@
+"""Host agents on other hosts (``monarch-nb-host --connect``): the channel a
+joined mesh binds for them, and the controller's record of each.
+
+The channel is a ROUTER of its own (beside the mesh's, on the same interface)
+with a thread that owns it. Every record is sealed with the mesh key
+(``protocol/agent_link.py``): what does not verify is dropped unread and never
+answered. A relay says Hello with the ranks its agent offers and the host slot
+it claims; it gets a block of ranks (the slot's, or the next free one), and once
+the mesh launches and the agent is ready, a Spawn per rank, whose process joins
+the mesh's ROUTER as a worker. The agent's reports (Spawned, Output, Exited) go
+to the same ``AgentRank`` records as the local agent's. A relay whose
+connection closes (its process died) or that is silent for the heartbeat
+timeout is lost, and its ranks with it, the host named.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .._version import __version__
+from ..protocol import agent_link
+from ..protocol import host_messages as hm
+from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
+from ..protocol.wire import BadMessage, Signer
+from .agent_ranks import AgentRank, RankBook
+from .errors import describe_exit
+
+logger = logging.getLogger("monarch_nb.controller")
+
+BEAT_S = 1.0
+POLL_MS = 100
+GRACE_S = 0.5  # a closed connection may come back (a reconnect) within this
+
+
+class RemoteAgent(RankBook):
+    """A relay and its agent on another host: ranks ``first`` .. ``first + count - 1``."""
+
+    failed_spawn_code = 1  # a fork that failed there fails the mesh's start
+
+    def __init__(self, channel: AgentChannel, identity: bytes, hello: hm.Hello, first: int):
+        self._init_ranks()
+        self.channel, self.identity, self.hello = channel, identity, hello
+        self.first, self.count = first, hello.local_ranks
+        self.info: hm.AgentReady | None = None
+        self.lost: str | None = None
+        self.error: str | None = None  # what the agent refused (it ends next)
+        self.fd: int | None = None
+        self.last_heard = time.monotonic()
+        self.closed_at: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"host {self.hello.host} (relay pid {self.hello.pid})"
+
+    def send(self, msg) -> None:
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
+        self.channel.post(self.identity, msg)
+
+    def exit_note(self, r: AgentRank) -> str:
+        return f"[rank {r.rank} ran on {self.label}; its host agent reported its end]"
+
+    def spawn_note(self, r: AgentRank, error: str) -> str:
+        return f"[{self.label} could not start rank {r.rank}: {error}]"
+
+
+class AgentChannel:
+    """The agents' ROUTER of mesh ``name``, bound on ``interface``, ``host`` in its address."""
+
+    def __init__(
+        self, name: str, interface: str, host: str, key: bytes, world: int,
+        heartbeat_timeout: float, out=print,
+    ):  # fmt: skip
+        self.name, self.world, self.heartbeat_timeout, self._out = (
+            name,
+            world,
+            heartbeat_timeout,
+            out,
+        )
+        self.signer = Signer(key)
+        self.sealer = Sealer(self.signer, CONTROLLER)
+        self.peers = PeerTable()
+        self.agents: dict[bytes, RemoteAgent] = {}
+        self.refusals: list[str] = []  # why agents were refused (kept for a look later)
+        self._lock = threading.Lock()  # agents, the launch target, procs
+        self._target: str | None = None  # the ranks' address, once a generation launched
+        self._procs: dict = {}
+        self._posted: queue.SimpleQueue = queue.SimpleQueue()
+        self._version_told: set[bytes] = set()
+        self._ctx = zmq.Context(1)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self.port = self._sock.bind_to_random_port(f"tcp://{interface}")
+        self.address = f"tcp://{host}:{self.port}"
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._running = True
+        self._thread = threading.Thread(
+            target=self._run, name=f"monarch-agents-{name}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------ API (any thread)
+
+    def post(self, identity: bytes, msg) -> None:
+        """Send ``msg`` to the relay of ``identity`` (from the channel's thread);
+        RuntimeError once the channel is closed."""
+        wake = self._wake_w
+        if wake is None:
+            raise RuntimeError(f"mesh {self.name!r}: the host agents' channel is closed")
+        self._posted.put((identity, msg))
+        try:
+            os.write(wake, b"x")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is pending
+
+    def launch(self, address: str, key: bytes, world: int) -> dict:
+        """A generation starts: its ranks' address; the ranks of every ready agent
+        are forked now, those of agents that come later when they are ready. The
+        dict (rank -> AgentRank) fills as they are asked for."""
+        with self._lock:
+            self._target = address
+            self._procs = {}
+            for agent in self.agents.values():
+                if agent.info is not None:
+                    self._spawn_block(agent)
+            return self._procs
+
+    def hosts(self) -> list[RemoteAgent]:
+        with self._lock:
+            return sorted(self.agents.values(), key=lambda a: a.first)
+
+    def close(self) -> None:
+        """The mesh is gone: every relay is told Quit (its agent and ranks end)."""
+        if self._wake_w is None:
+            return
+        for agent in self.hosts():
+            self.post(agent.identity, hm.Quit())
+        self._running = False
+        self.post(b"", None)
+        self._thread.join(5)
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_beat = 0.0
+        try:
+            while True:
+                events = dict(poller.poll(POLL_MS))
+                if self._sock in events:
+                    while self._sock.poll(0):
+                        frames = self._sock.recv_multipart(copy=False)
+                        try:
+                            self._on_frames(frames)
+                        except Exception:
+                            logger.exception("mesh %r: an agent's message failed", self.name)
+                if self._monitor in events:
+                    self._on_monitor()
+                self._flush()
+                if not self._running:
+                    return
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + BEAT_S
+                    for agent in self.hosts():
+                        self._send(agent.identity, hm.Beat())
+                self._check(now)
+        finally:
+            self._flush()
+            self._monitor.close(0)
+            self._sock.close()
+            self._ctx.term()
+            wake, self._wake_w = self._wake_w, None
+            os.close(wake)
+            os.close(self._wake_r)
+
+    def _flush(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                identity, msg = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            if msg is not None:
+                self._send(identity, msg)
+
+    def _send(self, identity: bytes, msg) -> None:
+        frames = agent_link.seal(self.sealer, self.signer, msg, identity)
+        try:
+            self._sock.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError:
+            self.sealer.retract(identity)
+
+    def _on_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                now = time.monotonic()
+                for agent in self.hosts():
+                    if agent.fd == event["value"]:
+                        agent.closed_at = now
+
+    def _check(self, now: float) -> None:
+        for agent in self.hosts():
+            if agent.closed_at is not None and now - agent.closed_at > GRACE_S:
+                if agent.last_heard < agent.closed_at:
+                    self._lose(agent, "its connection closed (the relay process is gone)")
+                else:
+                    agent.closed_at = None  # it reconnected
+            elif now - agent.last_heard > self.heartbeat_timeout:
+                self._lose(agent, f"silent for {self.heartbeat_timeout:g} s")
+
+    # ------------------------------------------------------------ records
+
+    def _on_frames(self, frames) -> None:
+        identity = frames[0].bytes
+        try:
+            fd = frames[1].get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError, IndexError):
+            fd = None
+        try:
+            h, msg = agent_link.open_record(frames[1:], self.signer)
+            self.peers.admit(identity, h)
+        except VersionMismatch as e:
+            self._refuse_version(identity, e.version)
+            return
+        except BadMessage as e:
+            self.peers.count(e.kind)  # never answered: a wrong key learns nothing
+            return
+        agent = self.agents.get(identity)
+        if agent is None:
+            if isinstance(msg, hm.Hello):
+                self._hello(identity, h, msg, fd)
+            else:
+                self.peers.count("rank")
+            return
+        agent.last_heard = time.monotonic()
+        if fd is not None:
+            agent.fd = fd
+        if isinstance(msg, hm.Beat):
+            return
+        if isinstance(msg, hm.AgentReady):
+            with self._lock:
+                agent.info = msg
+                # a generation that had these ranks (from a host since lost) is past
+                # its start: the next restart forks them
+                had = any(agent.first + i in self._procs for i in range(agent.count))
+                if self._target is not None and not had:
+                    self._spawn_block(agent)
+        elif isinstance(msg, hm.AgentGone):
+            how = describe_exit(msg.code)
+            how = f"was {how}" if msg.code < 0 else f"exited ({how})"
+            why = f"its host agent {how}"
+            self._lose(agent, f"{why}: {agent.error}" if agent.error else why)
+        elif isinstance(msg, (hm.Refused, hm.HostMessageError)):
+            agent.error = getattr(msg, "error", str(msg))
+            self._say(f"the host agent on {agent.label} says: {agent.error}")
+        else:
+            agent.on_rank(msg)
+
+    def _spawn_block(self, agent: RemoteAgent) -> None:
+        """Ask ``agent`` for its ranks of the launched generation (``_lock`` held)."""
+        address = self._target
+        for i in range(agent.count):
+            rank = agent.first + i
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world),
+                "LOCAL_RANK": str(i),
+                "LOCAL_WORLD_SIZE": str(agent.count),
+            }
+            # no key: the relay has it, and it never crosses the network
+            self._procs[rank] = agent.spawn(rank, self.world, address, b"", env, i, here=False)
+
+    def _hello(self, identity: bytes, h, msg: hm.Hello, fd) -> None:
+        who = f"host {msg.host} (relay pid {msg.pid})"
+        with self._lock:
+            why, first = self._place(msg)
+            if why is None:
+                agent = RemoteAgent(self, identity, msg, first)
+                agent.fd = fd
+                self.agents[identity] = agent
+                self.peers.join(identity, h)
+        if why is not None:
+            self.peers.refuse(identity, h)
+            self.refusals.append(f"{who}: {why}")
+            self._send(identity, hm.Refused(why))
+            self._say(f"refused the host agent on {who}: {why}")
+            return
+        self._send(identity, hm.Welcome(first, msg.local_ranks, self.world))
+        logger.info(
+            "mesh %r: the host agent on %s runs ranks %d-%d",
+            self.name, who, first, first + msg.local_ranks - 1,
+        )  # fmt: skip
+
+    def _place(self, msg: hm.Hello) -> tuple[str | None, int]:
+        """(why not, first rank) of an agent's block (``_lock`` held)."""
+        n, world = msg.local_ranks, self.world
+        if msg.version != __version__:
+            return f"the agent runs monarch_nb {msg.version}, this controller {__version__}", 0
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return f"it offers {n!r} ranks (--local-ranks must be at least 1)", 0
+        held = sorted((a.first, a.first + a.count, a) for a in self.agents.values())
+        if msg.node_rank is not None:
+            for a in self.agents.values():
+                if a.hello.node_rank == msg.node_rank:
+                    return (
+                        f"two host agents claim host slot {msg.node_rank} (--node-rank, "
+                        f"SLURM_NODEID or GROUP_RANK): {a.label} holds it",
+                        0,
+                    )
+            first = msg.node_rank * n
+            if first + n > world:
+                return (
+                    f"host slot {msg.node_rank} x {n} local ranks is ranks {first}-"
+                    f"{first + n - 1}, beyond the mesh's world of {world}",
+                    0,
+                )
+            for lo, hi, a in held:
+                if lo < first + n and first < hi:
+                    return f"its ranks {first}-{first + n - 1} overlap {a.label}'s {lo}-{hi - 1}", 0
+            return None, first
+        first = 0
+        for lo, hi, _ in held:
+            if first + n <= lo:
+                break
+            first = max(first, hi)
+        if first + n > world:
+            free = world - sum(hi - lo for lo, hi, _ in held)
+            return (
+                f"it offers {n} ranks, more than the {free} free of the mesh's world of "
+                f"{world} ({len(held)} host agent(s) hold the others)",
+                0,
+            )
+        return None, first
+
+    def _lose(self, agent: RemoteAgent, why: str) -> None:
+        with self._lock:
+            if self.agents.pop(agent.identity, None) is None:
+                return
+        agent.lost = f"{agent.label}: {why}"
+        agent.end_all(agent.lost)
+        self._say(f"lost the host agent on {agent.lost}")
+
+    def _refuse_version(self, identity: bytes, version: int) -> None:
+        why = f"a host agent speaks protocol {version}, this mesh {PROTOCOL_VERSION}"
+        self.peers.count("version")
+        logger.warning("mesh %r: %s: run the same monarch_nb release on both sides", self.name, why)
+        if identity not in self._version_told and len(self._version_told) < 4096:
+            self._version_told.add(identity)
+            self.refusals.append(why)
+            self._send(identity, hm.Refused(why))
+
+    def _say(self, text: str) -> None:
+        """Shown where the mesh's start-up lines are (the notebook), and logged."""
+        logger.info("mesh %r: %s", self.name, text)
+        try:
+            self._out(f"mesh {self.name!r}: {text}")
+        except Exception:
+            logger.warning("mesh %r: %s", self.name, text)

@@ -1,0 +1,290 @@
+"""``monarch-nb-host --connect ADDR``: the relay between a controller on another
+host and this host's forking agent.
+
+A ZeroMQ context starts I/O threads, and the agent forks ranks, so it must
+have none: the relay holds the socket (a DEALER to the controller's agent
+channel), seals and opens every record with the mesh key, sends heartbeats,
+and starts the same single-threaded ``--stdio`` agent as a local mesh has as
+its child (once the controller has taken this host). Records pass between the two unchanged, except that a Spawn gets
+this host's environment, sys.path and working directory (the controller's are
+another host's). The relay ends, and its agent and ranks with it, when the
+controller says Quit, refuses the agent, or has been silent for the heartbeat
+timeout; the agent dies with the relay (its parent-death signal).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import zmq
+
+from .._version import __version__
+from ..protocol import agent_link
+from ..protocol import host_messages as hm
+from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
+from ..protocol.wire import BadMessage, Signer
+
+BEAT_S = 1.0  # how often the relay says it is alive
+POLL_MS = 200
+GONE_S = (
+    2.0  # a closed connection that is not back (and heard on) this soon: the controller is gone
+)
+
+
+class Relay:
+    """One host's link to its controller at ``address`` (the agent channel)."""
+
+    def __init__(
+        self,
+        address: str,
+        key: bytes,
+        local_ranks: int,
+        node_rank: int | None,
+        heartbeat_timeout: float,
+    ):
+        self.address, self.local_ranks, self.node_rank = address, local_ranks, node_rank
+        self.heartbeat_timeout = heartbeat_timeout
+        self.key = key
+        self.signer = Signer(key)
+        self.sealer = Sealer(self.signer, agent_link.AGENT)
+        self.peers = PeerTable()
+        self.peers.allow(CONTROLLER)
+        self.reader = hm.LineReader()
+        self.running = True
+        self.code = 0
+        self.heard = False
+        self.dropped = 0
+        self._to_write = bytearray()  # for the agent's stdin (non-blocking: the agent may be busy)
+
+    def log(self, text: str) -> None:
+        print(f"[monarch host relay {os.getpid()}] {text}", file=sys.stderr, flush=True)
+
+    def serve(self) -> int:
+        """Run until the controller or the agent is gone; the exit code."""
+        signal.signal(signal.SIGTERM, lambda *_: self._stop(0))
+        signal.signal(signal.SIGINT, lambda *_: self._stop(0))
+        self.agent: subprocess.Popen | None = None  # started once the controller takes it
+        ctx = zmq.Context(1)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)  # while the controller is away: then dropped
+        self.sock.connect(self.address)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            self._send(
+                hm.Hello(
+                    socket.gethostname(), os.getpid(), __version__, self.local_ranks, self.node_rank
+                )
+            )
+            self._loop()
+        finally:
+            self._end_agent()
+            self.monitor.close(0)
+            self.sock.close()
+            ctx.term()
+        return self.code
+
+    def _loop(self) -> None:
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        last_heard = next_beat = time.monotonic()
+        closed_at = None  # when the connection to the controller last closed
+        while self.running:
+            for what, _ in self.poller.poll(POLL_MS):
+                if what is self.sock:
+                    while self.running and self.sock.poll(0):
+                        if self._from_controller(self.sock.recv_multipart(copy=False)):
+                            last_heard = time.monotonic()
+                elif what is self.monitor:
+                    while self.monitor.poll(0):
+                        self.monitor.recv_multipart()
+                        closed_at = time.monotonic()
+                elif self.agent is not None and what == self.agent.stdout.fileno():
+                    self._from_agent(what)
+                elif self.agent is not None and what == self.agent.stdin.fileno():
+                    self._write_agent()
+            now = time.monotonic()
+            if closed_at is not None and now - closed_at > GONE_S:
+                if last_heard < closed_at and self.heard:
+                    self.log(
+                        f"the connection to the controller at {self.address} closed and it has "
+                        f"not answered since ({GONE_S:g} s): ending this host's agent and ranks"
+                    )
+                    self._stop(3)
+                closed_at = None
+            if now >= next_beat:
+                next_beat = now + BEAT_S
+                self._send(hm.Beat())
+            if self.running and now - last_heard > self.heartbeat_timeout:
+                why = (
+                    "it is gone"
+                    if self.heard
+                    else "wrong key (its messages are never answered), or no controller there"
+                )
+                self.log(
+                    f"no signed word from the controller at {self.address} for "
+                    f"{self.heartbeat_timeout:g} s ({why}): ending this host's agent and ranks"
+                )
+                self._stop(3)
+
+    def _stop(self, code: int) -> None:
+        self.code = self.code or code
+        self.running = False
+
+    def _send(self, msg) -> None:
+        """Never blocks (the heartbeat checks must go on): a record the socket cannot
+        queue is dropped (the controller is gone, or far behind)."""
+        frames = agent_link.seal(self.sealer, self.signer, msg)
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            self.sealer.retract()
+            if not self.dropped:
+                self.log(f"cannot send to the controller ({e}): dropping records")
+            self.dropped += 1
+
+    # ------------------------------------------------------------ controller -> agent
+
+    def _from_controller(self, frames) -> bool:
+        """Handle one message; True when it was the controller's (signed, in order)."""
+        try:
+            h, msg = agent_link.open_record(frames, self.signer)
+            if self.peers.admit(b"", h) is None:
+                raise BadMessage(f"a message of rank {h.rank}, not of the controller", "rank")
+        except VersionMismatch as e:
+            self.log(
+                f"the controller speaks protocol {e.version}, this host agent "
+                f"{PROTOCOL_VERSION}: run the same monarch_nb version on both sides; exiting"
+            )
+            self._stop(2)
+            return False
+        except BadMessage as e:
+            self.peers.count(e.kind)
+            return False
+        self.heard = True
+        if isinstance(msg, hm.Refused):
+            self.log(f"the controller refused this host agent: {msg.error}")
+            self._stop(2)
+        elif isinstance(msg, hm.Welcome):
+            last = msg.first + msg.count - 1
+            self.log(f"joined: ranks {msg.first}-{last} of {msg.world} run here")
+            self._start_agent()
+        elif isinstance(msg, hm.Spawn):
+            self._to_agent(self._here(msg))
+        elif isinstance(msg, (hm.Kill, hm.Quit)):
+            self._to_agent(msg)
+            if isinstance(msg, hm.Quit):
+                self._stop(0)
+        return True
+
+    def _start_agent(self) -> None:
+        if self.agent is not None:
+            return
+        self.agent = subprocess.Popen(
+            [sys.executable, "-m", "monarch_nb.host", "--stdio"]
+            + ["--local-ranks", str(self.local_ranks), "--parent-pid", str(os.getpid())]
+            + ["--one-per-gpu"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            close_fds=True,
+        )
+        os.set_blocking(self.agent.stdin.fileno(), False)
+        self.poller.register(self.agent.stdout.fileno(), zmq.POLLIN)
+
+    def _here(self, msg: hm.Spawn) -> hm.Spawn:
+        """The Spawn with this host's environment (the controller sent the rank's
+        variables) and the mesh key (which the controller does not send: the
+        channel is signed, not encrypted)."""
+        env = {k: v for k, v in os.environ.items() if k != "MONARCH_NB_KEY"}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.local_ranks)))
+        env.update(msg.env)
+        cwd = os.getcwd()
+        paths = [p if p else cwd for p in sys.path]
+        return msg._replace(env=env, sys_path=paths, cwd=cwd, key_hex=self.key.hex())
+
+    def _to_agent(self, msg) -> None:
+        if self.agent is not None:
+            self._to_write += hm.encode(msg)
+            self._write_agent()
+
+    def _write_agent(self) -> None:
+        """Write what the pipe takes now; the rest when the poll says it has room."""
+        fd = self.agent.stdin.fileno()
+        while self._to_write:
+            try:
+                n = os.write(fd, self._to_write)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._to_write.clear()  # the agent is gone: its end is read from its stdout
+                break
+            del self._to_write[:n]
+        self.poller.register(fd, zmq.POLLOUT if self._to_write else 0)
+
+    # ------------------------------------------------------------ agent -> controller
+
+    def _from_agent(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            code = self.agent.wait()
+            self._send(hm.AgentGone(code))
+            if self.running:
+                self.log(f"this host's agent (pid {self.agent.pid}) ended (code {code})")
+            self._stop(1 if code == 0 else 4)
+            return
+        for msg in self.reader.feed(data):
+            if isinstance(msg, hm.HostMessageError):
+                self.log(f"the agent wrote a line that is not a record: {msg}")
+            else:
+                self._send(msg)
+
+    def _end_agent(self) -> None:
+        """Close the agent's channel: it kills its ranks and exits (then SIGKILL)."""
+        if self.agent is None:
+            return
+        try:
+            self.agent.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.agent.wait(5)
+        except subprocess.TimeoutExpired:
+            self.agent.kill()
+            self.agent.wait(5)
+
+
+def read_connection(path: str) -> tuple[str, str]:
+    """(agent channel address, key hex) of a connection file; ValueError naming the problem."""
+    import json
+
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the connection file {path}: {e}") from None
+    if "agents" not in info:
+        raise ValueError(
+            f"the connection file {path} names no agent channel (a mesh of per-rank "
+            f"workers only: start monarch-nb-worker instead)"
+        )
+    return info["agents"], info["key"]
+
+
+def env_node_rank() -> int | None:
+    """This host's slot from its launcher: SLURM_NODEID (srun) or GROUP_RANK (torchrun)."""
+    for name in ("SLURM_NODEID", "GROUP_RANK"):
+        v = os.environ.get(name)
+        if v not in (None, ""):
+            return int(v)
+    return None
