@@ -5,9 +5,10 @@ ipyparallel runs in its side venv (``scripts/peer_ipyparallel_venv.sh``;
 ``$MONARCH_NB_IPP_VENV``, default ``~/.cache/monarch_nb/peer-ipyparallel``) as
 ``benchmarks/peer_ipyparallel.py --serve --engines N``, a subprocess that measures on command.
 Ours is ``local_mesh(host=N // 32 or 1, gpu=min(N, 32), simulate=True)``: the same N, light
-ranks in simulated host processes. N is 32 (``--quick``) or 64: an ipyparallel engine is a
-full IPython kernel process (~37 MiB, ~0.35 s of CPU to start, measured each run), so 1,024 of
-them would not fit this machine's memory; the row's note gives the numbers.
+ranks in simulated host processes. N is 32 (``--quick``) or 64 (``$MONARCH_NB_IPP_ENGINES``
+sets it): an ipyparallel engine is a full IPython kernel process (~37 MiB, ~0.35 s of CPU to
+start, measured each run), so 1,024 of them would not fit this machine's memory; the row's
+note gives the numbers.
 
 Without the side venv the row is skipped (not a miss); a peer that fails or stops answering
 (bounded waits) fails the benchmark with the tail of its stderr.
@@ -36,6 +37,21 @@ NOT_INSTALLED = "peer not installed: run scripts/peer_ipyparallel_venv.sh"
 START_TIMEOUT = 600.0  # the peer's cluster start; seconds
 COMMAND_TIMEOUT = 300.0  # one measurement of the peer
 FULL = 1024  # the world of broadcast_1024
+
+
+def engines(quick: bool) -> int:
+    """N: ``$MONARCH_NB_IPP_ENGINES`` (1 to 32, or a multiple of 32: whole simulated hosts),
+    else 32 with ``--quick`` and 64 without."""
+    text = os.environ.get("MONARCH_NB_IPP_ENGINES", "").strip()
+    if not text:
+        return 32 if quick else 64
+    n = int(text) if text.isdigit() else 0
+    if n < 1 or (n > 32 and n % 32):
+        raise ValueError(
+            f"MONARCH_NB_IPP_ENGINES={text!r}: expected a whole number from 1 to 32 or a "
+            f"multiple of 32 (the simulated mesh's hosts hold 32 ranks each)"
+        )
+    return n
 
 
 def peer_python() -> Path:
@@ -159,7 +175,7 @@ def bench_broadcast_vs_ipyparallel(quick: bool) -> list:
         return [Skipped(ROW, f"{NOT_INSTALLED} (no {python})")]
     import monarch_nb as mnb
 
-    n = 32 if quick else 64
+    n = engines(quick)
     reps, k = (3, 5) if quick else (7, 10)
     peer = IpyparallelPeer(python, n)  # first: a peer that cannot start costs no mesh
     mesh = None

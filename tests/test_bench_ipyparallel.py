@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks._report import exit_code, missed
 from benchmarks.scale import BENCHMARKS, _ipyparallel_note
-from benchmarks.scale_ipp import ROW, bench_broadcast_vs_ipyparallel
+from benchmarks.scale_ipp import ROW, bench_broadcast_vs_ipyparallel, engines
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / "benchmarks" / "peer_ipyparallel.py"
@@ -79,6 +79,15 @@ def test_the_row_runs_with_the_scale_benchmarks_and_reports_skipped(tmp_path):
     assert f"{ROW}: skipped: peer not installed" in proc.stdout
     row = json.loads(out.read_text())[ROW]
     assert row["ok"] is None and "peer_ipyparallel_venv.sh" in row["skipped"]
+
+
+@pytest.mark.parametrize("value", ["0", "40", "-32", "lots"])
+def test_a_bad_engine_count_is_named(monkeypatch, value):
+    monkeypatch.setenv("MONARCH_NB_IPP_ENGINES", value)
+    with pytest.raises(ValueError, match=f"MONARCH_NB_IPP_ENGINES='{value}': expected a whole"):
+        engines(quick=True)
+    monkeypatch.setenv("MONARCH_NB_IPP_ENGINES", "96")
+    assert engines(quick=True) == 96
 
 
 def test_a_peer_without_ipyparallel_fails_the_benchmark_naming_it(monkeypatch, tmp_path):
