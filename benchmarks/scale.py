@@ -8,7 +8,9 @@ replies come back folded per host (docs/architecture.md, "Fan-out").
   (µs). Baseline: raw pyzmq in the same run (``raw_fanout.py``: a ROUTER sends
   one small signed message per peer to 1,024 DEALERs in 32 processes and
   collects one signed reply each), alternated with ours. ipyparallel's
-  broadcast view runs only where ipyparallel is installed.
+  broadcast view is the row ``broadcast_vs_ipyparallel`` (``scale_ipp.py``,
+  registered here): at the N engines this machine can hold, where its side
+  venv is installed.
   ``raw_per_host_ms`` / ``raw_per_host_cpu_us_per_rank`` ride along: the same raw
   fan-out to 32 peers, one per host, the floor of the fan-out's design.
 * ``status_1024``: ``mesh.status()`` at 1,024 ranks (ms).
@@ -22,7 +24,6 @@ The targets are the issue's bounds on ours itself.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import subprocess
 import sys
@@ -33,6 +34,8 @@ import psutil
 from ._report import Entry
 from .core import noop
 from .raw_fanout import RawFanout
+from .scale_ipp import BENCHMARKS as IPP_BENCHMARKS
+from .scale_ipp import NOT_INSTALLED, ROW, peer_python
 
 HOSTS, PER_HOST = 32, 32
 WORLD = HOSTS * PER_HOST
@@ -116,9 +119,9 @@ def _cpu(pids: list[int]) -> float:
 
 
 def _ipyparallel_note() -> str:
-    if importlib.util.find_spec("ipyparallel") is None:
-        return "not run: ipyparallel is not installed here (pip show ipyparallel: not found)"
-    return "not run: ipyparallel is installed, but its light engines are not wired up yet"
+    if not peer_python().exists():
+        return f"not run: {NOT_INSTALLED}"
+    return f"runs at fewer engines than {WORLD:,}: see the {ROW} row"
 
 
 def bench_scale(quick: bool) -> list[Entry]:
@@ -184,7 +187,7 @@ def bench_scale(quick: bool) -> list[Entry]:
             "<= 20 ms",
             raw_is,
             note=f"remote(noop)(mesh) + mesh.wait() on {where}; median of {reps}, alternated "
-            f"with the baseline; ipyparallel {ipp}",
+            f"with the baseline; ipyparallel: {ipp}",
             extra={
                 "ipyparallel": ipp,
                 "raw_per_host_ms": round(_median([t for t, _ in h_t]) * 1e3, 3),
@@ -226,4 +229,4 @@ def bench_scale(quick: bool) -> list[Entry]:
     ]
 
 
-BENCHMARKS = [("scale", bench_scale)]
+BENCHMARKS = [("scale", bench_scale), *IPP_BENCHMARKS]
