@@ -49,7 +49,8 @@ MODULES = (
 PEERS_FOOTER = (
     "measured here earlier: Ray actor call 1.0 ms; ipyparallel 6.6–9.4 ms; "
     "ipyparallel pipelined 130–200 calls/s\n"
-    "(reference only: Ray and ipyparallel are not run by this suite, even when installed)"
+    "(reference only; ipyparallel runs in cell_vs_px where it is importable and in\n"
+    "broadcast_vs_ipyparallel from its side venv, scripts/peer_ipyparallel_venv.sh; Ray never)"
 )
 
 
