@@ -268,3 +268,24 @@ def test_mimebundle_of_values():
     assert b["text/plain"].startswith("<Broken object (repr failed")
     big = wd.mimebundle("x" * (wd.MAX_TEXT + 10))
     assert big["text/plain"].endswith("[... 12 bytes of output dropped ...]")
+
+
+def test_the_inline_pdb_list_folds_ranks_paused_at_one_place():
+    from monarch_nb.controller.debugger import Session
+    from monarch_nb.notebook.debugger import describe, notice
+
+    at = {"file": "Cell In[3]", "line": 4, "function": "<module>"}
+    sessions = [Session(r, 0, "default", dict(at)) for r in range(1024) if r != 512]
+    sessions.append(Session(512, 0, "default", {**at, "line": 9}))
+    sessions.append(Session(7, 1, "comms", dict(at)))
+    text = describe(sessions)
+    assert text.splitlines() == [
+        "paused debugger sessions:",
+        "  ranks 0-511,513-1023 default    Cell In[3]:4  <module>",
+        "  rank 7   comms      Cell In[3]:4  <module>",
+        "  rank 512 default    Cell In[3]:9  <module>",
+    ]
+    assert notice(sessions) == (
+        "monarch_nb: paused in the debugger: ranks 0-511,513-1023 (default) at Cell In[3]:4; "
+        "rank 7 (comms) at Cell In[3]:4; rank 512 (default) at Cell In[3]:9"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from IPython.core.error import StdinNotImplementedError
 
+from ..controller import format_ranks
 from ..controller.debugger import DebugSessions, Session
 from ..ui.debugger import cast, strip_prompt
 from .args import parse_ranks
@@ -30,12 +31,25 @@ class NoStdin(Exception):
     """The front end cannot answer input requests."""
 
 
+def _by_place(sessions: list[Session]) -> list[tuple[list[int], Session]]:
+    """Sessions paused at one place (stream, file, line, function) folded: their
+    ranks and the first of them, in rank order (1,024 ranks at one breakpoint: one row)."""
+    groups: dict = {}
+    for s in sorted(sessions, key=lambda s: s.rank):
+        loc = s.location
+        key = (s.stream_name, loc.get("file"), loc.get("line"), loc.get("function"))
+        groups.setdefault(key, ([], s))[0].append(s.rank)
+    return list(groups.values())
+
+
 def describe(sessions: list[Session]) -> str:
-    rows = [
-        f"  rank {s.rank:<3} {s.stream_name:<10} {s.location.get('file')}:{s.location.get('line')}"
-        f"  {s.location.get('function')}"
-        for s in sessions
-    ]
+    rows = []
+    for ranks, s in _by_place(sessions):
+        who = format_ranks(ranks)
+        rows.append(
+            f"  {who:<8} {s.stream_name:<10} {s.location.get('file')}:{s.location.get('line')}"
+            f"  {s.location.get('function')}"
+        )
     return (
         "\n".join(["paused debugger sessions:", *rows]) if rows else "no paused debugger sessions"
     )
@@ -43,8 +57,9 @@ def describe(sessions: list[Session]) -> str:
 
 def notice(sessions: list[Session]) -> str:
     where = "; ".join(
-        f"rank {s.rank} ({s.stream_name}) at {s.location.get('file')}:{s.location.get('line')}"
-        for s in sessions
+        f"{format_ranks(ranks)} ({s.stream_name}) at {s.location.get('file')}:"
+        f"{s.location.get('line')}"
+        for ranks, s in _by_place(sessions)
     )
     return f"monarch_nb: paused in the debugger: {where}"
 
