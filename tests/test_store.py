@@ -99,34 +99,33 @@ def test_store_operations_from_worker_functions(store_mesh):
     assert keys["t/counter"] == b"2" and keys["t/from0"] == b"hello from 0"
 
 
-def concurrent_callers():
-    """A get parked for one thread does not hold up another thread's set."""
-    import time
+def parked_get():
+    """A get of the key the other rank sets, made on a side stream's thread."""
+    return _store().get(f"c/late{1 - mnb.current_rank()}")
 
-    s, r = _store(), mnb.current_rank()
-    got = {}
-    t = threading.Thread(target=lambda: got.setdefault("v", s.get(f"c/late{1 - r}")))
-    t.start()
 
-    def parked():  # its request is out: the thread waits for the reply
-        frame = sys._current_frames().get(t.ident)
-        while frame is not None and frame.f_code.co_name != "replies":
-            frame = frame.f_back
-        return frame is not None
-
-    deadline = time.monotonic() + 30
-    while not parked() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    s.set(f"c/late{r}", f"from {r}".encode())
-    t.join(30)
-    return got.get("v")
+def set_mine():
+    r = mnb.current_rank()
+    _store().set(f"c/late{r}", f"from {r}".encode())
 
 
 def test_concurrent_callers_on_one_worker_do_not_wait_for_each_other(store_mesh):
-    assert mnb.remote(concurrent_callers)(mesh=store_mesh).fetch(timeout=60) == [
-        b"from 1",
-        b"from 0",
-    ]
+    """A get parked in the controller for one thread of a worker (a side stream's)
+    does not hold up another thread's set on the same store (the default stream's).
+    No timing: the sets are sent once both gets are seen parked in the controller,
+    and each step is bounded (a set held up by the parked get fails the fetch)."""
+    server = store_mesh._controller.rendezvous.store
+    keys = [["c/late0"], ["c/late1"]]
+
+    def parked():  # the keys our two gets wait for, as the controller holds them
+        return sorted(p[3] for p in list(server._parked) if p[3] in keys)
+
+    side = store_mesh.stream("store-waiter")
+    waiting = mnb.remote(parked_get)(mesh=store_mesh, stream=side)
+    wait_for(lambda: parked() == keys, 30, "both ranks' gets parked in the controller", show=parked)
+    mnb.remote(set_mine)(mesh=store_mesh).fetch(timeout=30)
+    assert waiting.fetch(timeout=30) == [b"from 1", b"from 0"]
+    assert parked() == []
 
 
 def bounded_get():
