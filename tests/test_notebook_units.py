@@ -285,6 +285,11 @@ def test_the_inline_pdb_list_folds_ranks_paused_at_one_place():
         "  rank 7   comms      Cell In[3]:4  <module>",
         "  rank 512 default    Cell In[3]:9  <module>",
     ]
+    few = describe([Session(r, 0, "default", dict(at)) for r in (1, 0)]).splitlines()
+    assert few[1:] == [  # a few ranks keep a row each
+        "  rank 0   default    Cell In[3]:4  <module>",
+        "  rank 1   default    Cell In[3]:4  <module>",
+    ]
     assert notice(sessions) == (
         "monarch_nb: paused in the debugger: ranks 0-511,513-1023 (default) at Cell In[3]:4; "
         "rank 7 (comms) at Cell In[3]:4; rank 512 (default) at Cell In[3]:9"

@@ -31,15 +31,26 @@ class NoStdin(Exception):
     """The front end cannot answer input requests."""
 
 
+FOLD = 4  # more ranks than this paused at one place share one row
+
+
 def _by_place(sessions: list[Session]) -> list[tuple[list[int], Session]]:
-    """Sessions paused at one place (stream, file, line, function) folded: their
-    ranks and the first of them, in rank order (1,024 ranks at one breakpoint: one row)."""
+    """Sessions paused at one place (stream, file, line, function) folded when more
+    than FOLD: their ranks and the first of them, in rank order (1,024 ranks at one
+    breakpoint: one row); a few ranks keep a row each."""
     groups: dict = {}
     for s in sorted(sessions, key=lambda s: s.rank):
         loc = s.location
         key = (s.stream_name, loc.get("file"), loc.get("line"), loc.get("function"))
-        groups.setdefault(key, ([], s))[0].append(s.rank)
-    return list(groups.values())
+        groups.setdefault(key, ([], []))[0].append(s.rank)
+        groups[key][1].append(s)
+    rows = []
+    for ranks, ss in groups.values():
+        if len(ranks) > FOLD:
+            rows.append((ranks, ss[0]))
+        else:
+            rows.extend(([s.rank], s) for s in ss)
+    return sorted(rows, key=lambda row: row[0][0])
 
 
 def describe(sessions: list[Session]) -> str:
