@@ -38,6 +38,7 @@ GRACE = 0.005  # seconds the IO thread leaves the socket to a caller that just d
 # ... and to one that just sent a request (and most likely waits for it now, driving)
 # or is waiting for the lease: short, as a caller that awaits instead never drives
 SENT_GRACE = 0.0005
+HOLD = 0.001  # seconds messages handed over after a wake wait for that wake's batch
 MAX_QUEUED = 4096  # messages handed over and not sent before a producer must help send
 MAX_DRAIN = 65536  # messages one drain sends at most
 
@@ -118,8 +119,14 @@ class IOLoop:
                     return
             finally:
                 self._release_by_caller(SENT_GRACE)
-        elif item[0] != "req" and time.monotonic() < self._callers_until:
-            return  # a caller drove just now: its next request (or the IO thread) sends it
+        elif item[0] != "req":
+            now = time.monotonic()
+            if now < self._callers_until:
+                return  # a caller drove just now: its next request (or the IO thread) sends it
+            if not self.on_io_thread:
+                # what follows within HOLD goes with this one's batch, unwoken: a producer
+                # in a loop pays one wake per batch, not one per message
+                self._callers_until = now + HOLD
         self._wake()
 
     def _help_drain(self) -> None:
@@ -219,7 +226,7 @@ class IOLoop:
                 try:
                     if not needed and time.monotonic() < self._callers_until:
                         continue  # a caller drove just now: let it keep the socket
-                    self._step(TICK)
+                    self._step(0 if self._outq else TICK)
                 finally:
                     self._lease.release()
             except Exception:
