@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 import time
 
-from ..protocol import BadMessage, Signer, decode
+from ..protocol import BadMessage, Signer
 from ..protocol import messages as m
 from .fanout import HostChannel
-from .relay_ranks import RankSockets, record_type
+from .relay_ranks import RankSockets, decode_plain, record_type
 
 HOLD_S = 0.002  # how long the outbox waits for the other ranks' Status of a RequestStatus
 FORGET_S = 60.0  # a RequestStatus none of whose ranks answered: forgotten after this
@@ -62,7 +62,7 @@ class RelayHost(HostChannel):
         self._left -= 1
         if cls is m.RequestStatus:
             try:
-                ident = decode(p, self.signer).ident
+                ident = decode_plain(p, self.signer, m.RequestStatus).ident
             except BadMessage as e:
                 self.peers.count(e.kind)
                 return

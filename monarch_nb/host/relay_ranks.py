@@ -10,22 +10,27 @@ a ``StoreReply`` goes back to the socket its ``StoreRequest`` came on.
 
 Messages are not unpickled to be passed on: the type of a record is read from
 its first pickle opcodes (``record_type``). Only the few records the relay acts
-on, all plain data, are decoded (WorkerReady, StoreRequest, Status, Progress,
-Health up; RequestStatus, StoreReply down); a user's values (a FetchResult, a
-SendTensor) pass as the frames they came in, their buffers never copied.
+on, all plain data, are decoded (StoreRequest, Status, Progress, Health up;
+RequestStatus, StoreReply down), by an unpickler that loads no class but the
+protocol's (``decode_plain``: the relay never imports torch or a user's module);
+a WorkerReady (its versions hold torch's version object) counts as the rank its
+envelope is sealed by. A user's values (a FetchResult, a SendTensor) pass as the
+frames they came in, their buffers never copied.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 from collections import OrderedDict
 
 import zmq
 
-from ..protocol import BadMessage, decode
+from ..protocol import BadMessage
 from ..protocol import messages as m
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, unseal
 from ..protocol.wire import _CODE as _WIRE_CODES  # the record codes (a record's first field)
@@ -34,7 +39,7 @@ from ..protocol.wire import recv_ready, send_frames
 logger = logging.getLogger("monarch_nb.host")
 
 _BY_CODE = {code: cls for cls, code in _WIRE_CODES.items()}
-DECODED_UP = (m.WorkerReady, m.StoreRequest, m.Status, m.Progress, m.Health)
+DECODED_UP = (m.StoreRequest, m.Status, m.Progress, m.Health)
 MAX_STORE_WAITS = 4096  # store requests remembered for their replies at most
 RECV_HWM = 256  # per rank socket, as the controller's: a flood waits in the rank
 
@@ -61,6 +66,28 @@ def record_type(payload) -> type | None:
     else:
         return None
     return _BY_CODE.get(code)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module == m.__name__:
+            return getattr(m, name)
+        raise pickle.UnpicklingError(f"{module}.{name} in a record the relay reads")
+
+
+def decode_plain(p, signer, cls: type):
+    """Record ``cls`` of the frames ``p`` (``[sig, pickle]``), verified; BadMessage when
+    it does not verify, or holds anything but plain data and the protocol's records."""
+    payload = p[1].bytes if hasattr(p[1], "bytes") else bytes(p[1])
+    if not signer.verify(bytes(p[0]), payload, ()):
+        raise BadMessage("signature does not verify", "signature")
+    try:
+        flat = _PlainUnpickler(io.BytesIO(payload)).load()
+    except Exception as e:
+        raise BadMessage(f"a {cls.__name__} the relay cannot read: {e}") from e
+    if type(flat) is not tuple or len(flat) != len(cls._fields) + 1:
+        raise BadMessage(f"not a {cls.__name__} record")
+    return tuple.__new__(cls, flat[1:])
 
 
 class RankSockets:
@@ -116,38 +143,38 @@ class RankSockets:
             self._drop("gap", f"{missed} message(s) of rank {header.rank} never arrived")
         for p in parts:
             cls = record_type(p[1]) if len(p) == 2 else None
-            if cls not in DECODED_UP:
-                if missed is None:
-                    self._drop("rank", f"a message of rank {header.rank}, which has not joined")
-                else:
+            if cls is m.WorkerReady:
+                if self._ready(header.rank, identity, header):
+                    missed = 0
                     post(p)
                 continue
+            if missed is None:
+                self._drop("rank", f"a message of rank {header.rank}, which has not joined")
+                continue
+            if cls not in DECODED_UP:
+                post(p)
+                continue
             try:
-                msg = decode(p, self.signer)
+                msg = decode_plain(p, self.signer, cls)
             except BadMessage as e:
                 self._drop(e.kind, e)
                 continue
             if msg.rank != header.rank:
                 self._drop("rank", f"a {cls.__name__} of rank {msg.rank} sealed by {header.rank}")
                 continue
-            if cls is m.WorkerReady:
-                if not self._ready(msg, identity, header):
-                    continue
-            elif missed is None:
-                self._drop("rank", f"a {cls.__name__} of rank {msg.rank}, which has not joined")
-                continue
-            elif cls is m.StoreRequest:
+            if cls is m.StoreRequest:
                 self._remember_store(msg.rank, msg.request, identity)
-            post(p if cls is not m.Status and cls is not m.Progress and cls is not m.Health else msg)
+            post(p if cls is m.StoreRequest else msg)
 
-    def _ready(self, msg: m.WorkerReady, identity: bytes, header) -> bool:
-        if not self.first <= msg.rank < self.first + self.count:
-            self._drop("rank", f"rank {msg.rank} is not one of this host's")
+    def _ready(self, rank: int, identity: bytes, header) -> bool:
+        """A rank's receiver says WorkerReady: commands for the rank go to it."""
+        if not self.first <= rank < self.first + self.count:
+            self._drop("rank", f"rank {rank} is not one of this host's")
             self.peers.refuse(identity, header)
             return False
         self.peers.join(identity, header)
-        self.receivers[msg.rank] = identity
-        for k in [k for k in self.store_waits if k[0] == msg.rank]:  # an earlier process's
+        self.receivers[rank] = identity
+        for k in [k for k in self.store_waits if k[0] == rank]:  # an earlier process's
             del self.store_waits[k]
         return True
 
@@ -186,7 +213,7 @@ class RankSockets:
 
     def _store_reply(self, targets, p) -> None:
         try:
-            reply = decode(p, self.signer)
+            reply = decode_plain(p, self.signer, m.StoreReply)
         except BadMessage as e:
             self._drop(e.kind, e)
             return
