@@ -34,6 +34,17 @@ def noop():
     return None
 
 
+def add(a, b):
+    return a + b
+
+
+def mark_then_sleep(path: str, seconds: float) -> None:
+    import time
+
+    open(f"{path}-{mnb.current_rank()}", "w").close()
+    time.sleep(seconds)
+
+
 def tcp_peers():
     """The TCP ports this rank's process is connected to."""
     import psutil
@@ -199,6 +210,24 @@ def test_a_host_with_a_wrong_key_or_not_the_relay_of_its_slot_is_refused(fan):
         sock.close()
     assert hosted(ctrl)
     assert mesh.pull("__name__") == ["__main__"] * 4
+
+
+def test_an_interrupt_stops_every_stream_of_every_hosted_rank(fan, tmp_path):
+    mesh, _, _ = fan
+    side = mesh.stream("side")  # a second reply socket per rank, behind the relay
+    loop_mark, sleep_mark = tmp_path / "loop", tmp_path / "sleep"
+    looping = mesh.exec(f"open(f'{loop_mark}-{{rank}}', 'w').close()\nwhile True: pass")
+    sleeping = mnb.remote(mark_then_sleep)(str(sleep_mark), 1000, mesh=mesh, stream=side)
+    marks = [f"{m}-{r}" for m in (loop_mark, sleep_mark) for r in range(4)]
+    wait_for(lambda: all(os.path.exists(p) for p in marks), 30, "both commands to start")
+    mesh.interrupt()
+    for ref in (looping, sleeping):
+        with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt") as ei:
+            ref.fetch(timeout=30)
+        assert set(ei.value.failures) == {0, 1, 2, 3}
+    assert mesh.exec("1 + 1").fetch(timeout=30) == [2] * 4
+    assert mnb.remote(add)(1, 1, mesh=mesh, stream=side).fetch(timeout=30) == [2] * 4
+    mesh.wait(timeout=30)
 
 
 def test_a_killed_rank_fails_pending_work_naming_host_and_rank(fan):
