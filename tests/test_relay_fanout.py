@@ -10,8 +10,10 @@ controller``): 2 hosts x 2 ranks make a world of 4."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -72,6 +74,11 @@ def fan(tmp_path_factory):
     finally:
         if w.result:
             w.result[0].shutdown()
+            for p in relays:
+                try:
+                    p.wait(30)  # Quit: it ends its ranks and removes its socket's directory
+                except subprocess.TimeoutExpired:
+                    pass
         for p in relays:
             p.kill()
         for k, v in saved.items():
@@ -250,8 +257,9 @@ def test_a_killed_relay_fails_its_ranks_naming_its_host_and_a_new_one_takes_the_
     mesh, relays, conn = fan
     ctrl = mesh._controller
     ranks = [pid for r, pid in ctrl.worker_pids().items() if r >= 2]
+    left = {os.path.dirname(a) for a in listens(relays[1].pid) if a.endswith("/ranks")}
     busy = mesh.exec("import time\ntime.sleep(60)")
-    os.kill(relays[1].pid, signal.SIGKILL)
+    os.kill(relays[1].pid, signal.SIGKILL)  # its socket's directory stays: removed below
     with pytest.raises(WorkerCrashed) as ei:
         busy.fetch(timeout=30)
     text = ei.value.stderr_tail
@@ -260,6 +268,8 @@ def test_a_killed_relay_fails_its_ranks_naming_its_host_and_a_new_one_takes_the_
     assert "its connection closed (the relay process is gone)" in text
     assert pids_gone(ranks, timeout=10) == []
     relays[1].wait(10)
+    for d in left:
+        shutil.rmtree(d, ignore_errors=True)
     relays[1] = relay(conn, "--local-ranks", "2", "--node-rank", "1")
     agents = ctrl.workers.launcher.agents
     wait_for(lambda: len(agents.hosts()) == 2, 120, "the new relay")

@@ -97,9 +97,9 @@ class Relay:
             )
             self._loop()
         finally:
+            if self.fan is not None:  # first: its directory must not outlive a kill that
+                self.fan.close()  # comes while the agent ends its ranks
             self._end_agent()
-            if self.fan is not None:
-                self.fan.close()
             self.monitor.close(0)
             self.sock.close()
             ctx.term()
