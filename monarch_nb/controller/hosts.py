@@ -6,7 +6,9 @@ that, its ranks join through it (their WorkerReady inside its envelopes), the IO
 loop sends each command once per host (``HostCommand``), and what the host sends
 is its ranks' messages, each checked against the ranks it serves, and ``Folded``
 records, handled a group at a time (``Status`` and ``Progress`` of many ranks in
-one step, not a dict update per rank).
+one step, not a dict update per rank). What answers a rank's socket rather than
+the rank (a ``StoreReply``) goes through its host too: ``reply_to`` takes the
+(host identity, rank) a hosted rank's request was remembered as.
 """
 
 from __future__ import annotations
@@ -122,12 +124,33 @@ class HostLinks:
                 ctrl.io.send_via_host(
                     link.identity, (rank,), encode(m.Refused(reason), ctrl.signer)
                 )
+            else:
+                self.joined()
             return
         if ctrl.workers.identities.get(rank) != link.identity:
             replies._drop("rank", f"a {type(msg).__name__} of rank {rank}, which has not joined")
             return
         ctrl.state.seen(rank)
-        handler(msg)
+        if type(msg) is m.StoreRequest:  # answered through the host, which knows the socket
+            handler(msg, (link.identity, rank))
+        else:
+            handler(msg)
+
+    def joined(self) -> None:
+        """A rank joined: where each rank's messages go may have changed (a rank
+        direct in the last generation and hosted in this one, or the other way), so
+        the routes make their cached splits again (a new epoch; the same hosts)."""
+        routes = self.ctrl.io.routes
+        if routes.hosts:
+            routes.add_host(next(iter(routes.hosts)))
+
+    def reply_to(self, to, frames) -> None:
+        """Send one buffer-less message to a socket a request came from: a worker's
+        identity, or (host identity, rank) for a rank served by a host."""
+        if type(to) is tuple:
+            self.ctrl.io.send_via_host(to[0], (to[1],), frames)
+        else:
+            self.ctrl.io.send_now(to, frames)
 
     def _folded(self, msg: m.Folded, link: HostLink) -> None:
         cls = _TYPES.get(msg.kind)

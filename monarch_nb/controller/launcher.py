@@ -237,6 +237,10 @@ class ExternalLauncher:
             self._out(self.lines(address, world))
         return procs
 
+    def host_ranks(self, host: int, pid: int) -> range | None:
+        """The ranks host agent ``host`` (its relay's ``pid``) serves, or None."""
+        return self.agents.host_ranks(host, pid) if self.agents is not None else None
+
     def lines(self, address: str, world: int) -> str:
         """How to start the workers (the text printed at launch)."""
         f, agents = self.connection_file, self.agents.address

@@ -6,8 +6,11 @@ with a thread that owns it. Every record is sealed with the mesh key
 (``protocol/agent_link.py``): what does not verify is dropped unread and never
 answered. A relay says Hello with the ranks its agent offers and the host slot
 it claims; it gets a block of ranks (the slot's, or the next free one), and once
-the mesh launches and the agent is ready, a Spawn per rank, whose process joins
-the mesh's ROUTER as a worker. The agent's reports (Spawned, Output, Exited) go
+the mesh launches and the agent is ready, a Spawn per rank. With the fan-out (the
+default; ``MONARCH_NB_RELAY_FANOUT=0`` turns it off) the Spawn names the agent's
+host slot, and the relay joins the mesh's ROUTER as that host
+(``launcher.host_ranks``: ``host_ranks`` here) and carries its ranks' traffic;
+otherwise each rank joins the mesh's ROUTER itself. The agent's reports (Spawned, Output, Exited) go
 to the same ``AgentRank`` records as the local agent's. A relay whose
 connection closes (its process died) or that is silent for the heartbeat
 timeout is lost, and its ranks with it, the host named.
@@ -24,13 +27,13 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .._version import __version__
 from ..protocol import agent_link
 from ..protocol import host_messages as hm
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
 from ..protocol.wire import BadMessage, Signer
 from .agent_ranks import AgentRank, RankBook
 from .errors import describe_exit
+from .remote_blocks import host_slot, place
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -39,15 +42,24 @@ POLL_MS = 100
 GRACE_S = 0.5  # a closed connection may come back (a reconnect) within this
 
 
+def fanout() -> bool:
+    """Whether relays carry their ranks' traffic (``MONARCH_NB_RELAY_FANOUT``, read
+    at each launch: ``0`` makes every rank connect to the mesh's ROUTER itself)."""
+    return os.environ.get("MONARCH_NB_RELAY_FANOUT", "1").strip() != "0"
+
+
 class RemoteAgent(RankBook):
     """A relay and its agent on another host: ranks ``first`` .. ``first + count - 1``."""
 
     failed_spawn_code = 1  # a fork that failed there fails the mesh's start
 
-    def __init__(self, channel: AgentChannel, identity: bytes, hello: hm.Hello, first: int):
+    def __init__(
+        self, channel: AgentChannel, identity: bytes, hello: hm.Hello, first: int, slot: int
+    ):
         self._init_ranks()
         self.channel, self.identity, self.hello = channel, identity, hello
         self.first, self.count = first, hello.local_ranks
+        self.slot = slot  # the mesh's index of this host (its HostJoin's)
         self.info: hm.AgentReady | None = None
         self.lost: str | None = None
         self.error: str | None = None  # what the agent refused (it ends next)
@@ -138,6 +150,15 @@ class AgentChannel:
     def hosts(self) -> list[RemoteAgent]:
         with self._lock:
             return sorted(self.agents.values(), key=lambda a: a.first)
+
+    def host_ranks(self, host: int, pid: int) -> range | None:
+        """The ranks of the agent of host slot ``host`` whose relay is process ``pid``
+        (a HostJoin's claim), else None."""
+        with self._lock:
+            for a in self.agents.values():
+                if a.slot == host and a.hello.pid == pid:
+                    return range(a.first, a.first + a.count)
+        return None
 
     def close(self) -> None:
         """The mesh is gone: every relay is told Quit (its agent and ranks end)."""
@@ -278,6 +299,7 @@ class AgentChannel:
     def _spawn_block(self, agent: RemoteAgent) -> None:
         """Ask ``agent`` for its ranks of the launched generation (``_lock`` held)."""
         address = self._target
+        host = agent.slot if fanout() else -1
         for i in range(agent.count):
             rank = agent.first + i
             env = {
@@ -287,14 +309,19 @@ class AgentChannel:
                 "LOCAL_WORLD_SIZE": str(agent.count),
             }
             # no key: the relay has it, and it never crosses the network
-            self._procs[rank] = agent.spawn(rank, self.world, address, b"", env, i, here=False)
+            self._procs[rank] = agent.spawn(
+                rank, self.world, address, b"", env, i, here=False, host=host
+            )
 
     def _hello(self, identity: bytes, h, msg: hm.Hello, fd) -> None:
         who = f"host {msg.host} (relay pid {msg.pid})"
         with self._lock:
-            why, first = self._place(msg)
+            why, first = place(list(self.agents.values()), msg, self.world)
             if why is None:
-                agent = RemoteAgent(self, identity, msg, first)
+                agent = RemoteAgent(
+                    self, identity, msg, first,
+                    host_slot(list(self.agents.values()), msg, first, self.world),
+                )  # fmt: skip
                 agent.fd = fd
                 self.agents[identity] = agent
                 self.peers.join(identity, h)
@@ -309,47 +336,6 @@ class AgentChannel:
             "mesh %r: the host agent on %s runs ranks %d-%d",
             self.name, who, first, first + msg.local_ranks - 1,
         )  # fmt: skip
-
-    def _place(self, msg: hm.Hello) -> tuple[str | None, int]:
-        """(why not, first rank) of an agent's block (``_lock`` held)."""
-        n, world = msg.local_ranks, self.world
-        if msg.version != __version__:
-            return f"the agent runs monarch_nb {msg.version}, this controller {__version__}", 0
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            return f"it offers {n!r} ranks (--local-ranks must be at least 1)", 0
-        held = sorted((a.first, a.first + a.count, a) for a in self.agents.values())
-        if msg.node_rank is not None:
-            for a in self.agents.values():
-                if a.hello.node_rank == msg.node_rank:
-                    return (
-                        f"two host agents claim host slot {msg.node_rank} (--node-rank, "
-                        f"SLURM_NODEID or GROUP_RANK): {a.label} holds it",
-                        0,
-                    )
-            first = msg.node_rank * n
-            if first + n > world:
-                return (
-                    f"host slot {msg.node_rank} x {n} local ranks is ranks {first}-"
-                    f"{first + n - 1}, beyond the mesh's world of {world}",
-                    0,
-                )
-            for lo, hi, a in held:
-                if lo < first + n and first < hi:
-                    return f"its ranks {first}-{first + n - 1} overlap {a.label}'s {lo}-{hi - 1}", 0
-            return None, first
-        first = 0
-        for lo, hi, _ in held:
-            if first + n <= lo:
-                break
-            first = max(first, hi)
-        if first + n > world:
-            free = world - sum(hi - lo for lo, hi, _ in held)
-            return (
-                f"it offers {n} ranks, more than the {free} free of the mesh's world of "
-                f"{world} ({len(held)} host agent(s) hold the others)",
-                0,
-            )
-        return None, first
 
     def _lose(self, agent: RemoteAgent, why: str) -> None:
         with self._lock:

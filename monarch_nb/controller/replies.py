@@ -137,6 +137,7 @@ class Replies:
             ctrl.peers.refuse(identity, header)
             return
         ctrl.peers.join(identity, header)
+        self.hosts.joined()
 
     # ------------------------------------------------------------ replies to requests
 
@@ -166,7 +167,7 @@ class Replies:
 
     def StoreRequest(self, msg: m.StoreRequest, identity: bytes) -> None:
         for to, reply in self.ctrl.rendezvous.store.handle(msg, identity):
-            self.ctrl.io.send_now(to, encode(reply, self.ctrl.signer))
+            self.hosts.reply_to(to, encode(reply, self.ctrl.signer))
 
     # ------------------------------------------------------------ reports
 

@@ -85,14 +85,18 @@ class HostChannel:
         if missed:
             self.peers.count("gap")
         for p in parts:
-            try:
-                msg = decode(p, self.signer)
-            except BadMessage as e:
-                self.peers.count(e.kind)
-                if self._left:
-                    self._left -= 1
-                continue
-            self._message(msg, touched)
+            self._part(p, touched)
+
+    def _part(self, p, touched: list) -> None:
+        """One message of an envelope: decoded once, handled for every target."""
+        try:
+            msg = decode(p, self.signer)
+        except BadMessage as e:
+            self.peers.count(e.kind)
+            if self._left:
+                self._left -= 1
+            return
+        self._message(msg, touched)
 
     def _message(self, msg, touched: list) -> None:
         if self._left:
