@@ -140,9 +140,7 @@ class HostLinks:
         """A rank joined: where each rank's messages go may have changed (a rank
         direct in the last generation and hosted in this one, or the other way), so
         the routes make their cached splits again (a new epoch; the same hosts)."""
-        routes = self.ctrl.io.routes
-        if routes.hosts:
-            routes.add_host(next(iter(routes.hosts)))
+        self.ctrl.io.routes.changed()
 
     def reply_to(self, to, frames) -> None:
         """Send one buffer-less message to a socket a request came from: a worker's

@@ -32,6 +32,10 @@ class Routes:
         """One encoded message to one socket, sealed."""
         send_frames(self.router, [identity, *self.seal(frames, 1, identity)])
 
+    def changed(self) -> None:
+        """Who is behind which socket may have changed (a rank joined): split afresh."""
+        self._epoch += 1
+
     def add_host(self, identity: bytes) -> None:
         self.hosts.add(identity)
         self._epoch += 1
