@@ -186,6 +186,14 @@ def test_with_the_fan_out_off_each_rank_connects_itself_and_back(fan, monkeypatc
     assert mnb.remote(mnb.current_rank)(mesh=mesh).fetch(timeout=60) == [0, 1, 2, 3]
 
 
+def test_a_bad_fan_out_switch_is_a_clear_error(monkeypatch):
+    from monarch_nb.controller.remote_hosts import fanout
+
+    monkeypatch.setenv("MONARCH_NB_RELAY_FANOUT", "yes")
+    with pytest.raises(ValueError, match="MONARCH_NB_RELAY_FANOUT must be 0 or 1, got 'yes'"):
+        fanout()
+
+
 def _rogue(ctrl, host: int, key: bytes, pid: int):
     signer = Signer(key)
     sock = zmq.Context.instance().socket(zmq.DEALER)

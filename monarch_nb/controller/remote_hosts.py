@@ -45,7 +45,10 @@ GRACE_S = 0.5  # a closed connection may come back (a reconnect) within this
 def fanout() -> bool:
     """Whether relays carry their ranks' traffic (``MONARCH_NB_RELAY_FANOUT``, read
     at each launch: ``0`` makes every rank connect to the mesh's ROUTER itself)."""
-    return os.environ.get("MONARCH_NB_RELAY_FANOUT", "1").strip() != "0"
+    value = os.environ.get("MONARCH_NB_RELAY_FANOUT", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"MONARCH_NB_RELAY_FANOUT must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 class RemoteAgent(RankBook):
@@ -139,8 +142,9 @@ class AgentChannel:
         """A generation starts: its ranks' address; the ranks of every ready agent
         are forked now, those of agents that come later when they are ready. The
         dict (rank -> AgentRank) fills as they are asked for."""
+        on = fanout()  # a bad value raises here, at the mesh's start
         with self._lock:
-            self._target = address
+            self._target, self._fanout = address, on
             self._procs = {}
             for agent in self.agents.values():
                 if agent.info is not None:
@@ -299,7 +303,7 @@ class AgentChannel:
     def _spawn_block(self, agent: RemoteAgent) -> None:
         """Ask ``agent`` for its ranks of the launched generation (``_lock`` held)."""
         address = self._target
-        host = agent.slot if fanout() else -1
+        host = agent.slot if getattr(self, "_fanout", True) else -1
         for i in range(agent.count):
             rank = agent.first + i
             env = {
