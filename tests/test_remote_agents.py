@@ -118,10 +118,11 @@ def hosts(tmp_path_factory):
             p.kill()
 
 
-def test_the_connection_file_names_the_agent_channel(hosts):
+def test_the_connection_file_names_the_agents_address_the_meshs_router(hosts):
     mesh, relays, conn = hosts
     info = json.loads(conn.read_text())
-    assert info["agents"].startswith("tcp://127.0.0.1:") and info["agents"] != info["address"]
+    # host agents join through the mesh's own ROUTER: one port for workers and agents
+    assert info["agents"].startswith("tcp://127.0.0.1:") and info["agents"] == info["address"]
     text = mesh._controller.workers.launcher.lines(info["address"], 4)  # what connect_mesh printed
     assert f"srun --ntasks-per-node 1 monarch-nb-host --connection-file {conn}" in text
     assert f"monarch-nb-host --connect {info['agents']} --key-file K" in text

@@ -107,6 +107,8 @@ class Controller:
         self.address = f"tcp://{self._advertise}:{self.io.port}"  # what workers connect to
         self.replies = Replies(self)
         self.io.on_frames = self.replies.on_frames
+        if hasattr(self.workers.launcher, "attach"):  # agents on other hosts: this ROUTER
+            self.workers.launcher.attach(self.io)
         self.io.on_tick = self._tick
         self.cancels = Cancels(self)
         self.io.on_item = self.cancels.on_item
@@ -153,8 +155,7 @@ class Controller:
         return NDSlice.contiguous(tuple(self.dims.values()))
 
     def process_group(self, ranks: NDSlice, reduced: tuple, stream: int) -> int:
-        """The key of the process groups over dims ``reduced`` of ``ranks`` for
-        ``stream``; created on every world rank on first use."""
+        """The process groups' key over ``reduced`` dims of ``ranks`` for ``stream``."""
         k = (ranks, tuple(sorted(reduced)), stream)
         with self._lifecycle_groups:
             key = self._groups.get(k)
@@ -210,8 +211,7 @@ class Controller:
     def send(
         self, msg, ranks, stream: int | None = None, what: str = "", check: bool = True
     ) -> None:
-        """Send ``msg`` to ``ranks`` (None: every rank). With ``stream``, it is a
-        command whose progress MeshState tracks."""
+        """Send ``msg`` to ``ranks`` (None: all); with ``stream``, a tracked command."""
         # None: every rank (of a mesh broken by lost ranks: the others)
         targets = self.survivors() if ranks is None else ranks
         if check:
@@ -388,8 +388,8 @@ class Controller:
                 self._stop_workers(timeout)
             finally:
                 self._closed = True
+                self.workers.close()  # before the socket goes: relays read their Quit
                 self.io.stop()
-                self.workers.close()
                 self.rendezvous.close()
                 _live.discard(self)
 

@@ -25,8 +25,9 @@ from collections import deque
 from concurrent.futures import Future
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from ..protocol.wire import recv_ready
+from ..protocol.wire import recv_ready, send_frames
 from .routing import Routes
 from .sigint import held_interrupt
 
@@ -51,6 +52,7 @@ class IOLoop:
     or None) gets the ZeroMQ tracker of a big zero-copy send;
     ``("call", fn, future)``: run ``fn`` here;
     ``("del", ref_id)``: a freed value, announced after the batch it came with;
+    ``("raw", identity, frames)``: frames sealed already, to one socket (the agents' channel);
     ``("req", request, ranks, frames, done)``: ``on_item`` registers the request,
     then its frames leave as a "msg" does.
     Anything else goes to ``on_item`` too (the request table's cancels).
@@ -85,6 +87,10 @@ class IOLoop:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        # connections that close (the agents' channel learns of a relay gone from it)
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self.on_disconnect = lambda fd: None
         self._registered: set[int] = set()
         self._next_tick = 0.0
         self.on_frames = lambda frames: None
@@ -260,6 +266,8 @@ class IOLoop:
         self._drain()
         if self._router in events:
             self._receive()
+        if self._monitor in events:
+            self._disconnects()
         for fd in [fd for fd in events if fd in self._registered]:
             proc = self._watched[fd]
             if not proc.read_output():
@@ -297,6 +305,7 @@ class IOLoop:
             if self.sockets_closed:
                 return
             self.sockets_closed = True
+            self._monitor.close(linger=0)
             self._router.close(linger=0)
             self._ctx.term()
             for fd in (self._wake_r, self._wake_w):
@@ -332,6 +341,9 @@ class IOLoop:
                 else:
                     self.routes.flush(batches)
                     self.routes.route(ranks, frames, done)
+            elif kind == "raw":  # frames sealed already (the agents' channel), to one socket
+                self.routes.flush(batches)
+                send_frames(self._router, [item[1], *item[2]])
             elif kind == "del":
                 # sent after the batch: a deleted Ref cannot be named by a later command
                 deletes.append(item[1])
@@ -356,6 +368,15 @@ class IOLoop:
             if frames is not None:
                 self.routes.add(batches, tuple(self.identities), frames)
         self.routes.flush(batches)
+
+    def _disconnects(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                try:
+                    self.on_disconnect(event["value"])
+                except Exception:
+                    logger.exception("mesh %r: a disconnect handler failed", self.name)
 
     def _receive(self) -> None:
         router = self._router

@@ -218,14 +218,22 @@ class ExternalLauncher:
         self._written: tuple | None = None  # (device, inode) of the file written here
         self.interface, self.agent_timeout = interface, agent_timeout
         self.agents = None  # the AgentChannel, from the first launch on
+        self._io = None
+
+    def attach(self, io) -> None:
+        """The mesh's IO loop: host agents reach its ROUTER, the only port of the mesh."""
+        self._io = io
+        io.on_disconnect = lambda fd: self.agents.disconnected(fd) if self.agents else None
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
         if self.agents is None:
             from .remote_hosts import AgentChannel
 
+            if self._io is None:
+                raise RuntimeError("ExternalLauncher.launch before attach(io): no ROUTER")
             host = address.rsplit(":", 1)[0].split("//", 1)[-1]
             self.agents = AgentChannel(
-                self.name, self.interface, host, key, world, self.agent_timeout, self._out
+                self.name, self._io, host, key, world, self.agent_timeout, self._out
             )
         procs = self.agents.launch(address, key, world)
         f = self.connection_file

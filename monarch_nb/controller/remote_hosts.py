@@ -25,7 +25,6 @@ import threading
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol import agent_link
 from ..protocol import host_messages as hm
@@ -40,6 +39,7 @@ logger = logging.getLogger("monarch_nb.controller")
 BEAT_S = 1.0
 POLL_MS = 100
 GRACE_S = 0.5  # a closed connection may come back (a reconnect) within this
+QUIT_WAIT_S = 2.0  # at shutdown: how long the relays have to read their Quit and go
 
 
 def fanout() -> bool:
@@ -87,10 +87,13 @@ class RemoteAgent(RankBook):
 
 
 class AgentChannel:
-    """The agents' ROUTER of mesh ``name``, bound on ``interface``, ``host`` in its address."""
+    """The host agents of mesh ``name``: their relays reach the mesh's own ROUTER
+    (``io``, its port advertised as ``host``), which hands their envelopes here
+    (``deliver``) and sends what this channel seals; a thread of its own reads
+    them, beats and checks, so the IO thread never waits on an agent."""
 
     def __init__(
-        self, name: str, interface: str, host: str, key: bytes, world: int,
+        self, name: str, io, host: str, key: bytes, world: int,
         heartbeat_timeout: float, out=print,
     ):  # fmt: skip
         self.name, self.world, self.heartbeat_timeout, self._out = (
@@ -108,13 +111,11 @@ class AgentChannel:
         self._target: str | None = None  # the ranks' address, once a generation launched
         self._procs: dict = {}
         self._posted: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (frames, fd) or (None, fd)
         self._version_told: set[bytes] = set()
-        self._ctx = zmq.Context(1)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self.port = self._sock.bind_to_random_port(f"tcp://{interface}")
+        self._io = io
+        self.port = io.port
         self.address = f"tcp://{host}:{self.port}"
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -123,6 +124,24 @@ class AgentChannel:
             target=self._run, name=f"monarch-agents-{name}", daemon=True
         )
         self._thread.start()
+
+    def deliver(self, frames, fd) -> None:
+        """An envelope of an agent link (IO thread): read on this channel's thread."""
+        self._inbox.put((frames, fd))
+        self._wake()
+
+    def disconnected(self, fd) -> None:
+        """A connection of the mesh's ROUTER closed (IO thread)."""
+        self._inbox.put((None, fd))
+        self._wake()
+
+    def _wake(self) -> None:
+        wake = self._wake_w
+        if wake is not None:
+            try:
+                os.write(wake, b"x")
+            except (BlockingIOError, OSError):
+                pass  # a wake-up is pending
 
     # ------------------------------------------------------------ API (any thread)
 
@@ -133,10 +152,7 @@ class AgentChannel:
         if wake is None:
             raise RuntimeError(f"mesh {self.name!r}: the host agents' channel is closed")
         self._posted.put((identity, msg))
-        try:
-            os.write(wake, b"x")
-        except (BlockingIOError, OSError):
-            pass  # a wake-up is pending
+        self._wake()
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
         """A generation starts: its ranks' address; the ranks of every ready agent
@@ -165,11 +181,19 @@ class AgentChannel:
         return None
 
     def close(self) -> None:
-        """The mesh is gone: every relay is told Quit (its agent and ranks end)."""
+        """The mesh is gone: every relay is told Quit (its agent and ranks end). Called
+        while the mesh's ROUTER still runs: waits (a bound) until each relay's
+        connection closed, so that no Quit is lost with the socket."""
         if self._wake_w is None:
             return
-        for agent in self.hosts():
+        told = self.hosts()
+        for agent in told:
             self.post(agent.identity, hm.Quit())
+        deadline = time.monotonic() + QUIT_WAIT_S
+        while time.monotonic() < deadline and any(
+            a.closed_at is None and a.lost is None for a in told
+        ):
+            time.sleep(0.01)  # polled: a relay that ends closes its connection
         self._running = False
         self.post(b"", None)
         self._thread.join(5)
@@ -178,22 +202,12 @@ class AgentChannel:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         next_beat = 0.0
         try:
             while True:
-                events = dict(poller.poll(POLL_MS))
-                if self._sock in events:
-                    while self._sock.poll(0):
-                        frames = self._sock.recv_multipart(copy=False)
-                        try:
-                            self._on_frames(frames)
-                        except Exception:
-                            logger.exception("mesh %r: an agent's message failed", self.name)
-                if self._monitor in events:
-                    self._on_monitor()
+                poller.poll(POLL_MS)
+                self._read_inbox()
                 self._flush()
                 if not self._running:
                     return
@@ -205,12 +219,23 @@ class AgentChannel:
                 self._check(now)
         finally:
             self._flush()
-            self._monitor.close(0)
-            self._sock.close()
-            self._ctx.term()
             wake, self._wake_w = self._wake_w, None
             os.close(wake)
             os.close(self._wake_r)
+
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                frames, fd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if frames is None:
+                self._on_disconnect(fd)
+                continue
+            try:
+                self._on_frames(frames, fd)
+            except Exception:
+                logger.exception("mesh %r: an agent's message failed", self.name)
 
     def _flush(self) -> None:
         try:
@@ -228,19 +253,13 @@ class AgentChannel:
 
     def _send(self, identity: bytes, msg) -> None:
         frames = agent_link.seal(self.sealer, self.signer, msg, identity)
-        try:
-            self._sock.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError:
-            self.sealer.retract(identity)
+        self._io.submit(("raw", identity, frames))  # in order: this thread seals, one queue
 
-    def _on_monitor(self) -> None:
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                now = time.monotonic()
-                for agent in self.hosts():
-                    if agent.fd == event["value"]:
-                        agent.closed_at = now
+    def _on_disconnect(self, fd) -> None:
+        now = time.monotonic()
+        for agent in self.hosts():
+            if agent.fd == fd:
+                agent.closed_at = now
 
     def _check(self, now: float) -> None:
         for agent in self.hosts():
@@ -254,12 +273,8 @@ class AgentChannel:
 
     # ------------------------------------------------------------ records
 
-    def _on_frames(self, frames) -> None:
+    def _on_frames(self, frames, fd) -> None:
         identity = frames[0].bytes
-        try:
-            fd = frames[1].get(zmq.SRCFD)
-        except (zmq.ZMQError, AttributeError, IndexError):
-            fd = None
         try:
             h, msg = agent_link.open_record(frames[1:], self.signer)
             self.peers.admit(identity, h)
@@ -348,6 +363,11 @@ class AgentChannel:
         agent.lost = f"{agent.label}: {why}"
         agent.end_all(agent.lost)
         self._say(f"lost the host agent on {agent.lost}")
+
+    def refuse_version(self, identity: bytes, version: int) -> None:
+        """A peer of another protocol version (the mesh's ROUTER could not tell a
+        relay from a worker): told in a relay's language too."""
+        self._refuse_version(identity, version)
 
     def _refuse_version(self, identity: bytes, version: int) -> None:
         why = f"a host agent speaks protocol {version}, this mesh {PROTOCOL_VERSION}"

@@ -7,9 +7,13 @@ import logging
 import sys
 import traceback
 
+import zmq
+
 from ..protocol import BadMessage, decode, encode
 from ..protocol import messages as m
+from ..protocol.agent_link import is_agent_header
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, VersionMismatch, unseal
+from ..protocol.wire import small
 from .errors import IOThreadError, RemoteError
 from .hosts import HostLinks
 
@@ -37,6 +41,13 @@ class Replies:
         message in it is decoded and handled."""
         ctrl = self.ctrl
         identity = frames[0].bytes
+        if len(frames) > 2 and is_agent_header(small(frames[2])):
+            agents = self._agents()  # a relay's link: the agents' channel reads it
+            if agents is not None:
+                agents.deliver(frames, _source_fd(frames))
+            else:
+                self._drop("rank", "an agent link message on a mesh without host agents")
+            return
         try:
             header, parts = unseal(frames[1:], ctrl.signer)
             missed = ctrl.peers.admit(identity, header)
@@ -103,12 +114,20 @@ class Replies:
         )
 
     def _refuse_version(self, identity: bytes, version: int) -> None:
-        """A peer of another protocol version: counted, logged, and told once."""
+        """A peer of another protocol version: counted, logged, and told once (in
+        both languages: a worker's and a relay's, each reads its own)."""
         reason = f"worker speaks protocol {version}, this mesh {PROTOCOL_VERSION}"
         self._drop("version", reason)
         if identity not in self._version_refused and len(self._version_refused) < 4096:
             self._version_refused.add(identity)
             self.ctrl.io.send_now(identity, encode(m.Refused(reason), self.ctrl.signer))
+            agents = self._agents()
+            if agents is not None:
+                agents.refuse_version(identity, version)
+
+    def _agents(self):
+        """The host agents' channel of this mesh (``connect_mesh``), or None."""
+        return getattr(self.ctrl.workers.launcher, "agents", None)
 
     def _handler_failed(self, msg, e: Exception) -> None:
         """A bug here must not become a silent wait: the request the message answers
@@ -200,6 +219,14 @@ class Replies:
             f"mesh {ctrl.name!r} is broken: an internal error on rank {msg.rank}; restart it",
         )
         ctrl.break_mesh(err)
+
+
+def _source_fd(frames):
+    """The file descriptor a message came in on (which relay's connection), or None."""
+    try:
+        return frames[1].get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError, IndexError):
+        return None
 
 
 def print_output(msg: m.Output) -> None:

@@ -15,7 +15,14 @@ from . import host_messages as hm
 from .envelope import Header, Sealer, unseal
 from .wire import BadMessage, Signer, small
 
-AGENT = -2  # the rank a relay's header names (a relay is no rank of the mesh)
+# the rank a relay's header names: no rank of the mesh, nor a host's (envelope.host_peer);
+# the mesh's ROUTER hands such envelopes to the agents' channel
+AGENT = -(1 << 30)
+
+
+def is_agent_header(header: bytes) -> bool:
+    """Whether an envelope's header frame names a relay's agent link."""
+    return len(header) >= 6 and int.from_bytes(header[2:6], "little", signed=True) == AGENT
 
 
 def seal(sealer: Sealer, signer: Signer, msg, to: bytes = b"") -> list:
