@@ -16,18 +16,14 @@ Without the side venv the row is skipped (not a miss); a peer that fails or stop
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import statistics
-import subprocess
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 import psutil
 
+from ._peer import ServePeer
 from ._report import Entry, Skipped, interleaved
 from .core import noop
 
@@ -60,86 +56,17 @@ def peer_python() -> Path:
     return Path(venv).expanduser() / "bin" / "python"
 
 
-class IpyparallelPeer:
-    """``peer_ipyparallel.py --serve`` in the side venv: one JSON line per command, bounded
-    waits, its stderr kept for the error messages."""
+class IpyparallelPeer(ServePeer):
+    """``peer_ipyparallel.py --serve`` in the side venv: one JSON line per command,
+    bounded waits; closing kills its controller and engines too (each runs in a
+    session of its own, so a process group would miss them)."""
 
     def __init__(self, python: Path, engines: int) -> None:
-        self._err = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen(
-            [str(python), str(PEER_SCRIPT), "--serve", "--engines", str(engines)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-            cwd=tempfile.gettempdir(),
-        )
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True, name="ipp-peer-stdout").start()
-        try:
-            self.info = self._reply(START_TIMEOUT, "the peer's start")
-        except BaseException:
-            self.close(kill=True)
-            raise
-
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _reply(self, timeout: float, what: str) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(
-                f"ipyparallel peer: no answer to {what} in {timeout:.0f} s; "
-                f"stderr: {self.stderr_tail()}"
-            ) from None
-        if line is None:
-            raise RuntimeError(
-                f"ipyparallel peer exited (rc {self._proc.wait()}) during {what}; "
-                f"stderr: {self.stderr_tail()}"
-            )
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"ipyparallel peer: {reply['error']}; stderr: {self.stderr_tail()}")
-        return reply
+        cmd = [python, PEER_SCRIPT, "--serve", "--engines", engines]
+        super().__init__("ipyparallel peer", cmd, START_TIMEOUT, COMMAND_TIMEOUT, 120.0)
 
     def measure(self, view: str, k: int) -> dict:
-        self._proc.stdin.write(f"{view} {k}\n")
-        self._proc.stdin.flush()
-        return self._reply(COMMAND_TIMEOUT, f"'{view} {k}'")
-
-    def stderr_tail(self, chars: int = 1500) -> str:
-        self._err.seek(0)
-        text = self._err.read().decode(errors="replace")
-        return " | ".join(text[-chars:].strip().splitlines()) or "(empty)"
-
-    def close(self, kill: bool = False) -> None:
-        """Ask the peer to stop its cluster and exit; kill it and its controller and engines
-        (each in a session of its own, so a process group would miss them) when asked to or
-        when it will not."""
-        try:
-            if kill:
-                raise OSError("kill")
-            if self._proc.poll() is None:
-                self._proc.stdin.write("quit\n")
-                self._proc.stdin.flush()
-            self._proc.wait(timeout=120)
-        except (OSError, subprocess.TimeoutExpired):
-            try:
-                kids = psutil.Process(self._proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                kids = []
-            self._proc.kill()
-            self._proc.wait()
-            for p in kids:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(kids, timeout=30)
-        self._err.close()
+        return self.ask(f"{view} {k}")
 
 
 def _ours(mesh, f, n: int, k: int) -> dict:

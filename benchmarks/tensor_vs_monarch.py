@@ -16,16 +16,12 @@ answering (bounded waits) makes the benchmark fail with the tail of its stderr.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import statistics
-import subprocess
-import tempfile
-import threading
 import time
 from pathlib import Path
 
+from ._peer import ServePeer
 from ._report import Entry, Skipped, interleaved
 from .tensor import _mlp, _train_steps
 
@@ -42,73 +38,15 @@ def peer_python() -> Path:
     return Path(venv).expanduser() / "bin" / "python"
 
 
-class MonarchPeer:
+class MonarchPeer(ServePeer):
     """``peer_monarch.py --serve`` in the side venv: one JSON line per command, bounded waits."""
 
     def __init__(self, python: Path) -> None:
-        self._err = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen(
-            [str(python), str(PEER_SCRIPT), "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-            cwd=tempfile.gettempdir(),
-        )
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True, name="monarch-peer-stdout").start()
-        try:
-            self.info = self._reply(START_TIMEOUT, "the peer's start")
-        except BaseException:
-            self.close(kill=True)
-            raise
-
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _reply(self, timeout: float, what: str) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(
-                f"Monarch peer: no answer to {what} in {timeout:.0f} s; "
-                f"stderr: {self.stderr_tail()}"
-            ) from None
-        if line is None:
-            raise RuntimeError(
-                f"Monarch peer exited (rc {self._proc.wait()}) during {what}; "
-                f"stderr: {self.stderr_tail()}"
-            )
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"Monarch peer: {reply['error']}; stderr: {self.stderr_tail()}")
-        return reply
+        cmd = [python, PEER_SCRIPT, "--serve"]
+        super().__init__("Monarch peer", cmd, START_TIMEOUT, COMMAND_TIMEOUT)
 
     def measure(self, kind: str, n: int) -> float:
-        self._proc.stdin.write(f"{kind} {n}\n")
-        self._proc.stdin.flush()
-        return float(self._reply(COMMAND_TIMEOUT, f"'{kind} {n}'")[kind])
-
-    def stderr_tail(self, chars: int = 1500) -> str:
-        self._err.seek(0)
-        text = self._err.read().decode(errors="replace")
-        return " | ".join(text[-chars:].strip().splitlines()) or "(empty)"
-
-    def close(self, kill: bool = False) -> None:
-        """Ask the peer to stop its mesh and exit; kill it when asked to or when it will not."""
-        try:
-            if kill:
-                raise OSError("kill")
-            if self._proc.poll() is None:
-                self._proc.stdin.write("quit\n")
-                self._proc.stdin.flush()
-            self._proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            self._proc.kill()
-            self._proc.wait()
-        self._err.close()
+        return float(self.ask(f"{kind} {n}")[kind])
 
 
 class Ours:
