@@ -9,11 +9,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import uuid
 
 import psutil
 import pytest
 import torch
+from netns_helpers import bridged
 from wait_helpers import wait_for
 
 import monarch_nb as mnb
@@ -173,34 +173,9 @@ def test_joined_workers_leave_when_the_controller_dies(tmp_path):
             p.kill()
 
 
-def _netns_available() -> bool:
-    return os.geteuid() == 0 and shutil.which("ip") is not None
-
-
-@pytest.mark.skipif(not _netns_available(), reason="needs root and iproute2 (ip netns)")
 def test_two_hosts_in_network_namespaces_all_reduce(tmp_path):
-    tag = uuid.uuid4().hex[:5]
-    br, nss = f"mnbbr{tag}", [f"mnbns{tag}{i}" for i in range(2)]
-    hosts = ["10.213.7.2", "10.213.7.3"]
-
-    def ip(*args, check=True):
-        return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
-
-    try:
-        try:
-            ip("link", "add", br, "type", "bridge")
-        except subprocess.CalledProcessError as e:
-            pytest.skip(f"cannot make a bridge here: {e.stderr.strip()}")
-        ip("addr", "add", "10.213.7.1/24", "dev", br)
-        ip("link", "set", br, "up")
-        for i, ns in enumerate(nss):
-            ip("netns", "add", ns)
-            ip("link", "add", f"v{tag}{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("link", "set", f"v{tag}{i}", "master", br)
-            ip("link", "set", f"v{tag}{i}", "up")
-            ip("-n", ns, "addr", "add", f"{hosts[i]}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
+    with bridged(2, "10.213.7") as net:
+        nss, hosts = net.spaces, net.hosts
         conn = tmp_path / "mesh.json"
         w = Waiting(
             world=2,
@@ -251,10 +226,6 @@ def test_two_hosts_in_network_namespaces_all_reduce(tmp_path):
         finally:
             for p in procs:
                 p.kill()
-    finally:
-        for ns in nss:
-            ip("netns", "del", ns, check=False)
-        ip("link", "del", br, check=False)
 
 
 def _eth0_addr():

@@ -7,10 +7,9 @@ the other hosts keep serving. Needs root (CAP_NET_ADMIN); skips otherwise."""
 from __future__ import annotations
 
 import os
-import subprocess
-import uuid
 
 import pytest
+from netns_helpers import bridged, ip
 from wait_helpers import wait_for
 
 from monarch_nb.controller.controller import Controller
@@ -23,52 +22,23 @@ HOSTS, PER_HOST = 4, 4
 SUBNET = "10.231.0"
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
 @pytest.fixture
 def net():
     """A bridge with the controller's address and HOSTS namespaces on it."""
-    tag = uuid.uuid4().hex[:4]
-    bridge, spaces = f"mnbbr{tag}", [f"mnbt{tag}{i}" for i in range(HOSTS)]
-    made: list = []
-    try:
-        try:
-            _ip("link", "add", bridge, "type", "bridge")
-            made.append(("link", bridge))
-            _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
-            _ip("link", "set", bridge, "up")
-            for i, ns in enumerate(spaces):
-                _ip("netns", "add", ns)
-                made.append(("netns", ns))
-                host_end, ns_end = f"mnbh{tag}{i}", f"mnbn{tag}{i}"
-                _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
-                made.append(("link", host_end))
-                _ip("link", "set", ns_end, "netns", ns)
-                _ip("link", "set", host_end, "master", bridge, "up")
-                _ip("-n", ns, "addr", "add", f"{SUBNET}.{10 + i}/24", "dev", ns_end)
-                _ip("-n", ns, "link", "set", ns_end, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except (OSError, subprocess.CalledProcessError) as e:
-            why = getattr(e, "stderr", "") or e
-            pytest.skip(f"cannot make network namespaces here (needs root, CAP_NET_ADMIN): {why}")
-        yield spaces, [f"mnbh{tag}{i}" for i in range(HOSTS)]
-    finally:
-        for kind, name in reversed(made):
-            _ip(kind, "del", name, check=False)
+    with bridged(HOSTS, SUBNET) as n:
+        yield n
 
 
-def _mesh(spaces, name: str) -> DeviceMesh:
+def _mesh(net, name: str) -> DeviceMesh:
     dims = {"host": HOSTS, "gpu": PER_HOST}
     launcher = SimLauncher(
-        name, HOSTS * PER_HOST, PER_HOST, wrap=lambda i: ("ip", "netns", "exec", spaces[i])
+        name, HOSTS * PER_HOST, PER_HOST, wrap=lambda i: tuple(net.run_in(i, []))
     )
     ctrl = Controller(
         name,
         dims,
         "simulated",
-        interface=f"{SUBNET}.1",
+        interface=net.controller,
         launcher=launcher,
         heartbeat_timeout=2.0,
         liveness_timeout=4.0,
@@ -77,14 +47,14 @@ def _mesh(spaces, name: str) -> DeviceMesh:
 
 
 def test_a_host_cut_off_mid_command_fails_its_ranks_and_the_others_serve(net, tmp_path):
-    spaces, links = net
-    mesh = _mesh(spaces, "netns")
+    spaces, links = net.spaces, net.links
+    mesh = _mesh(net, "netns")
     try:
         # every host is in its own namespace, reaching the controller over the bridge
         assert mesh.exec("rank").fetch(timeout=60) == list(range(HOSTS * PER_HOST))
         pids = mesh._controller.workers.launcher.pids()
         for pid, ns in zip(pids, spaces):
-            out = _ip("netns", "identify", str(pid)).stdout.strip()
+            out = ip("netns", "identify", str(pid)).stdout.strip()
             assert out == ns, (pid, out, ns)
         go = tmp_path / "go"
         waiting = mesh.exec(
@@ -96,7 +66,7 @@ def test_a_host_cut_off_mid_command_fails_its_ranks_and_the_others_serve(net, tm
         ).fetch_async()
         cut = 2  # ranks 8-11
         wait_for(lambda: (tmp_path / f"started-{cut * PER_HOST}").exists(), 30, "host 2 running it")
-        _ip("link", "set", links[cut], "down")
+        ip("link", "set", links[cut], "down")
         go.touch()
         with pytest.raises(WorkerUnresponsive) as ei:
             waiting.result(timeout=60)

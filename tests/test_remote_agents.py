@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from netns_helpers import bridged
 from wait_helpers import alive, pids_gone, wait_for
 
 import monarch_nb as mnb
@@ -406,34 +405,11 @@ def _eth0_addr():
     return out.split()[3].split("/")[0]
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (ip netns)"
-)
 def test_two_hosts_in_network_namespaces_join_through_their_agents(tmp_path):
     """Each "host" a network namespace of its own: the agent channel, the ranks'
     connections and gloo cross the bridge (the controller binds on its address)."""
-    tag = uuid.uuid4().hex[:5]
-    br, nss = f"mnbab{tag}", [f"mnbas{tag}{i}" for i in range(2)]
-    hosts = ["10.213.9.2", "10.213.9.3"]
-
-    def ip(*args, check=True):
-        return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
-
-    try:
-        try:
-            ip("link", "add", br, "type", "bridge")
-        except subprocess.CalledProcessError as e:
-            pytest.skip(f"cannot make a bridge here: {e.stderr.strip()}")
-        ip("addr", "add", "10.213.9.1/24", "dev", br)
-        ip("link", "set", br, "up")
-        for i, ns in enumerate(nss):
-            ip("netns", "add", ns)
-            ip("link", "add", f"a{tag}{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("link", "set", f"a{tag}{i}", "master", br)
-            ip("link", "set", f"a{tag}{i}", "up")
-            ip("-n", ns, "addr", "add", f"{hosts[i]}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
+    with bridged(2, "10.213.9") as net:
+        nss, hosts = net.spaces, net.hosts
         conn = tmp_path / "mesh.json"
         w = Waiting(
             world=2, connection_file=str(conn), timeout=120, name="nshosts", interface="10.213.9.1"
@@ -462,7 +438,3 @@ def test_two_hosts_in_network_namespaces_join_through_their_agents(tmp_path):
         finally:
             for p in relays:
                 p.kill()
-    finally:
-        for ns in nss:
-            ip("netns", "del", ns, check=False)
-        ip("link", "del", br, check=False)

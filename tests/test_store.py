@@ -7,15 +7,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
-import uuid
 
 import psutil
 import pytest
 import torch
+from netns_helpers import bridged, ip
 from wait_helpers import wait_for
 
 import monarch_nb as mnb
@@ -228,10 +227,6 @@ def test_the_server_drops_other_generations_and_answers_parked_gets():
 # ------------------------------------------------------------------ no open door
 
 
-def _netns_available() -> bool:
-    return os.geteuid() == 0 and shutil.which("ip") is not None
-
-
 SCAN = r"""
 import errno, json, resource, select, socket, sys
 host = sys.argv[1]
@@ -271,28 +266,15 @@ def _listening(pids) -> set:
     }
 
 
-@pytest.mark.skipif(not _netns_available(), reason="needs root and iproute2 (ip netns)")
 def test_a_port_scan_from_another_namespace_finds_only_the_router(tmp_path):
-    tag = uuid.uuid4().hex[:5]
-    ns, here, there = f"mnbscan{tag}", f"vsc{tag}a", f"vsc{tag}b"
-    octet = int(tag, 16) % 200 + 20
-    host, peer = f"10.219.{octet}.1", f"10.219.{octet}.2"
+    with bridged(1, "10.219.5") as net:
+        _scan_from(net, tmp_path)
 
-    def ip(*args, check=True):
-        return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
+def _scan_from(net, tmp_path):
+    host, ns = net.controller, net.spaces[0]
     workers, result = [], {}
     try:
-        try:
-            ip("netns", "add", ns)
-            ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", ns)
-        except subprocess.CalledProcessError as e:
-            pytest.skip(f"cannot make a network namespace and a veth pair: {e.stderr.strip()}")
-        ip("addr", "add", f"{host}/24", "dev", here)
-        ip("link", "set", here, "up")
-        ip("-n", ns, "addr", "add", f"{peer}/24", "dev", there)
-        ip("-n", ns, "link", "set", there, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
         conn = tmp_path / "mesh.json"
 
         def join():
@@ -358,5 +340,3 @@ def test_a_port_scan_from_another_namespace_finds_only_the_router(tmp_path):
             result["mesh"].shutdown()
         for w in workers:
             w.kill()
-        ip("netns", "del", ns, check=False)
-        ip("link", "del", here, check=False)
