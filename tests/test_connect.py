@@ -8,47 +8,18 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 
 import psutil
 import pytest
 import torch
+from connect_helpers import Waiting, wait_file
 from netns_helpers import bridged
-from wait_helpers import wait_for
 
 import monarch_nb as mnb
 
 
 def ones_times_rank():
     return torch.ones(2) * (mnb.current_rank() + 1)
-
-
-class Waiting:
-    """connect_mesh in a thread: it blocks until the workers join."""
-
-    def __init__(self, **kw):
-        self.result: list = []
-        self.error: list = []
-
-        def run():
-            try:
-                self.result.append(mnb.connect_mesh(**kw))
-            except BaseException as e:  # noqa: B036 - handed to the test
-                self.error.append(e)
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def mesh(self, timeout=90):
-        self.thread.join(timeout)
-        if self.error:
-            raise self.error[0]
-        assert self.result, "connect_mesh did not return"
-        return self.result[0]
-
-
-def wait_file(path, timeout=30):
-    wait_for(lambda: os.path.exists(path), timeout, f"{path} to appear")
 
 
 # joined workers import what their own environment has: this test module too, and the

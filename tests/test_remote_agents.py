@@ -12,12 +12,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from connect_helpers import Waiting, wait_file
 from netns_helpers import bridged
 from wait_helpers import alive, pids_gone, wait_for
 
@@ -56,32 +56,6 @@ def tree(p) -> list[int]:
         return [proc.pid] + [c.pid for c in proc.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-
-
-class Waiting:
-    """connect_mesh in a thread: it blocks until every rank has joined."""
-
-    def __init__(self, **kw):
-        self.result, self.error, self.printed = [], [], []
-        self.thread = threading.Thread(target=self._run, args=(kw,), daemon=True)
-        self.thread.start()
-
-    def _run(self, kw):
-        try:
-            self.result.append(mnb.connect_mesh(**kw))
-        except BaseException as e:  # noqa: B036 - handed to the test
-            self.error.append(e)
-
-    def mesh(self, timeout=120):
-        self.thread.join(timeout)
-        if self.error:
-            raise self.error[0]
-        assert self.result, "connect_mesh did not return"
-        return self.result[0]
-
-
-def wait_file(path, timeout=30):
-    wait_for(lambda: os.path.exists(path), timeout, f"{path} to appear")
 
 
 def where():
