@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from cgroup_helpers import pids_cgroup
 from wait_helpers import alive, pids_gone, wait_for
 
 import monarch_nb as mnb
@@ -272,21 +273,9 @@ def test_an_unknown_spawn_method_is_a_clear_error(monkeypatch):
     assert "unknown-spawn" not in mnb.mesh.all_meshes()
 
 
-def _pids_cgroup(tmp_name: str):
-    base = Path("/sys/fs/cgroup/pids")
-    if not (base / "cgroup.procs").exists() or not os.access(base, os.W_OK):
-        pytest.skip("no writable pids cgroup here to make a fork fail")
-    d = base / tmp_name
-    try:
-        d.mkdir()
-    except OSError as e:
-        pytest.skip(f"cannot create a pids cgroup: {e}")
-    return d
-
-
 def test_a_fork_that_fails_is_a_clear_error(hosted):
     agent = HostAgent(local_ranks=8)
-    group = _pids_cgroup(f"mnb_host_test_{os.getpid()}")
+    group = pids_cgroup(f"mnb_host_test_{os.getpid()}")
     try:
         (group / "pids.max").write_text("1")  # the agent itself: no fork succeeds
         (group / "cgroup.procs").write_text(str(agent.pid))
@@ -316,7 +305,7 @@ def test_host_messages_refuse_what_is_not_a_record():
 def test_a_restart_whose_forks_fail_leaves_the_mesh_broken_with_the_reason():
     agent = HostAgent(local_ranks=8)
     m = _mesh_on(agent, "refork", 2)
-    group = _pids_cgroup(f"mnb_host_restart_{os.getpid()}")
+    group = pids_cgroup(f"mnb_host_restart_{os.getpid()}")
     try:
         (group / "pids.max").write_text("max")
         (group / "cgroup.procs").write_text(str(agent.pid))

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from cgroup_helpers import pids_cgroup
 from connect_helpers import Waiting, wait_file
 from netns_helpers import bridged
 from wait_helpers import alive, pids_gone, wait_for
@@ -272,25 +273,13 @@ def test_the_controller_gone_takes_every_relay_agent_and_rank(tmp_path, end):
             p.kill()
 
 
-def _pids_cgroup(name: str) -> Path:
-    base = Path("/sys/fs/cgroup/pids")
-    if not (base / "cgroup.procs").exists() or not os.access(base, os.W_OK):
-        pytest.skip("no writable pids cgroup here to make a fork fail")
-    d = base / name
-    try:
-        d.mkdir()
-    except OSError as e:
-        pytest.skip(f"cannot create a pids cgroup: {e}")
-    return d
-
-
 def test_an_agent_whose_forks_fail_fails_the_start_naming_host_and_cause(tmp_path):
     conn = tmp_path / "mesh.json"
     w = Waiting(world=1, connection_file=str(conn), timeout=120, name="nofork")
     wait_file(conn)
     p = relay(conn, "--local-ranks", "1")
     mesh = w.mesh()
-    group = _pids_cgroup(f"mnb_remote_test_{os.getpid()}")
+    group = pids_cgroup(f"mnb_remote_test_{os.getpid()}")
     try:
         for pid in tree(p)[:2]:  # the relay and its agent; the rank stays where it is
             (group / "cgroup.procs").write_text(str(pid))
