@@ -48,20 +48,10 @@ class Routes:
         """Queue buffer-less ``frames`` for ``ranks`` until ``flush``: in ``batches``
         (rank -> messages) for ranks with sockets of their own, per host otherwise."""
         if not self.hosts:
-            for r in ranks:
-                b = batches.get(r)
-                if b is None:
-                    batches[r] = [frames]
-                else:
-                    b.append(frames)
+            _batch(batches, ranks, frames)
             return
         direct, hosted = self._split(ranks)
-        for r in direct:
-            b = batches.get(r)
-            if b is None:
-                batches[r] = [frames]
-            else:
-                b.append(frames)
+        _batch(batches, direct, frames)
         runs = self._runs
         for ident, targets in hosted:
             q = runs.get(ident)
@@ -169,3 +159,13 @@ class Routes:
         finally:
             if done is not None:
                 done.set_result(tracker)
+
+
+def _batch(batches: dict, ranks, frames) -> None:
+    """``frames`` after what each of ``ranks`` has in ``batches`` already."""
+    for r in ranks:
+        b = batches.get(r)
+        if b is None:
+            batches[r] = [frames]
+        else:
+            b.append(frames)
