@@ -12,7 +12,7 @@ import textwrap
 import psutil
 import pytest
 import torch
-from connect_helpers import Waiting, wait_file
+from connect_helpers import TESTS_ENV, Waiting, wait_file, worker
 from netns_helpers import bridged
 
 import monarch_nb as mnb
@@ -20,26 +20,6 @@ import monarch_nb as mnb
 
 def ones_times_rank():
     return torch.ones(2) * (mnb.current_rank() + 1)
-
-
-# joined workers import what their own environment has: this test module too, and the
-# monarch_nb the tests run (a worker of another protocol version would be refused)
-TESTS_ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(
-        p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")) if p
-    ),
-}
-
-
-def worker(conn, *args, env=None, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "monarch_nb.worker", "--connection-file", str(conn), *args],
-        env={**TESTS_ENV, **(env or {})},
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
 
 
 def test_torchrun_workers_join_and_run_a_collective(tmp_path):

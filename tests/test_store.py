@@ -7,13 +7,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
-import threading
 
 import psutil
 import pytest
 import torch
+from connect_helpers import Waiting, wait_file, worker
 from netns_helpers import bridged, ip
 from wait_helpers import wait_for
 
@@ -273,49 +272,16 @@ def test_a_port_scan_from_another_namespace_finds_only_the_router(tmp_path):
 
 def _scan_from(net, tmp_path):
     host, ns = net.controller, net.spaces[0]
-    workers, result = [], {}
+    workers, waiting = [], None
     try:
         conn = tmp_path / "mesh.json"
-
-        def join():
-            try:
-                result["mesh"] = mnb.connect_mesh(
-                    world=2, dp=2, connection_file=str(conn), timeout=120, interface=host
-                )
-            except BaseException as e:  # noqa: B036 - the test raises it
-                result["error"] = e
-
-        joining = threading.Thread(target=join, daemon=True)
-        joining.start()
-        wait_for(lambda: conn.exists() or "error" in result, 30, "the connection file")
-        env = {
-            **os.environ,
-            "GLOO_SOCKET_IFNAME": "lo",
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p
-            ),
-        }
+        waiting = Waiting(world=2, dp=2, connection_file=str(conn), timeout=120, interface=host)
+        wait_file(conn)
+        env = {"GLOO_SOCKET_IFNAME": "lo"}
         workers = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "monarch_nb.worker",
-                    "--connection-file",
-                    str(conn),
-                    "--rank",
-                    str(r),
-                    "--world",
-                    "2",
-                ],
-                env=env,
-            )  # fmt: skip
-            for r in range(2)
+            worker(conn, "--rank", str(r), "--world", "2", env=env, stderr=None) for r in range(2)
         ]
-        joining.join(120)
-        if "error" in result:
-            raise result["error"]
-        mesh = result["mesh"]
+        mesh = waiting.mesh()
         assert mesh._controller.rendezvous.kind == "controller"
         # the default process group and a new_group are up (a reduce over dp)
         x = mnb.remote(ones_by_rank)(mesh=mesh).reduce("dp").fetch(timeout=60)
@@ -336,7 +302,7 @@ def _scan_from(net, tmp_path):
         for w in workers:
             assert w.wait(30) == 0
     finally:
-        if "mesh" in result:
-            result["mesh"].shutdown()
+        if waiting is not None and waiting.result:
+            waiting.result[0].shutdown()
         for w in workers:
             w.kill()
