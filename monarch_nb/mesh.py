@@ -28,6 +28,7 @@ class DeviceMesh(NamespaceCommands, BaseMesh):
         self._slice = ranks
         self._ranks: tuple | None = None
         self.name = name
+        self._default_stream: Stream | None = None
 
     # ------------------------------------------------------------ shape
 
@@ -157,7 +158,10 @@ class DeviceMesh(NamespaceCommands, BaseMesh):
 
     @property
     def default_stream(self) -> Stream:
-        return Stream(self, 0, "default")
+        s = self._default_stream
+        if s is None:  # made once: every tensor op names it
+            s = self._default_stream = Stream(self, 0, "default")
+        return s
 
     @contextlib.contextmanager
     def activate(self):

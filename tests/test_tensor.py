@@ -8,7 +8,7 @@ import torch
 from kernel_helpers import mesh_kernel, plain
 
 import monarch_nb as mnb
-from monarch_nb.tensor import dispatch as tensor_dispatch
+from monarch_nb.tensor import plans as tensor_plans
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +241,12 @@ def test_repeated_op_uses_the_layout_cache(mesh):
     with mesh.activate():
         x = torch.ones(8)
         y = x + 1
-        before = len(tensor_dispatch._cache)
+        before = len(tensor_plans._plans)
         for _ in range(20):
             y = y + 1
-        assert len(tensor_dispatch._cache) == before
+        assert len(tensor_plans._plans) == before
         z = x.double() + 1  # another dtype: another entry
-        assert len(tensor_dispatch._cache) > before
+        assert len(tensor_plans._plans) > before
     assert z.dtype == torch.float64
     assert mnb.inspect(y, dp=1).tolist() == [22.0] * 8
 
@@ -803,3 +803,45 @@ def test_reduce_in_place_on_a_view_reaches_its_base(mesh):
         mnb.inspect(base, dp=0)  # never the values from before the reduce
     with mesh.activate():
         assert mnb.inspect(torch.ones(1) * 3).tolist() == [3.0]
+
+
+def test_pipelined_ops_travel_packed_in_few_messages(mesh):
+    routes = mesh._controller.io.routes
+    encode_ops, packed = routes.encode_ops, []
+
+    def counting(ops):  # the real encoder, counted
+        packed.append(len(ops))
+        return encode_ops(ops)
+
+    with mesh.activate():
+        x = torch.zeros(4)
+        mesh.wait()
+        routes.encode_ops = counting
+        try:
+            for _ in range(1000):
+                x = x + 1
+            mesh.wait()
+        finally:
+            routes.encode_ops = encode_ops
+    assert mnb.inspect(x, dp=1).tolist() == [1000.0] * 4
+    assert sum(packed) == 1000
+    # one RunOps per drain of the queue (the ops of about a millisecond), not one per op
+    assert len(packed) <= 500, packed
+
+
+def test_ops_of_interleaved_slices_and_new_ops_keep_their_order(mesh):
+    first, second = mesh.slice(dp=slice(0, 1)), mesh.slice(dp=slice(1, 2))
+    with first.activate():
+        a = torch.zeros(3)
+    with second.activate():
+        b = torch.zeros(3)
+    for i in range(200):  # the ranks change at every op; a new op shape now and then
+        with first.activate():
+            a = a + 1 if i % 50 else a.mul(1.0).add(1)
+        with second.activate():
+            b = b * 2 if i % 2 else b - 1
+    assert mnb.inspect(a).tolist() == [200.0] * 3
+    expected = 0.0
+    for i in range(200):
+        expected = expected * 2 if i % 2 else expected - 1
+    assert mnb.inspect(b).tolist() == [expected] * 3

@@ -7,9 +7,9 @@
 - ``Replies`` (replies.py): the handlers of what workers send;
 - ``Rendezvous``, ``Liveness``, ``FailureLog``, ``DebugSessions`` and ``MeshState``.
 
-User threads pickle and sign on their own thread and hand frames over; a request
-is registered and sent in one step by the lease holder and comes back as an
-``AsyncResult``.
+User threads pickle and sign on their own thread and hand frames over (tensor
+ops: their fields, packed by the lease holder); a request is registered and sent
+in one step by the lease holder and comes back as an ``AsyncResult``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,10 @@ class Controller:
         self.cancels = Cancels(self)
         self.io.on_item = self.cancels.on_item
         self.io.on_process_output_end = lambda p: self._check_process(p, wait=0.5)
-        self.io.encode_deletes = self._encode_deletes
+        self.io.encode_deletes = lambda ids: (
+            None if self._closed else encode(m.DeleteRefs(ids), self.signer)
+        )
+        self.io.routes.encode_ops = lambda ops: encode(m.RunOps(ops), self.signer)
         self.io.routes.seal = self.sealer.seal
         self.io.routes.encode_host_command = lambda t, n: encode(m.HostCommand(t, n), self.signer)
         self.on_output = print_output
@@ -271,10 +274,10 @@ class Controller:
         if not self._closed:
             self.io.submit_quiet(("del", ref_id))
 
-    def _encode_deletes(self, ids: list):
-        if self._closed:
-            return None
-        return encode(m.DeleteRefs(tuple(ids)), self.signer)
+    def send_op(self, fields: tuple, ranks, what: str) -> None:
+        """A tensor op (a RunOps entry) to ``ranks`` (checked usable by the caller)."""
+        self.state.record_sent(fields[0], fields[4], ranks, what)
+        self.io.submit(("op", ranks, fields))
 
     # ------------------------------------------------------------ interrupts and failures
 
@@ -365,13 +368,10 @@ class Controller:
             self._start_workers()
         except BaseException as e:
             # broken with the reason until the next restart, never usable-looking
-            why = (
-                e
-                if isinstance(e, RemoteError)
-                else RemoteError(
-                    {}, None, f"mesh {self.name!r}: the restart failed: {type(e).__name__}: {e}"
-                )
-            )
+            why = e
+            if not isinstance(e, RemoteError):
+                text = f"mesh {self.name!r}: the restart failed: {type(e).__name__}: {e}"
+                why = RemoteError({}, None, text)
             self.io.call(lambda: self.break_mesh(why)).result(timeout=30)
             raise
         for name, sid in streams.items():

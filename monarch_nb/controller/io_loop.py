@@ -1,7 +1,7 @@
 """The IO loop: one ROUTER socket, driven by one thread at a time.
 
 User threads encode (pickle and sign) on their own thread and hand frames over
-through a deque. Whoever holds the *lease* drives the socket: sends what was
+through a deque (tensor ops go unencoded: ``Routes`` packs neighbours into one). Whoever holds the *lease* drives the socket: sends what was
 handed over, in order (small messages bound for one worker leave as one
 batch), receives and hands each frame set to ``on_frames``, reads the output
 pipes of watched processes and calls ``on_tick`` every TICK seconds.
@@ -52,6 +52,7 @@ class IOLoop:
     or None) gets the ZeroMQ tracker of a big zero-copy send;
     ``("call", fn, future)``: run ``fn`` here;
     ``("del", ref_id)``: a freed value, announced after the batch it came with;
+    ``("op", ranks, fields)``: a tensor op, sent in one RunOps with the ops next to it;
     ``("raw", identity, frames)``: frames sealed already, to one socket (the agents' channel);
     ``("req", request, ranks, frames, done)``: ``on_item`` registers the request,
     then its frames leave as a "msg" does.
@@ -344,6 +345,8 @@ class IOLoop:
             elif kind == "raw":  # frames sealed already (the agents' channel), to one socket
                 self.routes.flush(batches)
                 send_frames(self._router, [item[1], *item[2]])
+            elif kind == "op":  # a tensor op's fields: encoded with its neighbours
+                self.routes.add_op(batches, item[1], item[2])
             elif kind == "del":
                 # sent after the batch: a deleted Ref cannot be named by a later command
                 deletes.append(item[1])
@@ -364,7 +367,7 @@ class IOLoop:
                 except Exception:
                     logger.exception("mesh %r: IO thread error on %s", self.name, kind)
         if deletes and self.identities:
-            frames = self.encode_deletes(deletes)
+            frames = self.encode_deletes(tuple(deletes))
             if frames is not None:
                 self.routes.add(batches, tuple(self.identities), frames)
         self.routes.flush(batches)

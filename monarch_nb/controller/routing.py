@@ -3,8 +3,9 @@
 A rank with a socket of its own gets its messages there, several in one
 envelope. A rank served by a host agent that fans out (``hosts.py``) gets them
 through its host's socket: one envelope per host and group of its ranks that
-get the same messages, led by a ``HostCommand`` naming those ranks. Used by
-whoever holds the IO loop's lease.
+get the same messages, led by a ``HostCommand`` naming those ranks. Tensor ops
+handed over for the same ranks one after another become one ``RunOps``. Used
+by whoever holds the IO loop's lease.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from ..protocol.wire import send_frames
+
+MAX_OPS = 1024  # tensor ops in one RunOps at most
 
 
 class Routes:
@@ -24,6 +27,9 @@ class Routes:
         self.hosts: set[bytes] = set()
         self.seal = lambda inner, count, identity: inner  # the envelope per destination
         self.encode_host_command = lambda targets, count: None  # -> its frames
+        self.encode_ops = lambda ops: None  # -> the frames of one RunOps of ``ops``
+        self._ops: list = []  # tensor ops handed over, not encoded yet ...
+        self._ops_ranks = None  # ... and their ranks
         self._runs: dict = {}  # host identity -> [targets, [messages], targets, ...]
         self._splits: dict = {}  # ranks -> (validity, split)
         self._epoch = 0
@@ -44,9 +50,27 @@ class Routes:
         self.hosts.discard(identity)
         self._epoch += 1
 
+    def add_op(self, batches: dict, ranks, fields: tuple) -> None:
+        """Queue one tensor op (a RunOps entry) for ``ranks``: it joins the ops queued
+        just before it for the same ranks, in one RunOps."""
+        ops = self._ops
+        if ops and ranks is not self._ops_ranks and ranks != self._ops_ranks:
+            self._end_ops(batches)
+            ops = self._ops
+        ops.append(fields)
+        self._ops_ranks = ranks
+        if len(ops) >= MAX_OPS:
+            self._end_ops(batches)
+
+    def _end_ops(self, batches: dict) -> None:
+        ops, self._ops = self._ops, []
+        self.add(batches, self._ops_ranks, self.encode_ops(tuple(ops)))
+
     def add(self, batches: dict, ranks, frames) -> None:
         """Queue buffer-less ``frames`` for ``ranks`` until ``flush``: in ``batches``
         (rank -> messages) for ranks with sockets of their own, per host otherwise."""
+        if self._ops:  # the ops handed over before these frames go first
+            self._end_ops(batches)
         if not self.hosts:
             _batch(batches, ranks, frames)
             return
@@ -96,6 +120,8 @@ class Routes:
     def flush(self, batches: dict) -> None:
         """Send what was queued and clear it: one envelope per rank with messages, one
         per host (a HostCommand before each run of messages for the same ranks)."""
+        if self._ops:
+            self._end_ops(batches)
         router, seal, identities = self.router, self.seal, self.identities
         for r, msgs in batches.items():
             ident = identities.get(r)

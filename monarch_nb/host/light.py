@@ -26,7 +26,7 @@ PROGRESS_PERIOD = 0.1
 HEALTH_PERIOD = 1.0
 # messages that need torch or a real process: refused, naming simulate mode
 REFUSED = (
-    "Reduce SendTensor RunOp RunCell PostMortem PipeRecv CallRecording BorrowCreate "
+    "Reduce SendTensor RunOps RunCell PostMortem PipeRecv CallRecording BorrowCreate "
     "DefineOp CreateProcessGroup CreatePipe ClosePipe DefineRecording DebuggerMessage "
     "BorrowFirstUse BorrowDrop"
 ).split()

@@ -120,7 +120,7 @@ def call_checked(function, expected, /, *args, **kwargs):
 
 
 class OpSlot:
-    """Where a RunOp's ``i``-th Ref goes among a DefineOp's arguments."""
+    """Where an op's ``i``-th Ref (of its RunOps entry) goes among a DefineOp's arguments."""
 
     __slots__ = ("i",)
 

@@ -40,7 +40,7 @@ class CallFunction(NamedTuple):
 
 
 class DefineOp(NamedTuple):
-    """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks RunOp's i-th Ref."""
+    """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks an op's i-th Ref."""
 
     op: int
     function: Function
@@ -49,14 +49,11 @@ class DefineOp(NamedTuple):
     what: str
 
 
-class RunOp(NamedTuple):
-    """Call the op defined as ``op`` with ``refs`` in its slots, on ``stream``."""
+class RunOps(NamedTuple):
+    """Tensor ops, in order: each ``(ident, result, op, refs, stream)`` calls the op
+    defined as ``op`` with ``refs`` in its slots, on ``stream``, into ``result``."""
 
-    ident: int
-    result: int
-    op: int
-    refs: tuple
-    stream: int
+    ops: tuple
 
 
 class RunCode(NamedTuple):

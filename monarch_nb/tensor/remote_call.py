@@ -26,8 +26,8 @@ from ..context import recording_trace, resolve_target
 from ..protocol import aten
 from ..protocol.wire import function_ref
 from ..remote import Ref, _tensor_engine, remote
-from .dispatch import _key
 from .mode import active_mesh
+from .plans import key_of
 from .propagate import _fake_mode, _fakes_for, layout_of
 from .tensor import Tensor
 
@@ -97,15 +97,15 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
     local: list = []
     key = (
         propagate,  # the object, not its id: a collected lambda's id is reused
-        _key(tuple(args), tensors, local),
-        _key(tuple(kwargs.items()), tensors, local),
+        key_of(tuple(args), tensors, local),
+        key_of(tuple(kwargs.items()), tensors, local),
         *[t._layout for t in tensors],
         *[layout_of(t) for t in local],
     )
     if propagate == "inspect":
         key = None
     seen = {id(t) for t in tensors}
-    for x in tree_leaves((tuple(args), dict(kwargs))):  # those in dicts, which _key skips
+    for x in tree_leaves((tuple(args), dict(kwargs))):  # those in dicts, which key_of skips
         if isinstance(x, Tensor) and id(x) not in seen:
             seen.add(id(x))
             tensors.append(x)

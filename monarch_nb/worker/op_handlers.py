@@ -1,9 +1,9 @@
-"""The worker's handlers of tensor ops (DefineOp, RunOp) and recordings (a part of
+"""The worker's handlers of tensor ops (DefineOp, RunOps) and recordings (a part of
 Worker, which dispatches each message to the handler of its name).
 
 A DefineOp is prepared once: its function resolved (an aten op to its
-OpOverload) and its slots located, so that a RunOp costs a list of cells and
-one call.
+OpOverload) and its slots located, so that each op of a RunOps costs a list of
+cells and one call.
 """
 
 from __future__ import annotations
@@ -48,8 +48,17 @@ class _Undefined:
         raise self.error
 
 
+def _work(op, cells: list):
+    """What a stream runs for one op: ``op`` on the values of ``cells``."""
+
+    def work():
+        return op.run([get_value(c) for c in cells])
+
+    return work
+
+
 class OpHandlers:
-    """Handlers of DefineOp, RunOp, DefineRecording and CallRecording."""
+    """Handlers of DefineOp, RunOps, DefineRecording and CallRecording."""
 
     def DefineOp(self, msg: m.DefineOp) -> None:
         try:
@@ -57,15 +66,12 @@ class OpHandlers:
         except Exception as e:  # an op this worker's torch lacks: its uses fail with why
             self.ops[msg.op] = _Undefined(msg.op, e)
 
-    def RunOp(self, msg: m.RunOp) -> None:
-        op = self.ops.get(msg.op) or _Undefined(msg.op)
-        cells = [self._cell(r) for r in msg.refs]
-        result = self.env[msg.result] = Cell()
-
-        def work():
-            return op.run([get_value(c) for c in cells])
-
-        self._stream(msg.stream).schedule(msg.ident, op.what, work, (result,))
+    def RunOps(self, msg: m.RunOps) -> None:
+        ops, env, cell, stream = self.ops, self.env, self._cell, self._stream
+        for ident, result, op_id, refs, sid in msg.ops:
+            op = ops.get(op_id) or _Undefined(op_id)
+            out = env[result] = Cell()
+            stream(sid).schedule(ident, op.what, _work(op, [cell(r) for r in refs]), (out,))
 
     def DefineRecording(self, msg: m.DefineRecording) -> None:
         from .recording import Recording

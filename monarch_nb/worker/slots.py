@@ -1,6 +1,6 @@
 """Arguments with holes: ``OpSlot(key)`` marks where a value goes, filled per call.
 
-A tensor op's template (``OpSlot(i)``: the i-th Ref of a RunOp) and a recorded
+A tensor op's template (``OpSlot(i)``: the i-th Ref of an op in a RunOps) and a recorded
 command (``OpSlot(ref id)``: that value of the replay) use the same walk.
 """
 

@@ -1,0 +1,175 @@
+"""What the dispatcher knows of an aten op once it has seen it: its ``Plan``.
+
+A call's *key* holds the op, every argument (each mesh tensor as a mark of its
+place, so that two uses of one tensor stay one), the other arguments with
+their types, and the layouts of the mesh tensors. The first call of a key runs
+FakeTensor propagation and builds the plan; every later call of that key costs
+the key and one dict lookup.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..protocol import messages as m
+from ..protocol.aten import OpSlot, run_op
+from ..protocol.wire import RefUseError, function_ref
+from .propagate import op_name, propagate
+from .tensor import Tensor
+
+RUN_OP = function_ref(run_op)
+_MARK = object()
+_marks = [(_MARK, i) for i in range(64)]
+_LOCAL = object()
+_SCALARS = (float, bool, complex)
+_plans: dict = {}
+_PLANS_MAX = 100_000
+_op_ids = itertools.count(1)  # a template's id, unique in this process
+
+
+class Plan:
+    """A repeated op: its output description (``propagate``'s), the inputs it writes
+    without returning them (``mutated``: a foreach op's lists), every input it
+    writes (``written``), its names, and its template ``(op id, DefineOp)``
+    (None for a call whose key is unhashable)."""
+
+    __slots__ = ("entry", "mutated", "written", "qualname", "what", "template", "func")
+
+    def __init__(self, func, entry, mutated: tuple, written: tuple, names: tuple, template):
+        self.func = func  # kept alive: the key holds its id
+        self.entry = entry
+        self.mutated = mutated
+        self.written = written
+        self.qualname, self.what = names
+        self.template = template
+
+
+def next_op_id() -> int:
+    return next(_op_ids)
+
+
+def key_of(x, tensors: list, local: list):
+    """A hashable stand-in for an argument; collects mesh tensors and local ones."""
+    tp = type(x)
+    if tp is int or tp is str or x is None:
+        return x
+    if tp is Tensor:
+        for i, y in enumerate(tensors):
+            if y is x:
+                return _marks[i] if i < 64 else (_MARK, i)
+        i = len(tensors)
+        tensors.append(x)
+        return _marks[i] if i < 64 else (_MARK, i)
+    if tp is list or tp is tuple:
+        return tuple([key_of(y, tensors, local) for y in x])
+    if tp in _SCALARS:  # 1.0 == 1 == True, but they promote differently
+        return (tp, x)
+    if isinstance(x, torch.Tensor):
+        if isinstance(x, Tensor):  # a subclass of ours
+            tensors.append(x)
+            return (_MARK, len(tensors) - 1)
+        local.append(x)
+        return (_LOCAL, len(local) - 1, x.dtype, x.dim())
+    return x
+
+
+def lookup(key):
+    """The plan of ``key``, or None (also for an unhashable key)."""
+    try:
+        return _plans.get(key)
+    except TypeError:
+        return None
+
+
+def plan(func, args, kwargs, tensors: list, mesh, key) -> Plan:
+    """Propagate ``func`` once and keep its plan under ``key`` (unless None or
+    unhashable)."""
+    entry = propagate(func, args, kwargs, tensors, _is_mesh)
+    _check_device(entry, func, mesh)
+    mutated = _mutated_inputs(func, args, kwargs, tensors, entry)
+    names = (func.name(), op_name(func))
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    template = None
+    if key is not None:
+        index = {id(t): i for i, t in enumerate(tensors)}
+        skeleton = (names[0], *_skeleton(args, index))
+        op = next_op_id()
+        template = (op, m.DefineOp(op, RUN_OP, skeleton, _skeleton(kwargs, index), names[1]))
+    p = Plan(func, entry, mutated, _written(entry, mutated), names, template)
+    if key is not None:
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        _plans[key] = p
+    return p
+
+
+def _written(entry, mutated: tuple) -> tuple:
+    """Indices of the input tensors an op writes (in place, ``out=``, or a foreach list)."""
+    if entry[0] in ("one", "relayout"):
+        return (entry[1], *mutated) if type(entry[1]) is int else mutated
+    if entry[0] == "many":
+        return (*[s for s in entry[2] if type(s) is int], *mutated)
+    return mutated
+
+
+def _check_device(entry, func, mesh) -> None:
+    """A CUDA result on a mesh without GPUs is refused at the call."""
+    if entry[0] == "one":
+        specs = [entry[1]]
+    elif entry[0] == "many":
+        specs = entry[2]
+    else:
+        return
+    for spec in specs:
+        if type(spec) is tuple and spec[4].type == "cuda" and mesh.device_type != "cuda":
+            raise RefUseError(
+                f"{op_name(func)} makes a CUDA tensor, but the workers of mesh {mesh.name!r} "
+                f"have no GPUs (its tensors live on the CPU): leave them on the mesh's device"
+            )
+
+
+def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
+    """Indices (in ``tensors``) of the inputs ``func`` writes without returning them."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not tensors:
+        return ()
+    index = {id(t): i for i, t in enumerate(tensors)}
+    found, pos = [], 0
+    for a in schema.arguments:
+        if a.kwarg_only:
+            v = kwargs.get(a.name)
+        else:
+            v = args[pos] if pos < len(args) else kwargs.get(a.name)
+            pos += 1
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, Tensor) and id(t) in index:
+                found.append(index[id(t)])
+    returned = set()
+    if entry[0] in ("one", "relayout") and type(entry[1]) is int:
+        returned.add(entry[1])
+    elif entry[0] == "many":
+        returned.update(s for s in entry[2] if type(s) is int)
+    return tuple(j for j in dict.fromkeys(found) if j not in returned)
+
+
+def _skeleton(x, index: dict):
+    """``x`` with each mesh tensor replaced by the OpSlot of its place in ``index``."""
+    tp = type(x)
+    if tp is Tensor or isinstance(x, Tensor):
+        return OpSlot(index[id(x)])
+    if tp is list or tp is tuple:
+        return tp(_skeleton(y, index) for y in x)
+    if tp is dict:
+        return {k: _skeleton(v, index) for k, v in x.items()}
+    return x
+
+
+def _is_mesh(x) -> bool:
+    return isinstance(x, Tensor)
