@@ -10,7 +10,6 @@ controller``): 2 hosts x 2 ranks make a world of 4."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -267,7 +266,7 @@ def test_a_killed_relay_fails_its_ranks_naming_its_host_and_a_new_one_takes_the_
     ranks = [pid for r, pid in ctrl.worker_pids().items() if r >= 2]
     left = {os.path.dirname(a) for a in listens(relays[1].pid) if a.endswith("/ranks")}
     busy = mesh.exec("import time\ntime.sleep(60)")
-    os.kill(relays[1].pid, signal.SIGKILL)  # its socket's directory stays: removed below
+    os.kill(relays[1].pid, signal.SIGKILL)  # its socket's directory stays: the next sweeps it
     with pytest.raises(WorkerCrashed) as ei:
         busy.fetch(timeout=30)
     text = ei.value.stderr_tail
@@ -276,13 +275,43 @@ def test_a_killed_relay_fails_its_ranks_naming_its_host_and_a_new_one_takes_the_
     assert "its connection closed (the relay process is gone)" in text
     assert pids_gone(ranks, timeout=10) == []
     relays[1].wait(10)
-    for d in left:
-        shutil.rmtree(d, ignore_errors=True)
+    assert left and all(os.path.isdir(d) for d in left)
     relays[1] = relay(conn, "--local-ranks", "2", "--node-rank", "1")
     agents = ctrl.workers.launcher.agents
     wait_for(lambda: len(agents.hosts()) == 2, 120, "the new relay")
+    assert not any(os.path.exists(d) for d in left)  # the new relay removed it
     mesh.restart()
     assert hosted(ctrl)
     links = {li.host: li.pid for li in ctrl.replies.hosts.links.values()}
     assert links == {0: relays[0].pid, 1: relays[1].pid}
     assert [s[:2] for s in mnb.remote(where)(mesh=mesh).fetch(timeout=60)][2] == (2, 0)
+
+
+def test_sweep_removes_the_directories_of_relays_that_are_gone(tmp_path):
+    import socket
+    import time
+
+    from monarch_nb.host.relay_ranks import PREFIX, YOUNG_S, sweep_stale
+
+    def made(name: str) -> Path:
+        d = tmp_path / (PREFIX + name)
+        d.mkdir(mode=0o700)
+        return d
+
+    live, dead, young, old = made("live"), made("dead"), made("young"), made("old")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(live / "ranks"))
+    listening.listen()
+    closed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    closed.bind(str(dead / "ranks"))  # its process gone: the file stays, nobody listens
+    closed.close()
+    past = time.time() - YOUNG_S - 5
+    os.utime(old, (past, past))  # made long ago and never bound
+    (tmp_path / "unrelated").mkdir()
+    try:
+        gone = sweep_stale(str(tmp_path))
+    finally:
+        listening.close()
+    assert sorted(gone) == sorted([str(dead), str(old)])
+    assert live.is_dir() and young.is_dir() and (tmp_path / "unrelated").is_dir()
+    assert not dead.exists() and not old.exists()

@@ -255,3 +255,25 @@ def test_peer_table_binds_ranks_and_orders_each_socket():
     for kind in ("gap", "gap", "rank"):
         t.count(kind)
     assert t.rejections["gap"] == 2 and t.total == 3 and set(t.rejections) == set(envelope.KINDS)
+
+
+def test_open_from_controller_admits_and_decode_each_names_what_fails():
+    s = Signer(new_secret())
+    peers = envelope.PeerTable()
+    peers.allow(envelope.CONTROLLER)
+    ctrl = envelope.Sealer(s, envelope.CONTROLLER)
+    good, bad = encode(m.Ping(), s), encode(m.DeleteRefs((1,)), s)
+    bad = [bytes([bad[0][0] ^ 1]) + bytes(bad[0][1:]), bad[1]]  # sealed as it is
+    ctrl.seal(good)  # never delivered: a gap of one
+    missed, parts = envelope.open_from_controller(ctrl.seal([*good, *bad], 2), s, peers)
+    assert missed == 1
+    messages = list(envelope.decode_each(parts, s))
+    assert messages[0] == m.Ping()
+    assert isinstance(messages[1], BadMessage) and messages[1].kind == "signature"
+    with pytest.raises(BadMessage) as e:  # a worker's envelope is not the controller's
+        envelope.open_from_controller(envelope.Sealer(s, 0).seal(good), s, peers)
+    assert e.value.kind == "rank"
+    fresh = envelope.PeerTable()  # a table that does not allow the controller yet
+    with pytest.raises(BadMessage, match="not of the controller") as e:
+        envelope.open_from_controller(envelope.Sealer(s, envelope.CONTROLLER).seal(good), s, fresh)
+    assert e.value.kind == "rank"

@@ -20,7 +20,14 @@ import zmq
 from .._version import __version__
 from ..protocol import BadMessage, Signer, decode, encode
 from ..protocol import messages as m
-from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, host_peer, unseal
+from ..protocol.envelope import (
+    CONTROLLER,
+    PeerTable,
+    Sealer,
+    VersionMismatch,
+    host_peer,
+    open_from_controller,
+)
 from ..protocol.wire import recv_ready, send_frames
 
 FOLDED = (m.Status, m.Progress, m.Health)
@@ -71,16 +78,12 @@ class HostChannel:
 
     def _envelope(self, frames, touched: list) -> None:
         try:
-            header, parts = unseal(frames, self.signer)
-            missed = self.peers.admit(b"", header)
+            missed, parts = open_from_controller(frames, self.signer, self.peers)
         except VersionMismatch as e:
             self.refused = f"the controller speaks protocol {e.version}: not this version"
             return
         except BadMessage as e:
             self.peers.count(e.kind)
-            return
-        if missed is None:
-            self.peers.count("rank")
             return
         if missed:
             self.peers.count("gap")

@@ -16,16 +16,23 @@ protocol's (``decode_plain``: the relay never imports torch or a user's module);
 a WorkerReady (its versions hold torch's version object) counts as the rank its
 envelope is sealed by. A user's values (a FetchResult, a SendTensor) pass as the
 frames they came in, their buffers never copied.
+
+A relay killed with SIGKILL leaves its directory behind; the next relay of this
+user on the host removes it (``sweep_stale``).
 """
 
 from __future__ import annotations
 
+import glob
 import io
 import logging
 import os
 import pickle
 import shutil
+import socket
+import stat
 import tempfile
+import time
 from collections import OrderedDict
 
 import zmq
@@ -42,6 +49,45 @@ _BY_CODE = {code: cls for cls, code in _WIRE_CODES.items()}
 DECODED_UP = (m.StoreRequest, m.Status, m.Progress, m.Health)
 MAX_STORE_WAITS = 4096  # store requests remembered for their replies at most
 RECV_HWM = 256  # per rank socket, as the controller's: a flood waits in the rank
+PREFIX = "mnb-relay-"
+YOUNG_S = 60.0  # a directory without a socket yet this young is still being made
+
+
+def sweep_stale(root: str | None = None) -> list:
+    """Remove this user's relay directories under ``root`` (the temp dir) whose
+    socket nobody listens on any more; returns them."""
+    gone = []
+    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), PREFIX + "*")):
+        try:
+            st = os.lstat(d)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode):
+            continue
+        path = os.path.join(d, "ranks")
+        if os.path.exists(path):
+            if _listened(path):
+                continue
+        elif time.time() - st.st_mtime < YOUNG_S:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
+
+
+def _listened(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:  # cannot tell: keep it
+        return True
+    finally:
+        s.close()
 
 
 def record_type(payload) -> type | None:
@@ -96,7 +142,9 @@ class RankSockets:
     def __init__(self, ctx, signer, first: int, count: int):
         self.signer = signer
         self.first, self.count = first, count
-        self.dir = tempfile.mkdtemp(prefix="mnb-relay-")  # mode 0700: this user only
+        for d in sweep_stale():
+            logger.info("removed %s, the directory of a relay that is gone", d)
+        self.dir = tempfile.mkdtemp(prefix=PREFIX)  # mode 0700: this user only
         os.chmod(self.dir, 0o700)
         self.address = f"ipc://{self.dir}/ranks"
         self.sock = ctx.socket(zmq.ROUTER)

@@ -28,7 +28,7 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .wire import SIG_LEN, BadMessage, Signer, small
+from .wire import SIG_LEN, BadMessage, Signer, decode, small
 
 PROTOCOL_VERSION = 2
 CONTROLLER = -1  # the controller's rank in headers
@@ -129,6 +129,29 @@ def unseal(frames: Sequence, signer: Signer) -> tuple[Header, list]:
     if not hmac.compare_digest(env_sig, signer.mac(header + sigs)):
         raise BadMessage("the envelope signature does not verify", "signature")
     return h, parts
+
+
+def open_from_controller(frames: Sequence, signer: Signer, peers: PeerTable) -> tuple:
+    """Unseal and admit an envelope the controller sent to one socket of a worker
+    or host (``peers`` allows the controller): ``(missed, parts)``, how many of the
+    controller's messages to this socket never arrived before it and the frame
+    sets of the messages inside (``decode_each``). Raises BadMessage for the
+    envelope as a whole: VersionMismatch for another protocol, kind "rank" for a
+    sender other than the controller."""
+    header, parts = unseal(frames, signer)
+    missed = peers.admit(b"", header)
+    if missed is None:
+        raise BadMessage(f"a message of rank {header.rank}, not of the controller", "rank")
+    return missed, parts
+
+
+def decode_each(parts: list, signer: Signer):
+    """Each message of an envelope's ``parts`` decoded, or the BadMessage it failed with."""
+    for p in parts:
+        try:
+            yield decode(p, signer)
+        except BadMessage as e:
+            yield e
 
 
 class PeerTable:

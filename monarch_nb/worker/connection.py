@@ -15,7 +15,7 @@ import traceback
 import zmq
 from zmq.backend import zmq_poll
 
-from ..protocol import BadMessage, decode, encode
+from ..protocol import BadMessage, encode
 from ..protocol import messages as m
 from ..protocol.envelope import (
     CONTROLLER,
@@ -23,7 +23,8 @@ from ..protocol.envelope import (
     PeerTable,
     Sealer,
     VersionMismatch,
-    unseal,
+    decode_each,
+    open_from_controller,
 )
 from ..protocol.wire import recv_ready, send_frames
 from .failure import format_user_stack
@@ -121,26 +122,20 @@ class Connection:
 
     def _dispatch(self, frames) -> None:
         try:
-            header, parts = unseal(frames, self.signer)
-            missed = self.peers.admit(b"", header)
+            missed, parts = open_from_controller(frames, self.signer, self.peers)
         except VersionMismatch as e:
             self._wrong_version(e.version)
             return
         except BadMessage as e:
             self._drop(e.kind, e)
             return
-        if missed is None:
-            self._drop("rank", f"a message of rank {header.rank}, not of the controller")
-            return
         if missed:
             self._drop("gap", f"{missed} message(s) of the controller never arrived")
-        for p in parts:
-            try:
-                msg = decode(p, self.signer)
-            except BadMessage as e:
-                self._drop(e.kind, e)
-                continue
-            self._handle(msg)
+        for msg in decode_each(parts, self.signer):
+            if isinstance(msg, BadMessage):
+                self._drop(msg.kind, msg)
+            else:
+                self._handle(msg)
 
     def _wrong_version(self, version: int) -> None:
         print(

@@ -23,9 +23,9 @@ import time
 
 import torch.distributed as dist
 
-from ..protocol import BadMessage, decode, encode
+from ..protocol import BadMessage, encode
 from ..protocol import messages as m
-from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, unseal
+from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, decode_each, open_from_controller
 from ..protocol.wire import recv_ready, send_frames
 
 logger = logging.getLogger("monarch_nb.worker")
@@ -93,21 +93,14 @@ class _Channel:
 
     def _open(self, frames):
         try:
-            header, parts = unseal(frames, self.signer)
-            missed = self.peers.admit(b"", header)
+            _, parts = open_from_controller(frames, self.signer, self.peers)
         except BadMessage as e:
             self._drop(e.kind, e)
             return
-        if missed is None:
-            self._drop("rank", f"a message of rank {header.rank} on the store's socket")
-            return
-        for p in parts:
-            try:
-                msg = decode(p, self.signer)
-            except BadMessage as e:
-                self._drop(e.kind, e)
-                continue
-            if type(msg) is m.StoreReply:
+        for msg in decode_each(parts, self.signer):
+            if isinstance(msg, BadMessage):
+                self._drop(msg.kind, msg)
+            elif type(msg) is m.StoreReply:
                 yield msg
             else:
                 self._drop("malformed", f"a {type(msg).__name__} on the store's socket")
