@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..protocol.envelope import KINDS
 from .errors import describe_exit
+from .sent import SentGroups
 
 _ZERO = (0, 0, 0)  # a stream's progress before its first report
 
@@ -214,26 +215,21 @@ class MeshState:
     def snapshot(self) -> dict:
         """Plain, JSON-serialisable data: the shape of ``mesh.status()``."""
         now = time.time()
+        with self.lock:  # copied at C speed: senders wait for this lock
+            copies = {sid: list(q) for sid, q in self.sent.items()}
+        # grouped by their ranks outside the lock: progress read later only finds more done
+        sent = {sid: SentGroups(q) for sid, q in copies.items()}
+        empty = SentGroups(())
         with self.lock:
-            # targets as sets, once per snapshot: a membership test per rank and command
-            # on a 1,024-rank tuple made status() quadratic in the ranks under load
-            sent = {
-                sid: [(i, frozenset(t), what, at) for i, t, what, at in q]
-                for sid, q in self.sent.items()
-            }
             ranks = {}
             for r, w in sorted(self.workers.items()):
                 streams = {}
                 for sid, name in self.stream_names.items():
                     started, finished, _ = w.progress.get(sid, (0, 0, 0))
-                    queued, running = 0, None
-                    for ident, targets, what, sent_at in sent.get(sid, ()):
-                        if ident <= finished or r not in targets:
-                            continue
-                        if ident == started and started > finished:
-                            running = {"ident": ident, "what": what, "elapsed": now - sent_at}
-                        elif ident > started:
-                            queued += 1
+                    queued, run = sent.get(sid, empty).of(r, started, finished)
+                    running = None
+                    if run is not None:
+                        running = {"ident": run[0], "what": run[2], "elapsed": now - run[3]}
                     streams[name] = {
                         "queued": queued,
                         "running": running,
