@@ -126,6 +126,18 @@ def test_every_rank_is_reached_through_its_host_and_runs_cells_collectives_and_f
         assert "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text()
 
 
+def test_tensor_engine_ops_reach_every_rank_through_the_relays(fan):
+    mesh, _, _ = fan
+    with mesh.activate():
+        x = torch.ones(4)
+        for _ in range(100):  # pipelined: packed into RunOps, fanned out per host
+            x = x + 1
+        total = (x * 2).sum().reduce(("hosts", "gpus"), "sum")
+    assert mnb.inspect(x, hosts=1, gpus=1).tolist() == [101.0] * 4
+    assert float(mnb.inspect(total, hosts=0, gpus=1)) == 4 * (101.0 * 2 * 4)
+    assert hosted(mesh._controller)
+
+
 def _up(ctrl) -> dict:
     """Host socket identity -> how many envelopes it has sent."""
     peers = ctrl.peers

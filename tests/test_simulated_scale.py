@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import zmq
 from wait_helpers import alive, pids_gone, wait_for
 
@@ -92,6 +93,14 @@ def test_what_needs_torch_is_refused_naming_simulate_mode(sim):
         ref.reduce("gpu").fetch(rank=0, timeout=60)
     assert "simulated light rank" in str(ei.value) and "Reduce" in str(ei.value)
     assert sim.exec("rank").fetch(rank=WORLD - 1, timeout=60) == WORLD - 1
+    with sim.activate():  # tensor ops: each fails where its value is read
+        x = torch.ones(4) + 1
+    with pytest.raises(RemoteError) as ei:
+        mnb.inspect(x, timeout=60)
+    assert "simulated light rank" in str(ei.value) and "RunOps" in str(ei.value)
+    with pytest.raises(RemoteError, match="simulated light rank"):
+        sim.wait(timeout=60)  # the failures on the other ranks, reported once
+    assert sim.exec("rank").fetch(rank=0, timeout=60) == 0
 
 
 def test_restart_keeps_the_simulated_hosts_and_starts_fresh_ranks(sim):

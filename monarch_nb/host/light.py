@@ -149,22 +149,31 @@ class LightRank:
         return v
 
     def _refuse(self, msg, name: str) -> None:
+        if name == "RunOps":  # each tensor op in it fails as a command of its own
+            for ident, result, _, _, sid in msg.ops:
+                self._refuse_command(ident, sid, result, name)
+            return
         ident = getattr(msg, "ident", None)
+        if ident is None:  # a setup message (a group, a pipe): its first use says why
+            return
+        failure = self._refuse_command(
+            ident, getattr(msg, "stream", 0), getattr(msg, "result", None), name
+        )
+        if name in _REPLIES:
+            self._send(m.FetchResult(ident, self.rank, None, failure))
+
+    def _refuse_command(self, ident: int, sid: int, result, name: str):
+        """Command ``ident`` fails, naming simulate mode; returns its failure."""
         why = (
             f"rank {self.rank} is a simulated light rank (monarch-nb-host --simulate, on "
             f"{self.host}): {name} needs torch or a real worker process (collectives, "
             f"tensors, pdb, pipes and recordings are not simulated)"
         )
-        if ident is None:  # a setup message (a group, a pipe): its first use says why
-            return
-        sid = getattr(msg, "stream", 0)
 
         def refuse():
             raise NotImplementedError(why)
 
-        _, failure = self._run(ident, sid, refuse, getattr(msg, "result", None))
-        if name in _REPLIES:
-            self._send(m.FetchResult(ident, self.rank, None, failure))
+        return self._run(ident, sid, refuse, result)[1]
 
     def on_CreateDeviceMesh(self, msg: m.CreateDeviceMesh) -> None:
         coords = msg.ranks.coordinates(self.rank)
