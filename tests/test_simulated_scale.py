@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 import zmq
 from wait_helpers import alive, pids_gone, wait_for
 
@@ -93,6 +92,8 @@ def test_what_needs_torch_is_refused_naming_simulate_mode(sim):
         ref.reduce("gpu").fetch(rank=0, timeout=60)
     assert "simulated light rank" in str(ei.value) and "Reduce" in str(ei.value)
     assert sim.exec("rank").fetch(rank=WORLD - 1, timeout=60) == WORLD - 1
+    import torch  # not at the top: the simulated hosts import this module (noop, double)
+
     with sim.activate():  # tensor ops: each fails where its value is read
         x = torch.ones(4) + 1
     with pytest.raises(RemoteError) as ei:

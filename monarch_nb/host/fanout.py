@@ -29,8 +29,12 @@ from ..protocol.envelope import (
     open_from_controller,
 )
 from ..protocol.wire import recv_ready, send_frames
+from .relay_ranks import record_type
 
 FOLDED = (m.Status, m.Progress, m.Health)
+# templates whose arguments may hold torch's objects (dtypes, devices): never
+# unpickled here; the light ranks refuse each use of them (RunOps, CallRecording)
+UNREAD = (m.DefineOp, m.DefineRecording)
 MAX_BATCH = 512  # messages per envelope at most
 
 
@@ -92,6 +96,10 @@ class HostChannel:
 
     def _part(self, p, touched: list) -> None:
         """One message of an envelope: decoded once, handled for every target."""
+        if len(p) == 2 and record_type(p[1]) in UNREAD:
+            if self._left:
+                self._left -= 1
+            return
         try:
             msg = decode(p, self.signer)
         except BadMessage as e:
