@@ -101,6 +101,8 @@ def test_what_needs_torch_is_refused_naming_simulate_mode(sim):
     assert "simulated light rank" in str(ei.value) and "RunOps" in str(ei.value)
     with pytest.raises(RemoteError, match="simulated light rank"):
         sim.wait(timeout=60)  # the failures on the other ranks, reported once
+    for pid in _hosts(sim):  # the ops' templates (dtypes, devices) were never unpickled there
+        assert "libtorch" not in open(f"/proc/{pid}/maps").read()
     assert sim.exec("rank").fetch(rank=0, timeout=60) == 0
 
 
