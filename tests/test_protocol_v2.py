@@ -278,6 +278,8 @@ def test_a_gap_fails_the_requests_waiting_on_that_rank(relayed):
         lambda frames: any(printed("gap-probe", 0)(x) for x in opened(frames, ctrl.signer)[1])
     )
     mesh.exec("print('gap-probe')")
+    # withheld before the next command is sent: its reply cannot share that envelope
+    wait_for(lambda: len(relay.withheld) == 1, 30, "the envelope of rank 0's print")
     with pytest.raises(mnb.RemoteError, match=r"1 message\(s\) from rank 0 were lost"):
         mesh.exec("1").fetch(timeout=30)  # its reply comes after the gap
     assert len(relay.withheld) == 1

@@ -135,7 +135,10 @@ def test_streams_run_independently(mesh, tmp_path):
 
 
 def test_status_shape(mesh):
+    mesh.exec("1").fetch(timeout=30)  # a command done on each rank, whatever ran before
     mesh.wait()
+    # a worker's first Health (rss, cpu) comes within a second of its start
+    wait_for(lambda: mesh.status()["ranks"][0]["rss"] is not None, 30, "rank 0's first Health")
     st = mesh.status()
     assert st["dims"] == {"dp": 2} and st["backend"] == "gloo"
     r0 = st["ranks"][0]

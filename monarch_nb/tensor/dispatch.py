@@ -65,7 +65,9 @@ def dispatch(func, args, kwargs, mesh=None):
         return _with_local(func, args, kwargs, mesh, tensors, local, key)
     p = lookup(key)
     if p is None:
-        p = plan(func, args, kwargs, tensors, mesh, key)
+        p = plan(func, args, kwargs, tensors, key)
+    if p.cuda:  # the plan may have been made on another mesh
+        p.check_device(mesh)
     mesh, stream = resolve_target(mesh, None)
     if tensors:
         check_refs(tensors, mesh, stream)
@@ -95,7 +97,8 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
         for t in local:
             if t.dim() != 0 or t.requires_grad:
                 raise _local_error(op_name(func), t, mesh)
-        p = lookup(key) or plan(func, args, kwargs, tensors, mesh, key)
+        p = lookup(key) or plan(func, args, kwargs, tensors, key)
+        p.check_device(mesh)
     mesh, stream = resolve_target(mesh, None)
     if tensors:
         check_refs(tensors, mesh, stream)

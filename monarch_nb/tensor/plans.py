@@ -35,7 +35,7 @@ class Plan:
     writes (``written``), its names, and its template ``(op id, DefineOp)``
     (None for a call whose key is unhashable)."""
 
-    __slots__ = ("entry", "mutated", "written", "qualname", "what", "template", "func")
+    __slots__ = ("entry", "mutated", "written", "qualname", "what", "template", "func", "cuda")
 
     def __init__(self, func, entry, mutated: tuple, written: tuple, names: tuple, template):
         self.func = func  # kept alive: the key holds its id
@@ -44,6 +44,15 @@ class Plan:
         self.written = written
         self.qualname, self.what = names
         self.template = template
+        self.cuda = _makes_cuda(entry)  # checked against each mesh it runs on
+
+    def check_device(self, mesh) -> None:
+        """A CUDA result on a mesh without GPUs is refused at the call."""
+        if self.cuda and mesh.device_type != "cuda":
+            raise RefUseError(
+                f"{self.what} makes a CUDA tensor, but the workers of mesh {mesh.name!r} "
+                f"have no GPUs (its tensors live on the CPU): leave them on the mesh's device"
+            )
 
 
 def next_op_id() -> int:
@@ -83,11 +92,10 @@ def lookup(key):
         return None
 
 
-def plan(func, args, kwargs, tensors: list, mesh, key) -> Plan:
+def plan(func, args, kwargs, tensors: list, key) -> Plan:
     """Propagate ``func`` once and keep its plan under ``key`` (unless None or
     unhashable)."""
     entry = propagate(func, args, kwargs, tensors, _is_mesh)
-    _check_device(entry, func, mesh)
     mutated = _mutated_inputs(func, args, kwargs, tensors, entry)
     names = (func.name(), op_name(func))
     try:
@@ -117,20 +125,14 @@ def _written(entry, mutated: tuple) -> tuple:
     return mutated
 
 
-def _check_device(entry, func, mesh) -> None:
-    """A CUDA result on a mesh without GPUs is refused at the call."""
+def _makes_cuda(entry) -> bool:
     if entry[0] == "one":
         specs = [entry[1]]
     elif entry[0] == "many":
         specs = entry[2]
     else:
-        return
-    for spec in specs:
-        if type(spec) is tuple and spec[4].type == "cuda" and mesh.device_type != "cuda":
-            raise RefUseError(
-                f"{op_name(func)} makes a CUDA tensor, but the workers of mesh {mesh.name!r} "
-                f"have no GPUs (its tensors live on the CPU): leave them on the mesh's device"
-            )
+        return False
+    return any(type(spec) is tuple and spec[4].type == "cuda" for spec in specs)
 
 
 def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
