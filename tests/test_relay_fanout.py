@@ -256,6 +256,26 @@ def test_an_interrupt_stops_every_stream_of_every_hosted_rank(fan, tmp_path):
     mesh.wait(timeout=30)
 
 
+def test_a_gap_on_a_ranks_socket_at_its_relay_fails_what_waits_on_that_rank(fan):
+    mesh, relays, _ = fan
+    ctrl = mesh._controller
+    before = ctrl.state.rejections["gap"]
+    pending = mnb.remote(mark_then_sleep)("/dev/null", 3.0, mesh=mesh).fetch_async(timeout=60)
+    path = next(a for a in listens(relays[1].pid) if a.endswith("/ranks"))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(f"ipc://{path}")
+    sealer = Sealer(ctrl.signer, 2)  # a new socket of rank 2, whose first message never came
+    sealer.seal(encode(m.Ping(), ctrl.signer))
+    send_frames(sock, sealer.seal(encode(m.Ping(), ctrl.signer)))
+    sock.close()
+    with pytest.raises(mnb.RemoteError, match=r"1 message\(s\) from rank 2 were lost"):
+        pending.result(timeout=60)
+    assert ctrl.state.rejections["gap"] == before + 1
+    mesh.wait(timeout=60)
+    assert [s[0] for s in mnb.remote(where)(mesh=mesh).fetch(timeout=60)] == [0, 1, 2, 3]
+
+
 def test_a_killed_rank_fails_pending_work_naming_host_and_rank(fan):
     mesh, relays, _ = fan
     ctrl = mesh._controller

@@ -196,6 +196,11 @@ class Replies:
     def Stalled(self, msg: m.Stalled) -> None:
         self.ctrl.state.stalled(msg.rank, msg.stream, msg.ident, msg.what, msg.seconds, msg.stack)
 
+    def RankGap(self, msg: m.RankGap) -> None:
+        """A sequence gap a relay saw on one of its rank's sockets: as one seen here."""
+        self._drop("gap", f"{msg.missed} message(s) of rank {msg.rank} never reached its relay")
+        self.ctrl.on_gap(msg.rank, msg.missed)
+
     def Health(self, msg: m.Health) -> None:
         self.ctrl.state.health(
             msg.rank, msg.rss, msg.cpu, msg.gpu, msg.bad_messages, msg.env_size, msg.rejections

@@ -187,8 +187,9 @@ class RankSockets:
         except BadMessage as e:
             self._drop(e.kind, e)
             return
-        if missed:
+        if missed:  # the controller fails what waits on that rank, as for its own sockets
             self._drop("gap", f"{missed} message(s) of rank {header.rank} never arrived")
+            post(m.RankGap(header.rank, missed))
         for p in parts:
             cls = record_type(p[1]) if len(p) == 2 else None
             if cls is m.WorkerReady:

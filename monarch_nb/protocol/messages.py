@@ -297,6 +297,13 @@ class Folded(NamedTuple):
     groups: tuple
 
 
+class RankGap(NamedTuple):
+    """Relay -> controller: ``missed`` messages of a socket of ``rank`` never reached it."""
+
+    rank: int
+    missed: int
+
+
 # ---------------------------------------------------------------- worker -> controller
 
 
