@@ -33,6 +33,26 @@ def shown_frame(page, pattern: str) -> str:
     return page.locator(FRAME).first.inner_text()
 
 
+def settled_frame(page, pattern: str, quiet_ms: int = 500) -> str:
+    """Like ``shown_frame``, once the first frame has read the same for ``quiet_ms``."""
+    page.wait_for_function(
+        """([sel, pattern, quiet]) => {
+            const el = document.querySelector(sel);
+            const text = el ? el.innerText : null;
+            const now = performance.now();
+            if (window.__frameText !== text) {
+                window.__frameText = text;
+                window.__frameSince = now;
+            }
+            return !!el && new RegExp(pattern).test(text) && now - window.__frameSince >= quiet;
+        }""",
+        arg=[FRAME, pattern, quiet_ms],
+        timeout=T,
+        polling=100,
+    )
+    return page.locator(FRAME).first.inner_text()
+
+
 def shown_variable(page, name: str, value: str) -> None:
     """Wait until the variables panel shows ``name: value``."""
     page.wait_for_function(
@@ -72,7 +92,12 @@ def test_a_gutter_breakpoint_in_a_monarch_cell_through_jupyterlabs_debugger(page
     page.locator(".jp-DebuggerBreakpoints", has_text="3").first.wait_for(timeout=T)
     lab.run_cell(2)
 
-    first = shown_frame(page, r"<module> · rank [01]\s+Cell \[\*\]:3")
+    # each rank's stop is announced as it comes, and the panel shows the last one:
+    # read which rank it shows once both have stopped and the panel has settled
+    page.locator(
+        ".jp-NotebookPanel:visible .jp-OutputArea", has_text="2 paused in the debugger"
+    ).first.wait_for(timeout=T)
+    first = settled_frame(page, r"<module> · rank [01]\s+Cell \[\*\]:3")
     rank = int(re.search(r"rank (\d)", first).group(1))
     shown_variable(page, "x", str(rank * 10 + 7))
     lab.shot("dap-paused", ".jp-DebuggerCallstack")
