@@ -146,3 +146,26 @@ def test_mesh_tensors_and_a_compiled_step_after_a_restart(mesh):
     for _ in range(4):
         again()
     assert mnb.inspect(fresh, dp=1).tolist() == [16.0, 16.0]
+
+
+@pytest.mark.gpu
+def test_training_on_a_cuda_mesh_op_by_op_compiled_and_reduced():
+    gpu = mnb.local_mesh(dp=1, name="tensor-compile-cuda")
+    try:
+        assert gpu.device_type == "cuda"
+        model, opt, twin, twin_opt, x, y = _setup(gpu)
+        assert all(p.device.type == "cuda" for p in model.parameters())
+        step = mnb.compile(lambda: _step(model, opt, x, y))
+        losses, twin_losses = [], []
+        for _ in range(8):
+            losses.append(mnb.inspect(step()).item())
+            twin_losses.append(mnb.inspect(_step(twin, twin_opt, x, y)).item())
+        assert losses == pytest.approx(twin_losses, rel=1e-4)
+        assert losses[-1] < losses[0]
+        with gpu.activate():
+            t = torch.full((4,), 3.0)
+        assert t.device.type == "cuda"
+        assert t.reduce_("dp", "sum") is t  # NCCL on the mesh's GPUs
+        assert mnb.inspect(t).cpu().tolist() == [3.0] * 4
+    finally:
+        gpu.shutdown()
