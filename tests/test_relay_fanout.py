@@ -13,6 +13,7 @@ import os
 import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -274,6 +275,69 @@ def test_a_gap_on_a_ranks_socket_at_its_relay_fails_what_waits_on_that_rank(fan)
     assert ctrl.state.rejections["gap"] == before + 1
     mesh.wait(timeout=60)
     assert [s[0] for s in mnb.remote(where)(mesh=mesh).fetch(timeout=60)] == [0, 1, 2, 3]
+
+
+def flood(started: str, go: str, progress: str, mb: int) -> None:
+    """Remote: once ``go`` exists, print ``mb`` lines of 1 MB, counting them in a file."""
+    import os
+    import sys
+    import time
+
+    rank = mnb.current_rank()
+    open(f"{started}-{rank}", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    line = "x" * (1 << 20) + "\n"
+    for i in range(mb):
+        sys.stdout.write(line)
+        with open(f"{progress}-{rank}", "w") as f:
+            f.write(str(i + 1))
+
+
+def test_a_flood_waits_in_the_ranks_while_the_controller_reads_nothing(fan, tmp_path):
+    """The relay stops reading its ranks while its socket up is full, so their sends
+    block (as with sockets of their own at the controller) and its memory stays bounded."""
+    mesh, relays, _ = fan
+    ctrl = mesh._controller
+    mb = 300
+    got = dict.fromkeys(range(4), 0)
+    saved = ctrl.on_output
+    ctrl.on_output = lambda msg: got.__setitem__(msg.rank, got[msg.rank] + len(msg.text))
+    started, go, progress = tmp_path / "started", tmp_path / "go", tmp_path / "progress"
+    procs = [psutil.Process(p.pid) for p in relays]
+    try:
+        run = mnb.remote(flood)(str(started), str(go), str(progress), mb, mesh=mesh)
+        wait_for(lambda: all(os.path.exists(f"{started}-{r}") for r in range(4)), 60, "start")
+        base = [p.memory_info().rss for p in procs]
+        seen = {"values": None, "since": 0.0}
+
+        def stalled() -> bool:  # every rank's count unchanged for a second, short of mb
+            values = []
+            for r in range(4):
+                try:
+                    values.append(int(Path(f"{progress}-{r}").read_text() or 0))
+                except (FileNotFoundError, ValueError):
+                    values.append(0)
+            now = time.monotonic()
+            if values != seen["values"]:
+                seen["values"], seen["since"] = values, now
+            return now - seen["since"] >= 1.0 and max(values) < mb
+
+        assert ctrl.io._lease.acquire(timeout=10)  # the controller reads nothing now
+        try:
+            go.touch()
+            wait_for(stalled, 8, "the ranks to block")
+            grown = [p.memory_info().rss - b for p, b in zip(procs, base)]
+        finally:
+            ctrl.io._lease.release()
+        run.fetch(timeout=180)
+        mesh.wait(timeout=60)
+    finally:
+        ctrl.on_output = saved
+    assert max(seen["values"]) < mb and min(seen["values"]) > 0, seen
+    assert max(grown) < 160 << 20, grown  # the ranks' 600 MB per relay waited in the ranks
+    assert all(n == mb * ((1 << 20) + 1) for n in got.values()), got  # and nothing was lost
 
 
 def test_a_killed_rank_fails_pending_work_naming_host_and_rank(fan):

@@ -14,6 +14,7 @@ a rank's report moves later, never before what it sent earlier.
 from __future__ import annotations
 
 import pickle
+from collections import deque
 
 import zmq
 
@@ -36,6 +37,7 @@ FOLDED = (m.Status, m.Progress, m.Health)
 # unpickled here; the light ranks refuse each use of them (RunOps, CallRecording)
 UNREAD = (m.DefineOp, m.DefineRecording)
 MAX_BATCH = 512  # messages per envelope at most
+MAX_BATCH_BYTES = 256 << 10  # ... and bytes: a socket's send bound then bounds its memory
 
 
 class HostChannel:
@@ -44,7 +46,9 @@ class HostChannel:
     ``ranks`` maps rank -> an object with ``handle(msg)`` (the host's ranks, filled by
     the agent); ``on_refused(reason)`` is called when the controller refuses the host."""
 
-    def __init__(self, ctx, address: str, key: bytes, host: int, pid: int, name: str):
+    def __init__(
+        self, ctx, address: str, key: bytes, host: int, pid: int, name: str, sndhwm: int = 0
+    ):
         self.address, self.host = address, host
         self.signer = Signer(key)
         self.sealer = Sealer(self.signer, host_peer(host))
@@ -52,9 +56,10 @@ class HostChannel:
         self.peers.allow(CONTROLLER)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, sndhwm)  # envelopes on their way, at most (0: any)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(address)
+        self.backlog: deque = deque()  # sealed envelopes the socket could not take yet
         self.ranks: dict = {}
         self.outbox: list = []
         self.refused: str | None = None
@@ -130,29 +135,54 @@ class HostChannel:
 
     def flush(self) -> None:
         """Send what the ranks posted since the last flush, folded."""
+        self.drain()
         out = self.outbox
         if not out:
             return
         self.outbox = []
         frames: list = []
-        n = 0
+        n = size = 0
         for msg in _folded(out):
             enc = msg if type(msg) is list else encode(msg, self.signer)
             if len(enc) != 2:  # a message with buffers travels alone
                 n = self._send(frames, n)
-                send_frames(self.sock, self.sealer.seal(enc))
+                self._out(self.sealer.seal(enc))
                 continue
             frames += enc
             n += 1
-            if n >= MAX_BATCH:
+            size += len(enc[1])
+            if n >= MAX_BATCH or size >= MAX_BATCH_BYTES:
                 n = self._send(frames, n)
+                size = 0
         self._send(frames, n)
 
     def _send(self, frames: list, n: int) -> int:
         if n:
-            send_frames(self.sock, self.sealer.seal(list(frames), n))
+            self._out(self.sealer.seal(list(frames), n))
             frames.clear()
         return 0
+
+    def _out(self, sealed: list) -> None:
+        """Send one sealed envelope, or keep it (after those kept before) while the
+        socket is at its send bound."""
+        if not self.backlog:
+            try:
+                send_frames(self.sock, sealed, nowait=True)
+                return
+            except zmq.Again:
+                pass
+        self.backlog.append(sealed)
+
+    def drain(self) -> bool:
+        """Send the kept envelopes the socket takes now; True when none is left."""
+        q = self.backlog
+        while q:
+            try:
+                send_frames(self.sock, q[0], nowait=True)
+            except zmq.Again:
+                return False
+            q.popleft()
+        return True
 
     def close(self) -> None:
         self.sock.close(linger=0)

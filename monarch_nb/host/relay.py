@@ -72,6 +72,7 @@ class Relay:
         self._to_write = bytearray()  # for the agent's stdin (non-blocking: the agent may be busy)
         self.block: tuple | None = None  # (first rank, count), from the Welcome
         self.fan: RelayHost | None = None  # the fan-out, from the first Spawn that asks for it
+        self._gated = False  # the ranks' sockets unread while the fan-out's socket is full
 
     def log(self, text: str) -> None:
         print(f"[monarch host relay {os.getpid()}] {text}", file=sys.stderr, flush=True)
@@ -112,6 +113,7 @@ class Relay:
         last_heard = next_beat = time.monotonic()
         closed_at = None  # when the connection to the controller last closed
         while self.running:
+            self._gate()
             hold = self.fan.hold_left() if self.fan is not None else None
             wait = POLL_MS if hold is None else min(POLL_MS, int(hold * 1000) + 1)
             for what, _ in self.poller.poll(wait):
@@ -119,6 +121,7 @@ class Relay:
                 if fan is not None and what is fan.rank_sockets.sock:
                     fan.from_ranks()
                 elif fan is not None and what is fan.sock:
+                    fan.drain()
                     fan.receive()
                     if fan.refused is not None:
                         self.log(f"the controller refused this host's fan-out: {fan.refused}")
@@ -160,6 +163,17 @@ class Relay:
                     f"{self.heartbeat_timeout:g} s ({why}): ending this host's agent and ranks"
                 )
                 self._stop(3)
+
+    def _gate(self) -> None:
+        """While the socket up to the controller is at its bound (the controller does not
+        read), the ranks' sockets are not read either: a flood waits in the ranks, whose
+        sends block, as it does with a socket of their own at the controller."""
+        fan = self.fan
+        if fan is None or bool(fan.backlog) == self._gated:
+            return
+        self._gated = bool(fan.backlog)
+        self.poller.modify(fan.rank_sockets.sock, 0 if self._gated else zmq.POLLIN)
+        self.poller.modify(fan.sock, zmq.POLLIN | (zmq.POLLOUT if self._gated else 0))
 
     def _stop(self, code: int) -> None:
         self.code = self.code or code
@@ -259,6 +273,7 @@ class Relay:
         )
         self.poller.register(fan.sock, zmq.POLLIN)
         self.poller.register(fan.rank_sockets.sock, zmq.POLLIN)
+        self._gated = False
         self.log(f"fans out as host {msg.host}: its ranks connect to {fan.ranks_address}")
         return fan
 

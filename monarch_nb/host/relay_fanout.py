@@ -22,6 +22,7 @@ from ..protocol import messages as m
 from .fanout import HostChannel
 from .relay_ranks import RankSockets, decode_plain, record_type
 
+UP_HWM = 16  # envelopes (of at most 256 KB of small messages) on their way up, at most
 HOLD_S = 0.002  # how long the outbox waits for the other ranks' Status of a RequestStatus
 FORGET_S = 60.0  # a RequestStatus none of whose ranks answered: forgotten after this
 
@@ -34,7 +35,7 @@ class RelayHost(HostChannel):
         self._expect: dict = {}  # RequestStatus ident -> [ranks to answer, hold deadline, made]
         self.rank_sockets = RankSockets(ctx, Signer(key), first, count)
         self.first, self.count = first, count
-        super().__init__(ctx, address, key, host, os.getpid(), name)
+        super().__init__(ctx, address, key, host, os.getpid(), name, sndhwm=UP_HWM)
 
     @property
     def ranks_address(self) -> str:
