@@ -199,11 +199,20 @@ def test_stuck_when_a_peer_freezes_in_a_collective(fmesh):
         x.reduce("dp")
         wait_running(fmesh, [frozen], what="late_value")
         wait_running(fmesh, [other], what="reduce")
+        # past the reduce's Python prologue, into gloo's wait (on a loaded machine the
+        # interrupt could land before it, and the rank would stop instead)
+        wait_for(
+            lambda o=other: (r := running(fmesh, o)) is not None and r["elapsed"] >= 0.5,
+            30,
+            "the other rank half a second into its reduce",
+        )
         os.kill(pid_of(fmesh, frozen), signal.SIGSTOP)
-        e = expect_stuck_ranks(fmesh, [0, 1])
-        assert [w for _, _, w in e.stuck[other]] == ["reduce dp sum"]
-        assert [w for _, _, w in e.stuck[frozen]] == ["late_value"]
-        restart_and_check(fmesh)  # a stopped worker is killed all the same
+        try:
+            e = expect_stuck_ranks(fmesh, [0, 1])
+            assert [w for _, _, w in e.stuck[other]] == ["reduce dp sum"]
+            assert [w for _, _, w in e.stuck[frozen]] == ["late_value"]
+        finally:
+            restart_and_check(fmesh)  # a stopped worker is killed all the same
 
 
 def expect_stuck_ranks(mesh, ranks):
