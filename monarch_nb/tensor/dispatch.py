@@ -68,13 +68,7 @@ def dispatch(func, args, kwargs, mesh=None):
         p = plan(func, args, kwargs, tensors, key)
     if p.cuda:  # the plan may have been made on another mesh
         p.check_device(mesh)
-    mesh, stream = resolve_target(mesh, None)
-    if tensors:
-        check_refs(tensors, mesh, stream)
-        if borrows.live[0]:
-            borrows.check(p.what, tensors, p.written)
-    ctrl = mesh._controller
-    ctrl.check_usable(mesh.targets)
+    mesh, stream, ctrl = _target(p, tensors, mesh)
     result, ident = _run(
         ctrl, p.template, (p.qualname, *args), kwargs, tensors, mesh, stream, p.what
     )
@@ -99,13 +93,7 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
                 raise _local_error(op_name(func), t, mesh)
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)
-    mesh, stream = resolve_target(mesh, None)
-    if tensors:
-        check_refs(tensors, mesh, stream)
-        if borrows.live[0]:
-            borrows.check(p.what, tensors, p.written)
-    ctrl = mesh._controller
-    ctrl.check_usable(mesh.targets)
+    mesh, stream, ctrl = _target(p, tensors, mesh)
     packed, _ = pack_args((p.qualname, *args), kwargs)
     result, ident = ctrl.next_id(), ctrl.next_ident()
     msg = m.CallFunction(ident, result, RUN_OP, packed, stream.id, mesh.id, p.what)
@@ -114,6 +102,19 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
     if to_gpu:
         return dispatch(torch.ops.aten._to_copy.default, (out,), {"device": _CUDA})
     return out
+
+
+def _target(p: Plan, tensors: list, mesh) -> tuple:
+    """``(mesh, stream, controller)`` the op runs on, its tensors checked against them
+    (their mesh and stream, the borrows live) and the ranks usable."""
+    mesh, stream = resolve_target(mesh, None)
+    if tensors:
+        check_refs(tensors, mesh, stream)
+        if borrows.live[0]:
+            borrows.check(p.what, tensors, p.written)
+    ctrl = mesh._controller
+    ctrl.check_usable(mesh.targets)
+    return mesh, stream, ctrl
 
 
 def _names(func) -> tuple:
