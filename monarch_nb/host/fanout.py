@@ -29,8 +29,7 @@ from ..protocol.envelope import (
     host_peer,
     open_from_controller,
 )
-from ..protocol.wire import recv_ready, send_frames
-from .relay_ranks import record_type
+from ..protocol.wire import record_type, recv_ready, send_frames
 
 FOLDED = (m.Status, m.Progress, m.Health)
 # templates whose arguments may hold torch's objects (dtypes, devices): never

@@ -19,8 +19,9 @@ import time
 
 from ..protocol import BadMessage, Signer
 from ..protocol import messages as m
+from ..protocol.wire import record_type
 from .fanout import HostChannel
-from .relay_ranks import RankSockets, decode_plain, record_type
+from .relay_ranks import RankSockets, decode_plain
 
 UP_HWM = 16  # envelopes (of at most 256 KB of small messages) on their way up, at most
 HOLD_S = 0.002  # how long the outbox waits for the other ranks' Status of a RequestStatus

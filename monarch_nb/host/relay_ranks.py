@@ -40,12 +40,10 @@ import zmq
 from ..protocol import BadMessage
 from ..protocol import messages as m
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, unseal
-from ..protocol.wire import _CODE as _WIRE_CODES  # the record codes (a record's first field)
-from ..protocol.wire import recv_ready, send_frames
+from ..protocol.wire import record_type, recv_ready, send_frames
 
 logger = logging.getLogger("monarch_nb.host")
 
-_BY_CODE = {code: cls for cls, code in _WIRE_CODES.items()}
 DECODED_UP = (m.StoreRequest, m.Status, m.Progress, m.Health)
 MAX_STORE_WAITS = 4096  # store requests remembered for their replies at most
 RECV_HWM = 256  # per rank socket, as the controller's: a flood waits in the rank
@@ -88,30 +86,6 @@ def _listened(path: str) -> bool:
         return True
     finally:
         s.close()
-
-
-def record_type(payload) -> type | None:
-    """The message class of a record's pickle (``wire.encode``: the tuple ``(code,
-    *fields)``, protocol 5), read from its first opcodes without unpickling; None
-    when it does not start as a record does."""
-    b = bytes(memoryview(payload)[:16])
-    if len(b) < 4 or b[0] != 0x80:
-        return None
-    i = 2
-    if b[i] == 0x95:  # FRAME and its 8-byte length
-        i += 9
-    if i < len(b) and b[i] == 0x28:  # MARK (a tuple of more than three items)
-        i += 1
-    if i + 1 >= len(b):
-        return None
-    op = b[i]
-    if op == 0x4B:  # BININT1
-        code = b[i + 1]
-    elif op == 0x4D and i + 2 < len(b):  # BININT2
-        code = b[i + 1] | b[i + 2] << 8
-    else:
-        return None
-    return _BY_CODE.get(code)
 
 
 class _PlainUnpickler(pickle.Unpickler):

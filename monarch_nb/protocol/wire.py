@@ -158,6 +158,30 @@ def encode(msg, signer: Signer) -> list:
     return [signer.digest(payload, raws), payload, *raws]
 
 
+def record_type(payload) -> type | None:
+    """The message class of a record's pickle (``wire.encode``: the tuple ``(code,
+    *fields)``, protocol 5), read from its first opcodes without unpickling; None
+    when it does not start as a record does."""
+    b = bytes(memoryview(payload)[:16])
+    if len(b) < 4 or b[0] != 0x80:
+        return None
+    i = 2
+    if b[i] == 0x95:  # FRAME and its 8-byte length
+        i += 9
+    if i < len(b) and b[i] == 0x28:  # MARK (a tuple of more than three items)
+        i += 1
+    if i + 1 >= len(b):
+        return None
+    op = b[i]
+    if op == 0x4B:  # BININT1
+        code = b[i + 1]
+    elif op == 0x4D and i + 2 < len(b):  # BININT2
+        code = b[i + 1] | b[i + 2] << 8
+    else:
+        return None
+    return _TYPES[code] if code < len(_TYPES) else None
+
+
 def small(f):
     """A frame's bytes (for small frames: copying beats a memoryview)."""
     return f.bytes if hasattr(f, "bytes") else f
