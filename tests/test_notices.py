@@ -130,6 +130,20 @@ def test_noblock_pause_is_announced_under_its_own_cell(k, slow_ticker):
     assert NOTICE not in paused and NOTICE not in after, (paused, after)
 
 
+def test_pause_before_the_wait_begins_is_served_inline_not_announced(k, slow_ticker):
+    # a loaded kernel: the cell is sent, its rank pauses and a tick passes before the
+    # cell's wait begins; the inline prompt serves that pause, so nothing announces it
+    cell = (
+        "from monarch_nb.notebook import waiting\n"
+        "_run = get_ipython().find_cell_magic('monarch').__self__._start_cell(\n"
+        "    '--ranks 1', 'r = 7\\nbreakpoint()\\nprint(\"served\", r)')\n"
+        "assert M.debugger.wait_any(30)\n" + DRAINED + "await waiting.wait(_run)\n"
+    )
+    served, later = back_to_back(k, [cell, DRAINED], ["p r", "c"])
+    assert "[rank 1] served 7" in served, served
+    assert NOTICE not in served and NOTICE not in later, (served, later)
+
+
 def test_blocking_cell_without_stdin_says_it_once(k, slow_ticker):
     reply, msgs = k.run("%%monarch --ranks 0\nq = 9\nbreakpoint()\nprint('after', q)")
     assert reply["content"]["status"] == "ok", errors_text(msgs)

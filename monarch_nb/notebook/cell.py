@@ -61,6 +61,7 @@ class CellRun:
         self.router = None
         self._finished = False
         self._debug_detached = False
+        self._waited = False
 
     # ------------------------------------------------------------ sending
 
@@ -81,8 +82,11 @@ class CellRun:
             context = f"{e.head()}: {restart_hint(mesh)}"  # "mesh ... is broken: ..."
             raise RemoteCellError(e.failures, e.ident, context, brief=True) from None
 
-    def send(self) -> None:
+    def send(self, waited: bool = True) -> None:
+        """Send the cell. A ``waited`` cell serves its own pauses at the inline prompt
+        from the start: a pause that comes before ``wait`` begins gets no notice."""
         self.check_usable(self.mesh)
+        self._waited = waited
         names, auto = self.names
         self.router = self.hub.router(self.ctrl)
         self.sink = CellSink(self.hub.publisher, self.parent, self.ranks)
@@ -104,6 +108,8 @@ class CellRun:
         """The cell's output goes to its sink from its first byte on."""
         self.ident = ident
         self.router.register(ident, self.sink)
+        if self._waited:
+            self.router.blocking.add(ident)
 
     def interrupt(self) -> None:
         """KeyboardInterrupt in whatever runs now on this cell's stream and ranks."""
@@ -225,6 +231,8 @@ class CellRun:
     def detach(self) -> None:
         """Let the cell finish in the background; its output, values and failures
         still go under its own cell."""
+        if self.ident is not None:
+            self.router.blocking.discard(self.ident)
         self.future.add_done_callback(lambda _f: self.hub.ticker.call_soon(self._finish_detached))
 
     def _finish_detached(self) -> None:

@@ -227,7 +227,7 @@ class MonarchMagics(Magics):
             label,
             what,
         )
-        run.send()
+        run.send(waited=not a.noblock)
         if a.output is not None:
             self.shell.user_ns[a.output] = run.future
         if a.noblock:
