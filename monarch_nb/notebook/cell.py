@@ -127,7 +127,6 @@ class CellRun:
         figures; raise RemoteCellError when ranks failed. The notebook's interrupt
         (KeyboardInterrupt here) interrupts the ranks and shows where they stopped."""
         interrupted = False
-        self.router.blocking.add(self.ident)
         try:
             self._wait(None)
         except _Detached:

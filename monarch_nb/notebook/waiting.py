@@ -123,7 +123,6 @@ async def _wait_interrupted(run: CellRun) -> bool:
 async def wait(run: CellRun) -> None:
     """``CellRun.wait``, awaited: the kernel handles widget messages meanwhile."""
     interrupted = False
-    run.router.blocking.add(run.ident)
     try:
         await _wait(run, None)
     except _Detached:
