@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from monarch_nb.protocol import BadMessage, Signer, decode, encode, envelope, new_secret
+from monarch_nb.protocol import BadMessage, Signer, decode, encode, envelope, new_secret, wire
 from monarch_nb.protocol import messages as m
 from monarch_nb.protocol.ndslice import NDSlice
 from monarch_nb.protocol.wire import (
@@ -61,6 +61,29 @@ def test_large_buffer_edges_and_length_are_covered():
             decode(bad, s)
     with pytest.raises(BadMessage):
         decode(frames[:2] + [frames[2][:-4]], s)
+
+
+def test_nested_records_travel_as_plain_tuples_and_arrive_as_records():
+    s = Signer(new_secret())
+    fn = m.Function(b"payload", "f")
+    msgs = [
+        m.CallFunction(7, 8, fn, m.Args(b"a", (), (3,)), 0, None, "f"),
+        m.CallFunction(7, 8, fn, None, 0, 1, "f"),
+        m.RemoteFunctionFailed(1, 0, 0, m.RemoteFailure("E", "msg", "tb")),
+    ]
+    for msg in msgs:
+        frames = encode(msg, s)
+        assert b"monarch_nb.protocol.values" not in frames[1]  # no class to look up
+        got = decode(frames, s)
+        assert got == msg
+        for a, b in zip(got, msg):
+            assert type(a) is type(b)
+    # a field that should hold a record but holds something else is refused by name
+    bad = pickle.dumps(
+        (wire._CODE[m.CallFunction], 7, 8, ("too", "many", "parts"), None, 0, None, "f"), 5
+    )
+    with pytest.raises(BadMessage, match="CallFunction whose function is not a Function"):
+        decode([s.digest(bad, []), bad], s)
 
 
 def test_malformed_frames():

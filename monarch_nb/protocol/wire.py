@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import zmq
 import zmq.backend
 
-from . import messages
+from . import messages, values
 from .messages import FetchResult, RemoteFailure
 
 # the pickling API, imported from here by most callers
@@ -127,8 +127,9 @@ class _PackedFetch(NamedTuple):
     value: bytes
 
 
-# A message travels as the plain tuple (code, *fields): pickling a NamedTuple goes
-# through copyreg and its __getnewargs__ in Python, ten times the cost of the tuple.
+# A message travels as the plain tuple (code, *fields), and so do the records of
+# values.py in its fields (``_NESTED``): pickling a NamedTuple goes through copyreg and
+# its __getnewargs__ in Python, and unpickling through its Python __new__.
 _TYPES: tuple = tuple(
     sorted(
         (
@@ -142,6 +143,25 @@ _TYPES: tuple = tuple(
 _CODE = {c: i for i, c in enumerate(_TYPES)}
 
 
+def _nested_fields(cls) -> tuple:
+    """``(position, record class)`` of the fields of ``cls`` that hold a record of
+    ``values.py`` (or None), read from its annotations: those travel as plain tuples too."""
+    records = {
+        n: c for n, c in vars(values).items() if isinstance(c, type) and issubclass(c, tuple)
+    }
+    found = []
+    for i, name in enumerate(cls._fields):
+        hint = cls.__annotations__.get(name, "")
+        hint = getattr(hint, "__forward_arg__", hint)  # NamedTuple wraps the strings
+        hint = hint.removesuffix(" | None") if isinstance(hint, str) else ""
+        if hint in records:
+            found.append((i + 1, records[hint]))
+    return tuple(found)
+
+
+_NESTED = {c: n for c in _TYPES if (n := _nested_fields(c))}
+
+
 def encode(msg, signer: Signer) -> list:
     """Frames ``[signature, pickle, *buffers]`` of a message.
 
@@ -153,7 +173,15 @@ def encode(msg, signer: Signer) -> list:
         payload = pickle.dumps(packed, 5)
     else:
         buffers = []
-        payload = pickle.dumps((_CODE[type(msg)], *msg), 5, buffer_callback=buffers.append)
+        flat = (_CODE[type(msg)], *msg)
+        nested = _NESTED.get(type(msg))
+        if nested is not None:
+            parts = list(flat)
+            for i, _ in nested:
+                if parts[i] is not None:
+                    parts[i] = tuple(parts[i])
+            flat = tuple(parts)
+        payload = pickle.dumps(flat, 5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     return [signer.digest(payload, raws), payload, *raws]
 
@@ -209,10 +237,26 @@ def decode(frames: Sequence, signer: Signer):
     cls = _TYPES[code]
     if len(flat) - 1 != len(cls._fields):
         raise BadMessage(f"a {cls.__name__} of {len(flat) - 1} fields, not {len(cls._fields)}")
+    nested = _NESTED.get(cls)
+    if nested is not None:
+        flat = _rebuild(cls, flat, nested)
     msg = tuple.__new__(cls, flat[1:])
     if type(msg) is _PackedFetch:
         return _unpack_fetch(msg, bufs)
     return msg
+
+
+def _rebuild(cls, flat, nested) -> list:
+    flat = list(flat)
+    for i, rec in nested:
+        v = flat[i]
+        if v is not None:
+            if type(v) is not tuple or len(v) != len(rec._fields):
+                raise BadMessage(
+                    f"a {cls.__name__} whose {cls._fields[i - 1]} is not a {rec.__name__}"
+                )
+            flat[i] = tuple.__new__(rec, v)
+    return flat
 
 
 def _unpack_fetch(p: _PackedFetch, bufs: list) -> FetchResult:
