@@ -40,7 +40,7 @@ import zmq
 from ..protocol import BadMessage
 from ..protocol import messages as m
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, unseal
-from ..protocol.wire import record_type, recv_ready, send_frames
+from ..protocol.wire import build, record_type, recv_ready, send_frames
 
 logger = logging.getLogger("monarch_nb.host")
 
@@ -105,9 +105,9 @@ def decode_plain(p, signer, cls: type):
         flat = _PlainUnpickler(io.BytesIO(payload)).load()
     except Exception as e:
         raise BadMessage(f"a {cls.__name__} the relay cannot read: {e}") from e
-    if type(flat) is not tuple or len(flat) != len(cls._fields) + 1:
+    if type(flat) is not tuple:
         raise BadMessage(f"not a {cls.__name__} record")
-    return tuple.__new__(cls, flat[1:])
+    return build(cls, flat)
 
 
 class RankSockets:

@@ -143,19 +143,19 @@ _TYPES: tuple = tuple(
 _CODE = {c: i for i, c in enumerate(_TYPES)}
 
 
+_RECORDS = {n: c for n, c in vars(values).items() if isinstance(c, type) and issubclass(c, tuple)}
+
+
 def _nested_fields(cls) -> tuple:
     """``(position, record class)`` of the fields of ``cls`` that hold a record of
     ``values.py`` (or None), read from its annotations: those travel as plain tuples too."""
-    records = {
-        n: c for n, c in vars(values).items() if isinstance(c, type) and issubclass(c, tuple)
-    }
     found = []
     for i, name in enumerate(cls._fields):
         hint = cls.__annotations__.get(name, "")
         hint = getattr(hint, "__forward_arg__", hint)  # NamedTuple wraps the strings
         hint = hint.removesuffix(" | None") if isinstance(hint, str) else ""
-        if hint in records:
-            found.append((i + 1, records[hint]))
+        if hint in _RECORDS:
+            found.append((i + 1, _RECORDS[hint]))
     return tuple(found)
 
 
@@ -234,19 +234,20 @@ def decode(frames: Sequence, signer: Signer):
     code = flat[0] if type(flat) is tuple and flat else None
     if type(code) is not int or not 0 <= code < len(_TYPES):
         raise BadMessage(f"not a message record: {type(flat).__name__}")
-    cls = _TYPES[code]
-    if len(flat) - 1 != len(cls._fields):
-        raise BadMessage(f"a {cls.__name__} of {len(flat) - 1} fields, not {len(cls._fields)}")
-    nested = _NESTED.get(cls)
-    if nested is not None:
-        flat = _rebuild(cls, flat, nested)
-    msg = tuple.__new__(cls, flat[1:])
+    msg = build(_TYPES[code], flat)
     if type(msg) is _PackedFetch:
         return _unpack_fetch(msg, bufs)
     return msg
 
 
-def _rebuild(cls, flat, nested) -> list:
+def build(cls, flat: tuple):
+    """Record ``cls`` of its unpickled wire tuple ``(code, *fields)``; BadMessage when
+    the fields do not fit it."""
+    if len(flat) - 1 != len(cls._fields):
+        raise BadMessage(f"a {cls.__name__} of {len(flat) - 1} fields, not {len(cls._fields)}")
+    nested = _NESTED.get(cls)
+    if nested is None:
+        return tuple.__new__(cls, flat[1:])
     flat = list(flat)
     for i, rec in nested:
         v = flat[i]
@@ -256,7 +257,7 @@ def _rebuild(cls, flat, nested) -> list:
                     f"a {cls.__name__} whose {cls._fields[i - 1]} is not a {rec.__name__}"
                 )
             flat[i] = tuple.__new__(rec, v)
-    return flat
+    return tuple.__new__(cls, flat[1:])
 
 
 def _unpack_fetch(p: _PackedFetch, bufs: list) -> FetchResult:
