@@ -233,9 +233,16 @@ def _output(spec, base, ref_id: int, ident: int, mesh, stream, tensors: list):
         else:
             mesh._controller.delete_ref(ref_id)
         return t
-    out = Tensor(spec, ref_id, mesh, stream, ident)
-    if base is not None:
-        _join(out, tensors[base])
+    if base is None:
+        return Tensor(spec, ref_id, mesh, stream, ident)
+    if torch.is_inference_mode_enabled() and not tensors[base].is_inference():
+        # a view of a normal tensor is a normal tensor, in inference mode too (autograd
+        # then shares the base's version counter, which an inference tensor has not)
+        with torch.inference_mode(False):
+            out = Tensor(spec, ref_id, mesh, stream, ident)
+    else:
+        out = Tensor(spec, ref_id, mesh, stream, ident)
+    _join(out, tensors[base])
     return out
 
 
