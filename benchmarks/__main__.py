@@ -41,6 +41,7 @@ MODULES = (
     "benchmarks.dashboard",
     "benchmarks.soak",
     "benchmarks.tensor",
+    "benchmarks.tensor_real",
     "benchmarks.tensor_vs_monarch",
     "benchmarks.mesh_start",
     "benchmarks.scale",
