@@ -150,7 +150,7 @@ class LightRank:
 
     def _refuse(self, msg, name: str) -> None:
         if name == "RunOps":  # each tensor op in it fails as a command of its own
-            for ident, result, _, _, sid in msg.ops:
+            for ident, result, _, _, sid, _ in msg.ops:
                 self._refuse_command(ident, sid, result, name)
             return
         ident = getattr(msg, "ident", None)

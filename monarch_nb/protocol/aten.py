@@ -120,7 +120,8 @@ def call_checked(function, expected, /, *args, **kwargs):
 
 
 class OpSlot:
-    """Where an op's ``i``-th Ref (of its RunOps entry) goes among a DefineOp's arguments."""
+    """Where an op's ``i``-th value goes among a DefineOp's arguments: its Refs first, then
+    its lifted floats (of its RunOps entry)."""
 
     __slots__ = ("i",)
 

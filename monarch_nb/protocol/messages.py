@@ -50,8 +50,9 @@ class DefineOp(NamedTuple):
 
 
 class RunOps(NamedTuple):
-    """Tensor ops, in order: each ``(ident, result, op, refs, stream)`` calls the op
-    defined as ``op`` with ``refs`` in its slots, on ``stream``, into ``result``."""
+    """Tensor ops, in order: each ``(ident, result, op, refs, stream, scalars)`` calls the
+    op defined as ``op`` with ``refs`` in its first slots and ``scalars`` (lifted floats)
+    in the slots after them, on ``stream``, into ``result``."""
 
     ops: tuple
 

@@ -19,7 +19,7 @@ from ..protocol.pickling import pack_ref_args, ref_placeholder
 from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
 from . import borrows
-from .plans import RUN_OP, Plan, key_of, lookup, next_op_id, plan
+from .plans import RUN_OP, Plan, key_of, lifts_floats, lookup, next_op_id, plan
 from .propagate import layout_of, op_name
 from .tensor import Tensor
 
@@ -47,14 +47,17 @@ def dispatch(func, args, kwargs, mesh=None):
     ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
     tensors: list = []
     local: list = []
+    floats = [] if lifts_floats(func) else None
     # id(func): OpOverloads live as long as torch, and their __hash__ is Python code
-    kw = key_of(tuple(kwargs.items()), tensors, local) if kwargs else ()
-    key = (id(func), key_of(args, tensors, local), kw)
+    kw = key_of(tuple(kwargs.items()), tensors, local, floats) if kwargs else ()
+    key = (id(func), key_of(args, tensors, local, floats), kw)
     if not tensors and mesh is not None and kwargs.get("device") is not None:
         # a factory: torch fills in the CPU default; a CUDA mesh's default is its GPU
         if _device_type(kwargs["device"]) == "cpu" and mesh.device_type == "cuda":
             kwargs = dict(kwargs, device=_CUDA)
-            key = (id(func), key[1], key_of(tuple(kwargs.items()), tensors, local))
+            floats = [] if floats is not None else None
+            kw = key_of(tuple(kwargs.items()), tensors, local, floats)
+            key = (id(func), key_of(args, [], [], floats), kw)
     if tensors:
         key += tuple([t._layout for t in tensors])
     if mesh is None:
@@ -65,12 +68,12 @@ def dispatch(func, args, kwargs, mesh=None):
         return _with_local(func, args, kwargs, mesh, tensors, local, key)
     p = lookup(key)
     if p is None:
-        p = plan(func, args, kwargs, tensors, key)
+        p = plan(func, args, kwargs, tensors, key, floats is not None)
     if p.cuda:  # the plan may have been made on another mesh
         p.check_device(mesh)
     mesh, stream, ctrl = _target(p, tensors, mesh)
     result, ident = _run(
-        ctrl, p.template, (p.qualname, *args), kwargs, tensors, mesh, stream, p.what
+        ctrl, p.template, (p.qualname, *args), kwargs, tensors, mesh, stream, p.what, floats
     )
     return _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream)
 
@@ -177,10 +180,11 @@ def _device_type(device) -> str:
     return device.type if isinstance(device, torch.device) else torch.device(device).type
 
 
-def _run(ctrl, template, args, kwargs, refs, mesh, stream, what: str) -> tuple:
+def _run(ctrl, template, args, kwargs, refs, mesh, stream, what: str, floats=None) -> tuple:
     """Send one op: a RunOps entry of ``template`` (``(op id, DefineOp)``, defined on every
-    worker first), or, while ``mnb.compile`` records or without a template (an
-    unhashable key), a CallFunction of its arguments. Returns (result id, ident)."""
+    worker first) with ``floats`` for its scalar slots, or, while ``mnb.compile`` records
+    or without a template (an unhashable key), a CallFunction of its arguments.
+    Returns (result id, ident)."""
     result, ident = ctrl.next_id(), ctrl.next_ident()
     if template is None or recording_trace.active is not None:
         function = RUN_OP if template is None else template[1].function
@@ -194,7 +198,8 @@ def _run(ctrl, template, args, kwargs, refs, mesh, stream, what: str) -> tuple:
         ctrl.send(template[1], None)
         known.add(op)
     refs = tuple([r._wire_id() for r in refs])
-    ctrl.send_op((ident, result, op, refs, stream.id), mesh.targets, what)  # checked by the caller
+    scalars = tuple(floats) if floats else ()
+    ctrl.send_op((ident, result, op, refs, stream.id, scalars), mesh.targets, what)  # checked
     return result, ident
 
 

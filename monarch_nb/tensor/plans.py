@@ -5,6 +5,11 @@ place, so that two uses of one tensor stay one), the other arguments with
 their types, and the layouts of the mesh tensors. The first call of a key runs
 FakeTensor propagation and builds the plan; every later call of that key costs
 the key and one dict lookup.
+
+The Python floats of a pointwise or foreach op cannot change its outputs'
+layouts: they are *lifted*, kept out of the key as a mark and sent with each
+call into scalar slots of the template (an optimizer's learning rate and bias
+corrections change every step; they must not cost a propagation each).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ RUN_OP = function_ref(run_op)
 _MARK = object()
 _marks = [(_MARK, i) for i in range(64)]
 _LOCAL = object()
+_FLOAT = object()  # a lifted float's place in a key
+_lifting: dict = {}  # id(op) -> whether its floats are lifted
 _SCALARS = (float, bool, complex)
 _plans: dict = {}
 _PLANS_MAX = 100_000
@@ -59,11 +66,26 @@ def next_op_id() -> int:
     return next(_op_ids)
 
 
-def key_of(x, tensors: list, local: list):
-    """A hashable stand-in for an argument; collects mesh tensors and local ones."""
+def lifts_floats(func) -> bool:
+    """Whether ``func``'s float arguments go to scalar slots (a pointwise or foreach
+    op: their values cannot change a layout), not into the key."""
+    lift = _lifting.get(id(func))
+    if lift is None:
+        lift = _lifting[id(func)] = torch.Tag.pointwise in func.tags or func.__name__.startswith(
+            "_foreach_"
+        )
+    return lift
+
+
+def key_of(x, tensors: list, local: list, floats: list | None = None):
+    """A hashable stand-in for an argument; collects mesh tensors and local ones,
+    and (with ``floats``, for an op that lifts them) Python floats."""
     tp = type(x)
     if tp is int or tp is str or x is None:
         return x
+    if tp is float and floats is not None:
+        floats.append(x)
+        return _FLOAT
     if tp is Tensor:
         for i, y in enumerate(tensors):
             if y is x:
@@ -72,7 +94,7 @@ def key_of(x, tensors: list, local: list):
         tensors.append(x)
         return _marks[i] if i < 64 else (_MARK, i)
     if tp is list or tp is tuple:
-        return tuple([key_of(y, tensors, local) for y in x])
+        return tuple([key_of(y, tensors, local, floats) for y in x])
     if tp in _SCALARS:  # 1.0 == 1 == True, but they promote differently
         return (tp, x)
     if isinstance(x, torch.Tensor):
@@ -92,9 +114,10 @@ def lookup(key):
         return None
 
 
-def plan(func, args, kwargs, tensors: list, key) -> Plan:
+def plan(func, args, kwargs, tensors: list, key, lifted: bool = False) -> Plan:
     """Propagate ``func`` once and keep its plan under ``key`` (unless None or
-    unhashable)."""
+    unhashable); ``lifted``: its floats go to scalar slots after the tensors' slots,
+    in the order ``key_of`` met them (kwargs first)."""
     entry = propagate(func, args, kwargs, tensors, _is_mesh)
     mutated = _mutated_inputs(func, args, kwargs, tensors, entry)
     names = (func.name(), op_name(func))
@@ -105,9 +128,11 @@ def plan(func, args, kwargs, tensors: list, key) -> Plan:
     template = None
     if key is not None:
         index = {id(t): i for i, t in enumerate(tensors)}
-        skeleton = (names[0], *_skeleton(args, index))
+        floats = [len(tensors)] if lifted else None  # the next scalar slot
+        skel_kwargs = _skeleton(kwargs, index, floats)
+        skeleton = (names[0], *_skeleton(args, index, floats))
         op = next_op_id()
-        template = (op, m.DefineOp(op, RUN_OP, skeleton, _skeleton(kwargs, index), names[1]))
+        template = (op, m.DefineOp(op, RUN_OP, skeleton, skel_kwargs, names[1]))
     p = Plan(func, entry, mutated, _written(entry, mutated), names, template)
     if key is not None:
         if len(_plans) >= _PLANS_MAX:
@@ -161,15 +186,19 @@ def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
     return tuple(j for j in dict.fromkeys(found) if j not in returned)
 
 
-def _skeleton(x, index: dict):
-    """``x`` with each mesh tensor replaced by the OpSlot of its place in ``index``."""
+def _skeleton(x, index: dict, floats: list | None):
+    """``x`` with each mesh tensor replaced by the OpSlot of its place in ``index``
+    and, with ``floats`` (``[next slot]``), each float by the next scalar slot."""
     tp = type(x)
     if tp is Tensor or isinstance(x, Tensor):
         return OpSlot(index[id(x)])
+    if tp is float and floats is not None:
+        floats[0] += 1
+        return OpSlot(floats[0] - 1)
     if tp is list or tp is tuple:
-        return tp(_skeleton(y, index) for y in x)
+        return tp(_skeleton(y, index, floats) for y in x)
     if tp is dict:
-        return {k: _skeleton(v, index) for k, v in x.items()}
+        return {k: _skeleton(v, index, floats) for k, v in x.items()}
     return x
 
 

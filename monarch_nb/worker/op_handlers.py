@@ -48,8 +48,15 @@ class _Undefined:
         raise self.error
 
 
-def _work(op, cells: list):
-    """What a stream runs for one op: ``op`` on the values of ``cells``."""
+def _work(op, cells: list, scalars: tuple):
+    """What a stream runs for one op: ``op`` on the values of ``cells``, then
+    ``scalars`` (its lifted floats) in the slots after theirs."""
+    if scalars:
+
+        def work():
+            return op.run([*[get_value(c) for c in cells], *scalars])
+
+        return work
 
     def work():
         return op.run([get_value(c) for c in cells])
@@ -68,10 +75,11 @@ class OpHandlers:
 
     def RunOps(self, msg: m.RunOps) -> None:
         ops, env, cell, stream = self.ops, self.env, self._cell, self._stream
-        for ident, result, op_id, refs, sid in msg.ops:
+        for ident, result, op_id, refs, sid, scalars in msg.ops:
             op = ops.get(op_id) or _Undefined(op_id)
             out = env[result] = Cell()
-            stream(sid).schedule(ident, op.what, _work(op, [cell(r) for r in refs]), (out,))
+            work = _work(op, [cell(r) for r in refs], scalars)
+            stream(sid).schedule(ident, op.what, work, (out,))
 
     def DefineRecording(self, msg: m.DefineRecording) -> None:
         from .recording import Recording
