@@ -74,12 +74,20 @@ class OpHandlers:
             self.ops[msg.op] = _Undefined(msg.op, e)
 
     def RunOps(self, msg: m.RunOps) -> None:
-        ops, env, cell, stream = self.ops, self.env, self._cell, self._stream
+        """Each op is a command of its own; the ops of one stream queue as one item."""
+        ops, env, cell = self.ops, self.env, self._cell
+        queued: dict[int, list] = {}  # stream id -> commands, in order
         for ident, result, op_id, refs, sid, scalars in msg.ops:
             op = ops.get(op_id) or _Undefined(op_id)
             out = env[result] = Cell()
-            work = _work(op, [cell(r) for r in refs], scalars)
-            stream(sid).schedule(ident, op.what, work, (out,))
+            commands = queued.get(sid)
+            if commands is None:
+                commands = queued[sid] = []
+            commands.append(
+                (ident, op.what, _work(op, [cell(r) for r in refs], scalars), (out,), True)
+            )
+        for sid, commands in queued.items():
+            self._stream(sid).schedule_many(commands)
 
     def DefineRecording(self, msg: m.DefineRecording) -> None:
         from .recording import Recording

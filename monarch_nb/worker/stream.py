@@ -233,6 +233,12 @@ class Stream:
         so that no interrupt can land before it starts and lose its reply."""
         self.q.put((ident, what, work, results, report, replies))
 
+    def schedule_many(self, commands: list) -> None:
+        """Queue commands given as ``schedule``'s arguments, in order, as one item: a
+        RunOps of hundreds of tensor ops wakes the stream once, not once per op. Each
+        still runs as a command of its own (ident, progress, failure, cancel)."""
+        self.q.put(commands)
+
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Queue bookkeeping that runs in order with commands (markers, borrows)."""
         self.q.put((None, "", fn, (), False))
@@ -263,9 +269,20 @@ class Stream:
                 item = self.q.get()
                 if item is _STOP:
                     break
-                self._execute(*item)
+                if type(item) is list:
+                    self._execute_many(item)
+                else:
+                    self._execute(*item)
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just after its command ended
+
+    def _execute_many(self, commands: list) -> None:
+        for i, command in enumerate(commands):
+            try:
+                self._execute(*command)
+            except KeyboardInterrupt:  # after its command ended: the next ones still run
+                self._execute_many(commands[i + 1 :])
+                return
 
     def cancel(self, idents) -> None:
         """Receiver thread: drop these commands before they start; interrupt the
