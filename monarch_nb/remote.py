@@ -7,7 +7,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .context import BaseMesh, Stream, recording_trace, resolve_target
-from .controller import AsyncResult
+from .controller import AsyncResult, hand_back_interrupts_of, keep_unraisable_hook
 from .protocol import messages as m
 from .protocol.reduce_options import REDUCTIONS, check_combination
 from .protocol.wire import (
@@ -42,6 +42,7 @@ class Ref:
         self.generation = mesh._controller.generation
         self._deleted = False
         self._borrow: list | None = None  # [borrow id, first use sent]
+        keep_unraisable_hook()  # its __del__ hands a Ctrl-C back: see controller.sigint
 
     def __repr__(self) -> str:
         state = " deleted" if self._deleted else ""
@@ -239,11 +240,16 @@ class Ref:
     def __del__(self):
         try:
             self.delete()
+        except KeyboardInterrupt:  # a Ctrl-C landed here: free the value all the same
+            self._deleted = False
+            self.delete()
+            raise  # a finalizer cannot raise it: controller.sigint hands it back
         except Exception:
             pass
 
 
 register_ref_type(Ref, Ref._wire_id)
+hand_back_interrupts_of(Ref.__del__)
 _packing = threading.local()  # .stream: the stream of the call whose arguments are pickled
 
 

@@ -13,6 +13,7 @@ from .errors import (
     format_ranks,
 )
 from .launcher import ExternalLauncher, LocalLauncher
+from .sigint import hand_back_interrupts_of, keep_unraisable_hook
 from .state import MeshState
 
 __all__ = [
@@ -30,4 +31,6 @@ __all__ = [
     "WorkerUnresponsive",
     "fold_by_rank",
     "format_ranks",
+    "hand_back_interrupts_of",
+    "keep_unraisable_hook",
 ]

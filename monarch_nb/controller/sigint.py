@@ -1,9 +1,13 @@
-"""A Ctrl-C held back while the socket's lease holder is in the middle of a step."""
+"""Ctrl-C on the controller: held back while the socket's lease holder is in the
+middle of a step, and handed back when it lands in a finalizer."""
 
 from __future__ import annotations
 
 import _signal  # signal.signal's enum wrapping costs more than the call itself
+import _thread
+import sys
 import threading
+import time
 
 SIGINT = int(_signal.SIGINT)
 
@@ -29,3 +33,65 @@ def held_interrupt(fn, *args) -> None:
                 previous(SIGINT, pressed[0])
             elif previous != _signal.SIG_IGN:
                 raise KeyboardInterrupt
+
+
+_finalizers: set = set()  # the __del__ functions whose Ctrl-C is handed back
+_previous_hook: list = []
+
+
+def hand_back_interrupts_of(finalizer) -> None:
+    """A Ctrl-C that lands in ``finalizer`` (a ``__del__``, which cannot raise: Python
+    prints "Exception ignored" and drops it) is raised again on the main thread at
+    its next bytecode, in the user's code. A loop that makes and drops mesh tensors
+    spends much of its time in their ``__del__``: without this, Ctrl-C was lost in
+    about half of the tries."""
+    _finalizers.add(finalizer)
+    _reraiser()  # started now, not first in the hook (where a Ctrl-C may land again)
+    keep_unraisable_hook()
+
+
+def keep_unraisable_hook() -> None:
+    """Put the hook back in front if something replaced ``sys.unraisablehook`` since
+    (pytest does, per test phase): called as finalizable objects are made."""
+    if sys.unraisablehook is not _unraisable:
+        _previous_hook[:] = [sys.unraisablehook]
+        sys.unraisablehook = _unraisable
+
+
+def _unraisable(unraisable) -> None:
+    if (
+        unraisable.exc_type is not None
+        and issubclass(unraisable.exc_type, KeyboardInterrupt)
+        and unraisable.object in _finalizers
+        and threading.current_thread() is threading.main_thread()
+    ):
+        # raised in this hook it would be dropped again: the re-raiser thread signals
+        # once the hook has returned (and again, should it land in a finalizer again)
+        while True:
+            try:
+                _reraiser().set()
+                return
+            except KeyboardInterrupt:  # this same Ctrl-C, handed back early: ask again
+                continue
+    if _previous_hook:
+        _previous_hook[0](unraisable)
+
+
+_wanted: list = []  # [the Event the re-raiser waits on]
+
+
+def _reraiser() -> threading.Event:
+    if not _wanted:
+        _wanted.append(threading.Event())
+        threading.Thread(
+            target=_reraise, args=(_wanted[0],), name="monarch-sigint", daemon=True
+        ).start()
+    return _wanted[0]
+
+
+def _reraise(wanted: threading.Event) -> None:
+    while True:
+        wanted.wait()
+        time.sleep(0.001)  # the hook that asked has returned by then
+        wanted.clear()
+        _thread.interrupt_main(SIGINT)  # the main thread's current handler runs it

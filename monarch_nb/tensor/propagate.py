@@ -14,6 +14,7 @@ or None; a base is the index of the input a new output is a view of, or None.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 _tls = threading.local()
@@ -45,6 +47,30 @@ def _fake(layout: tuple) -> torch.Tensor:
     extent = sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
     base = torch.empty((offset + extent,), dtype=dtype, device=device)
     return base.as_strided(size, stride, offset)
+
+
+@contextlib.contextmanager
+def fake_inputs(args, kwargs, tensors: list, is_mesh):
+    """``(fake args, fake kwargs, fakes)``: the mesh tensors ``tensors`` among ``args``
+    and ``kwargs`` swapped for FakeTensors of their layouts (a local tensor for its
+    fake), for the length of the block, in which FakeTensorMode is the only mode: the
+    mesh's mode (an active ``mesh.activate()``) and any other are off, so nothing
+    made here can become a mesh tensor (or a fake be cached as one)."""
+    with _disable_current_modes():
+        mode = _fake_mode()
+        fakes = _fakes_for([t._layout for t in tensors], mode)
+        index = {id(t): i for i, t in enumerate(tensors)}
+
+        def swap(x):
+            if is_mesh(x):
+                return fakes[index[id(x)]]
+            if isinstance(x, torch.Tensor):  # a local tensor (0-dim, sent by value)
+                return mode.from_tensor(x)
+            return x
+
+        fargs, fkwargs = tree_map(swap, (tuple(args), dict(kwargs)))
+        with mode:
+            yield fargs, fkwargs, fakes
 
 
 def _fakes_for(layouts: list, mode: FakeTensorMode) -> list:
@@ -84,21 +110,9 @@ def needs_values_error(what: str) -> RuntimeError:
 def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
     """The description of ``func``'s outputs for mesh tensors ``tensors`` (in the
     order the dispatcher numbered them) among ``args`` / ``kwargs``."""
-    mode = _fake_mode()
-    fakes = _fakes_for([t._layout for t in tensors], mode)
-    index = {id(t): i for i, t in enumerate(tensors)}
-
-    def swap(x):
-        if is_mesh(x):
-            return fakes[index[id(x)]]
-        if isinstance(x, torch.Tensor):  # a local 0-dim tensor, sent by value
-            return mode.from_tensor(x)
-        return x
-
-    fargs, fkwargs = tree_map(swap, (tuple(args), dict(kwargs)))
     name = op_name(func)
     try:
-        with mode:
+        with fake_inputs(args, kwargs, tensors, is_mesh) as (fargs, fkwargs, fakes):
             out = func(*fargs, **fkwargs)
     except (DataDependentOutputException, DynamicOutputShapeException):
         raise needs_values_error(f"{name} (its result depends on the data)") from None

@@ -19,8 +19,7 @@ import operator
 import sys
 import weakref
 
-import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from ..context import recording_trace, resolve_target
 from ..protocol import aten
@@ -28,7 +27,7 @@ from ..protocol.wire import function_ref
 from ..remote import Ref, _tensor_engine, remote
 from .mode import active_mesh
 from .plans import key_of
-from .propagate import _fake_mode, _fakes_for, layout_of
+from .propagate import fake_inputs, layout_of
 from .tensor import Tensor
 
 _CALL = function_ref(aten.call_checked)
@@ -54,21 +53,19 @@ def takes(args: tuple, kwargs: dict) -> bool:
 
 
 def _fake_describe(propagate, args: tuple, kwargs: dict, tensors: list, name: str):
-    mode = _fake_mode()
-    fakes = _fakes_for([t._layout for t in tensors], mode)
-    index = {id(t): i for i, t in enumerate(tensors)}
-
-    def swap(x):
-        if _is_mesh(x):
-            return fakes[index[id(x)]]
-        if isinstance(x, torch.Tensor):
-            return mode.from_tensor(x)
-        return x
-
-    fargs, fkwargs = tree_map(swap, (tuple(args), dict(kwargs)))
-    with mode:
-        out = propagate(*fargs, **fkwargs)
-    desc = aten.describe(out)
+    """The description of ``propagate``'s result on fake inputs (the mesh's mode off,
+    inside ``mesh.activate()`` too); its failure is an error naming ``name``."""
+    try:
+        with fake_inputs(args, kwargs, tensors, _is_mesh) as (fargs, fkwargs, _):
+            out = propagate(*fargs, **fkwargs)
+            desc = aten.describe(out)
+    except RecursionError:
+        raise RuntimeError(
+            f"the propagator of {name} recursed without end (on fake inputs of the "
+            f"arguments' layouts)"
+        ) from None
+    except Exception as e:
+        raise RuntimeError(f"the propagator of {name} raised {type(e).__name__}: {e}") from e
     if desc[0] == "value":
         raise TypeError(
             f"the propagator of {name} returned {type(out).__name__}: it must return "
