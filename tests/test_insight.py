@@ -102,6 +102,7 @@ def test_timeline_last_and_bad_input(mesh):
     for _ in range(3):
         mnb.remote(nap)(0, mesh=mesh)
     mesh.wait()
+
     def keys(records):  # a later read may refine a rank's clock offset (and the order of
         return {(r["rank"], r["stream"], r["ident"]) for r in records}  # near-ties): sets
 
