@@ -33,6 +33,7 @@ from ._report import LEGEND, Entry, exit_code, failed_entry, format_table, verdi
 
 MODULES = (
     "benchmarks.core",
+    "benchmarks.timeline",
     "benchmarks.collectives",
     "benchmarks.recording",
     "benchmarks.cell",

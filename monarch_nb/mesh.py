@@ -8,6 +8,7 @@ from . import context
 from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
 from .controller import Controller
 from .controller.errors import MeshClosedError
+from .insight import MeshInsight
 from .namespace import NamespaceCommands
 from .pipe import Pipe
 from .protocol import messages as m
@@ -16,7 +17,7 @@ from .protocol.wire import RefUseError, function_ref, pack_args
 from .remote import ProcessGroup
 
 
-class DeviceMesh(NamespaceCommands, BaseMesh):
+class DeviceMesh(NamespaceCommands, MeshInsight, BaseMesh):
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
     def __init__(

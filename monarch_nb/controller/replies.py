@@ -193,6 +193,9 @@ class Replies:
     def Progress(self, msg: m.Progress) -> None:
         self.ctrl.state.progress(msg.rank, msg.streams)
 
+    def Timings(self, msg: m.Timings) -> None:
+        self.ctrl.state.timeline.add(msg.rank, msg.streams)
+
     def Stalled(self, msg: m.Stalled) -> None:
         self.ctrl.state.stalled(msg.rank, msg.stream, msg.ident, msg.what, msg.seconds, msg.stack)
 

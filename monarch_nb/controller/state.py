@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..protocol.envelope import KINDS
 from .errors import describe_exit
 from .sent import SentGroups
+from .timeline import Timeline
 
 _ZERO = (0, 0, 0)  # a stream's progress before its first report
 
@@ -59,6 +60,7 @@ class MeshState:
         self.internal_errors: list[dict] = []
         self.generation = 0
         self.count_requests = lambda: 0  # entries in the controller's request table, now
+        self.timeline = Timeline()  # every command's start and end (mesh.timeline())
 
     @property
     def bad_messages(self) -> int:
@@ -75,6 +77,7 @@ class MeshState:
             self._scan = {}
             self.errors = []
             self.internal_errors = []
+        self.timeline.clear()  # new workers: their commands and clocks start afresh
 
     def add_stream(self, sid: int, name: str) -> None:
         with self.lock:

@@ -16,6 +16,7 @@ import ast
 import builtins
 import os
 import sys
+import time
 import traceback
 
 from ..protocol import encode
@@ -245,6 +246,16 @@ class LightRank:
     def on_RequestStacks(self, msg: m.RequestStacks) -> None:
         stacks = {n: {"running": None, "stack": ""} for n in self.stream_names.values()}
         self._send(m.FetchResult(msg.ident, self.rank, stacks, None))
+
+    def on_ReadClock(self, msg: m.ReadClock) -> None:
+        self._send(m.FetchResult(msg.ident, self.rank, time.time(), None))
+
+    def on_ReadMemory(self, msg) -> None:  # and the profiler's: a light rank has no torch
+        why = f"rank {self.rank} is a simulated light rank: {type(msg).__name__} needs torch"
+        failure = m.RemoteFailure("NotImplementedError", why, "")
+        self._send(m.FetchResult(msg.ident, self.rank, None, failure))
+
+    on_StartProfile = on_StopProfile = on_ReadMemory
 
     def on_DeleteRefs(self, msg: m.DeleteRefs) -> None:
         for rid in msg.refs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .insight_messages import ReadClock, ReadMemory, StartProfile, StopProfile, Timings  # noqa: F401
 from .ndslice import NDSlice
 from .store_messages import StoreReply, StoreRequest  # noqa: F401 - records of the store
 from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - their fields

@@ -29,6 +29,7 @@ from ..protocol.envelope import (
 from ..protocol.wire import recv_ready, send_frames
 from .failure import format_user_stack
 from .health import HealthSampler
+from .timings import take_timings
 
 logger = logging.getLogger("monarch_nb.worker")
 
@@ -171,7 +172,11 @@ class Connection:
             s.outbox.flush_if_stale(now, OUTPUT_AGE)
         if now >= self._next_progress or final:
             self._next_progress = now + PROGRESS_PERIOD
-            progress = {s.id: (s.started, s.finished, s.done) for s in list(self.streams.values())}
+            streams = list(self.streams.values())
+            timings = take_timings(self.rank, streams)
+            if timings is not None:  # before the progress that says they finished
+                self._send(timings)
+            progress = {s.id: (s.started, s.finished, s.done) for s in streams}
             if progress != self._sent_progress:
                 self._sent_progress = progress
                 self._send(m.Progress(self.rank, progress))

@@ -1,4 +1,5 @@
-"""Samples of a worker's health: memory, CPU and (with NVML) GPU."""
+"""Samples of a worker's health: memory, CPU and GPU (NVML's view of the device, the
+caching allocator's counters where this process uses CUDA)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import os
 
 import psutil
 
+from .memory import cuda_memory
+
 
 class HealthSampler:
     def __init__(self, cuda: bool):
         self._proc = psutil.Process(os.getpid())
         self._proc.cpu_percent(None)
         self._nvml = None
+        self._cuda = cuda
         if cuda:
             try:
                 import pynvml
@@ -34,4 +38,8 @@ class HealthSampler:
                 gpu = {"mem": int(mem.used), "mem_total": int(mem.total), "util": float(util.gpu)}
             except Exception:
                 gpu = None
+        if self._cuda:
+            allocator = cuda_memory()  # None until this process has used CUDA
+            if allocator:
+                gpu = {**(gpu or {}), **allocator[min(allocator)]}  # its first device's
         return rss, cpu, gpu

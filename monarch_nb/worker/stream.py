@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -28,6 +29,7 @@ OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
 SEND_HWM = 256
 BIG_SEND = 1 << 20  # sends with more buffer bytes than this wait until ZeroMQ is done with them
 PROGRESS_BYTES = 64 << 20  # transfers larger than this get a progress bar
+TIMES_KEPT = 20_000  # (ident, what, start, end) of finished commands kept until reported
 
 _STOP = object()
 _RUNNING = object()  # Outbox.write's default ident: the running command's
@@ -193,6 +195,9 @@ class Stream:
         self.finished = 0  # last ident finished
         self.done = 0  # commands finished
         self.running: tuple | None = None  # (ident, what, since)
+        # (ident, what, start, end) of finished commands, wall clock, until the receiver
+        # reports them (worker/timings.py); the oldest go when it falls behind
+        self.times: deque = deque(maxlen=TIMES_KEPT)
         self.in_user_code = False
         self.stall_logged: int | None = None  # ident whose stall was logged
         self.debugger_queue: queue.SimpleQueue = queue.SimpleQueue()  # lines for a paused pdb
@@ -308,7 +313,8 @@ class Stream:
         outbox = self.outbox
         self.started = ident
         outbox.ident = ident
-        self.running = (ident, what, time.time())
+        start = time.time()
+        self.running = (ident, what, start)
         try:
             try:
                 self.in_user_code = not replies
@@ -343,6 +349,7 @@ class Stream:
             outbox.ident = None
             self._cancelled_running = None
             self.running = None
+            self.times.append((ident, what, start, time.time()))
             self.finished = ident
             self.done += 1
 

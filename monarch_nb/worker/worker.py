@@ -28,13 +28,14 @@ from .comm_handlers import CommHandlers
 from .connection import Connection
 from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
+from .insight_handlers import InsightHandlers
 from .op_handlers import OpHandlers
 from .stream import Stream, interruptible_sleep
 
 DEFAULT_STREAM = 0
 
 
-class Worker(Connection, CommHandlers, OpHandlers):
+class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers):
     """One rank: its values (``env``), streams, namespace, and a handler per message."""
 
     def __init__(

@@ -1,0 +1,241 @@
+"""mesh.timeline(), mesh.memory() and mesh.profile(): where the time and the memory
+go, on real workers (a dp=2 local mesh shared by the module)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from wait_helpers import wait_for
+
+import monarch_nb as mnb
+from monarch_nb.controller.timeline import kind_of, stragglers
+
+_HELD: dict = {}  # on a worker: what hold() keeps alive
+
+
+def nap(seconds_by_rank):
+    """Sleep as long as this rank is told to (a list: by rank)."""
+    if isinstance(seconds_by_rank, list):
+        time.sleep(seconds_by_rank[mnb.current_rank()])
+
+
+def busy(n):
+    x = torch.ones(64, 64)
+    for _ in range(n):
+        x = torch.mm(x, x) / 64
+    return float(x.sum())
+
+
+def hold(mb):
+    """Keep ``mb`` MiB alive on this rank."""
+    _HELD["t"] = torch.ones(mb << 18)
+
+
+def drop():
+    _HELD.clear()
+
+
+def hold_cuda(mb):
+    _HELD["t"] = torch.ones(mb << 18, device="cuda")
+
+
+# ---------------------------------------------------------------- the straggler rule
+
+
+def _rec(rank, ident, took, stream="default"):
+    return {"rank": rank, "stream": stream, "ident": ident, "start": 10.0, "end": 10.0 + took}
+
+
+def test_straggler_is_over_one_and_a_half_the_peers_median():
+    records = [_rec(0, 1, 1.0), _rec(1, 1, 1.0), _rec(2, 1, 1.6), _rec(3, 1, 1.4)]
+    assert stragglers(records) == {2}
+    # the same ident on another stream is another command
+    records += [_rec(0, 1, 5.0, "side"), _rec(1, 1, 1.0, "side")]
+    assert stragglers(records) == {2, 4}
+    assert stragglers([_rec(0, 7, 9.0)]) == set()  # no peers: no straggler
+    assert stragglers([_rec(0, 1, 0.0002), _rec(1, 1, 0.0009)], floor=0.001) == set()
+
+
+def test_kind_of_names_what_a_command_is():
+    assert kind_of("cell: x = 1") == "cell"
+    assert kind_of("aten.add.Tensor") == "op"
+    assert kind_of("reduce dp sum") == "collective"
+    assert kind_of("fetch") == "fetch"
+    assert kind_of("nap") == "call"
+
+
+# ---------------------------------------------------------------- timeline
+
+
+def test_timeline_holds_each_ranks_commands_and_flags_the_straggler(mesh):
+    mesh.wait()
+    before = {r["ident"] for r in mesh.timeline()}
+    f = mnb.remote(nap)
+    t0 = time.time()
+    f([0.05, 0.4], mesh=mesh)
+    mnb.remote(nap)(0, mesh=mesh)
+    mesh.wait()
+    t1 = time.time()
+    new = [r for r in mesh.timeline() if r["ident"] not in before and r["name"] == "nap"]
+    assert sorted((r["rank"], r["ident"]) for r in new)[0][0] == 0
+    assert {r["rank"] for r in new} == {0, 1}
+    assert len(new) == 4
+    for r in new:
+        assert r["kind"] == "call" and r["stream"] == "default"
+        assert t0 - 0.05 <= r["start"] < r["end"] <= t1 + 0.05, r
+    starts = [r["start"] for r in new]
+    assert starts == sorted(starts)
+    first = min(r["ident"] for r in new)
+    slow = {r["rank"] for r in new if r["straggler"]}
+    assert slow == {1}, new
+    r1 = next(r for r in new if r["rank"] == 1 and r["ident"] == first)
+    assert 0.35 <= r1["end"] - r1["start"] < 2.0
+    offsets = mesh._controller.state.timeline.offsets
+    assert set(offsets) == {0, 1} and all(abs(o) < 0.05 for o, _ in offsets.values())
+
+
+def test_timeline_last_and_bad_input(mesh):
+    for _ in range(3):
+        mnb.remote(nap)(0, mesh=mesh)
+    mesh.wait()
+
+    def keys(records):  # a later read may refine a rank's clock offset (and the order of
+        return {(r["rank"], r["stream"], r["ident"]) for r in records}  # near-ties): sets
+
+    everything = mesh.timeline()
+    two = mesh.timeline(last=2)
+    assert len(two) == 2 and keys(two) <= keys(everything[-4:])
+    assert mesh.timeline(last=0) == []
+    assert keys(mesh.timeline(last=len(everything) + 5)) == keys(everything)
+    for bad in (-1, "3", 1.5, True):
+        with pytest.raises(ValueError, match="timeline"):
+            mesh.timeline(last=bad)
+    with pytest.raises(ValueError, match="size"):
+        mesh.timeline_size = 0
+    assert mnb.remote(busy)(1, mesh=mesh).fetch(rank=0) > 0  # the mesh goes on
+
+
+def test_timeline_ring_is_bounded(mesh):
+    old = mesh.timeline_size
+    try:
+        mesh.timeline_size = 10
+        idents = [mnb.remote(nap)(0, mesh=mesh).ident for _ in range(12)]  # 24 records
+        mesh.wait()
+        records = mesh.timeline()
+        assert len(records) == 10 and len(mesh._controller.state.timeline) == 10
+        kept = {r["ident"] for r in records}
+        assert idents[-1] in kept and idents[0] not in kept  # the oldest went
+    finally:
+        mesh.timeline_size = old
+
+
+def test_timeline_names_cells_tensor_ops_and_fetches(mesh):
+    with mesh.activate():
+        x = torch.ones(4)
+        y = x + x
+    assert mnb.remote(busy)(1, mesh=mesh).fetch(rank=0) > 0
+    mesh.run_cell("z = 1 + 1").result()
+    mesh.wait()
+    kinds = {(r["kind"], r["name"]) for r in mesh.timeline(last=20)}
+    assert ("fetch", "fetch") in kinds
+    assert ("call", "busy") in kinds
+    assert ("cell", "cell: z = 1 + 1") in kinds
+    assert any(k == "op" and n.startswith("aten.add") for k, n in kinds), kinds
+    del x, y
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_memory_gives_each_ranks_rss_and_sees_an_allocation(mesh):
+    before = mesh.memory()
+    assert set(before) == {0, 1}
+    assert all(v["rss"] > 0 and v["cuda"] is None for v in before.values())
+    mnb.remote(hold)(256, mesh=mesh.slice(dp=1))
+    mesh.wait()
+    try:
+        after = wait_for(
+            lambda: (a := mesh.memory())[1]["rss"] > before[1]["rss"] + (200 << 20) and a,
+            10,
+            "rank 1's RSS to grow by 256 MiB",
+        )
+        assert after[0]["rss"] < before[0]["rss"] + (100 << 20)
+    finally:
+        mnb.remote(drop)(mesh=mesh)
+        mesh.wait()
+
+
+def test_memory_snapshot_needs_cuda(mesh, tmp_path):
+    with pytest.raises(RuntimeError, match="snapshots need CUDA"):
+        mesh.memory(snapshot=tmp_path)
+    assert not os.listdir(tmp_path)
+    assert mesh.memory()[0]["rss"] > 0
+
+
+@pytest.mark.gpu
+def test_memory_cuda_counters_and_snapshot(tmp_path):
+    with mnb.local_mesh(gpu=2) as gmesh:
+        mnb.remote(hold_cuda)(64, mesh=gmesh)
+        gmesh.wait()
+        mem = gmesh.memory(snapshot=tmp_path)
+        for r, v in mem.items():
+            dev = v["cuda"][0]
+            assert dev["allocated"] >= 64 << 20 and dev["reserved"] >= dev["allocated"]
+            assert dev["peak"] >= dev["allocated"]
+            assert os.path.getsize(v["snapshot"]) > 0 and v["snapshot"].endswith(f"rank{r}.pickle")
+
+
+# ---------------------------------------------------------------- profiler
+
+
+def test_profile_merges_one_process_per_rank(mesh, tmp_path, capsys):
+    with mesh.profile(tmp_path / "prof") as prof:
+        mnb.remote(busy)(20, mesh=mesh.slice(dp=0))
+        mnb.remote(busy)(200, mesh=mesh.slice(dp=1))
+    assert prof.path == str(tmp_path / "prof" / "trace.json")
+    with open(prof.path) as f:
+        trace = json.load(f)
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"
+    }
+    assert names == {0: "rank 0", 1: "rank 1"}
+    ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "aten::mm"]
+    assert {e["pid"] for e in ops} == {0, 1}
+    assert sum(1 for e in ops if e["pid"] == 1) == 200
+    assert trace["otherData"]["monarch_nb"]["aligned"] == {"0": True, "1": True}
+    s = prof.summary
+    assert set(s["ranks"]) == {0, 1}
+    assert s["slowest"]["rank"] == 1 and s["slowest"]["over_median_us"] > 0
+    assert any(op["name"] == "aten::mm" for op in s["ranks"][1]["top_ops"])
+    assert "slowest: rank 1" in capsys.readouterr().out
+    # on the controller's clock: rank 1's mm ran within the block
+    mm_ts = [e["ts"] / 1e6 for e in ops]
+    assert abs(max(mm_ts) - time.time()) < 60
+
+
+def test_profile_refuses_an_unwritable_dir(mesh, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot make directory"):
+        with mesh.profile(blocker / "sub"):
+            pass
+    assert mnb.remote(busy)(1, mesh=mesh).fetch(rank=0) > 0
+
+
+def test_a_simulated_mesh_has_a_timeline_and_refuses_memory_by_name():
+    sim = mnb.local_mesh(host=1, gpu=2, simulate=True, name="insight-sim")
+    try:
+        mnb.remote(nap)(0, mesh=sim)
+        sim.wait()
+        t0 = time.monotonic()
+        assert sim.timeline() == []  # light ranks keep no timeline, and answer at once
+        assert time.monotonic() - t0 < 5
+        assert set(sim._controller.state.timeline.offsets) == {0, 1}
+        with pytest.raises(mnb.RemoteError, match="simulated light rank"):
+            sim.memory()
+    finally:
+        sim.shutdown()
