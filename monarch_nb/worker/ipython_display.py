@@ -22,4 +22,6 @@ class WorkerDisplayPublisher(DisplayPublisher):
 
 def register_formatters(formatter) -> None:
     """``display(fig)`` of a matplotlib figure is its PNG, as the inline backend shows it."""
-    formatter.formatters["image/png"].for_type_by_name("matplotlib.figure", "Figure", display.figure_png)
+    formatter.formatters["image/png"].for_type_by_name(
+        "matplotlib.figure", "Figure", display.figure_png
+    )
