@@ -66,6 +66,9 @@ class WorkerShell(InteractiveShell):
     def init_sys_modules(self):
         pass  # __main__ stays the worker's own module
 
+    def init_prompts(self):
+        pass  # no sys.ps1 = "In : ": pdb's `interact` on a worker keeps Python's ">>> "
+
     def init_display_pub(self):
         self.display_pub = WorkerDisplayPublisher(shell=self, parent=self)
         self.configurables.append(self.display_pub)
