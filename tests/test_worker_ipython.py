@@ -158,6 +158,23 @@ def test_display_publishes_the_mime_bundle(mesh):
     assert [d["text/plain"] for d in got[0]["displays"]] == ["'second'", "'kept'"]
 
 
+def test_matplotlib_inline_and_figures_through_display(mesh):
+    got = cell(
+        mesh,
+        "import matplotlib.pyplot as plt\nfig = plt.figure()\nplt.plot([1, rank])\ndisplay(fig)",
+    )
+    for res in got:
+        (shown,) = res["displays"]
+        assert shown["image/png"] and "Figure" in shown["text/plain"]
+    try:
+        got = cell(mesh, "%matplotlib inline\nplt.plot([2, rank])\nplt.show()")
+        assert all("image/png" in res["displays"][0] for res in got), got
+        err = failure(mesh, "%matplotlib qt")
+        assert "%matplotlib qt cannot run in a %%monarch cell: a worker runs no GUI" in err, err
+    finally:
+        cell(mesh, "plt.switch_backend('module://monarch_nb.worker.mpl_backend')")
+
+
 def test_tracebacks_keep_the_cells_lines_around_magics(mesh):
     err = failure(mesh, "%time a = 1\n!true\nb = 1 / (rank - rank)")
     assert "ZeroDivisionError" in err

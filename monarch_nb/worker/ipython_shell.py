@@ -30,6 +30,7 @@ from .ipython_display import WorkerDisplayPublisher, register_formatters
 # magics that need what a worker has not: the reason, said in the error
 NEEDS_KERNEL = "it needs the Jupyter kernel, which a worker is not"
 NEEDS_TERMINAL = "it needs a terminal, and a worker has none"
+NO_GUI = "a worker runs no GUI event loop (its figures come inline, with the cell)"
 REFUSED = {
     "qtconsole": NEEDS_KERNEL,
     "connect_info": NEEDS_KERNEL,
@@ -38,7 +39,7 @@ REFUSED = {
     "paste": NEEDS_TERMINAL,
     "cpaste": NEEDS_TERMINAL,
     "clear": NEEDS_TERMINAL,
-    "gui": "a worker runs no GUI event loop",
+    "gui": NO_GUI,
     "debug": "a worker has no stdin for pdb: use breakpoint() in the cell, "
     "or %monarch_debug --post-mortem in a notebook cell",
 }
@@ -72,6 +73,17 @@ class WorkerShell(InteractiveShell):
     def init_display_pub(self):
         self.display_pub = WorkerDisplayPublisher(shell=self, parent=self)
         self.configurables.append(self.display_pub)
+
+    def enable_matplotlib(self, gui=None):
+        """``%matplotlib`` and ``%matplotlib inline`` (figures come home with the cell);
+        a GUI or widget backend is refused before matplotlib switches to it."""
+        if gui not in (None, "inline"):
+            raise UsageError(f"%matplotlib {gui} cannot run in a %%monarch cell: {NO_GUI}")
+        return super().enable_matplotlib(gui)
+
+    def enable_gui(self, gui=None):
+        if gui not in (None, "inline"):
+            raise UsageError(f"%gui {gui} cannot run in a %%monarch cell: {NO_GUI}")
 
     def _find_with_lazy_load(self, /, type_, magic_name: str):
         if magic_name.startswith("monarch"):
