@@ -12,7 +12,8 @@ The worker has no terminal and no kernel: controller magics (``%monarch_*``,
 Help pages (``obj?``) are printed as the rank's output; ``display()`` publishes
 through ``ipython_display.WorkerDisplayPublisher``.
 
-IPython is imported here only: this module is loaded when a cell first runs.
+IPython is imported by this module and ipython_display only, which a worker loads
+when its first cell runs (the host agent preloads them before it forks).
 """
 
 from __future__ import annotations
