@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from .. import launch
 from .. import mesh as mesh_mod
-from . import waiting
+from . import cell_syntax, waiting
 from .args import (
     HelpShown,
     cell_parser,
@@ -25,16 +24,8 @@ from .display import MeshViews
 from .output import OutputHub
 from .publish import Publisher
 from .push import names_to_push
-from .results import CellSyntaxError
 
 DEFAULT_NAME = "default"
-_transformers: list = []  # IPython's TransformerManager for cell syntax, made once
-
-
-def _transformer() -> TransformerManager:
-    if not _transformers:
-        _transformers.append(TransformerManager())
-    return _transformers[0]
 
 
 @magics_class
@@ -165,28 +156,6 @@ class MonarchMagics(Magics):
         self._filenames[base] = n
         return base if n == 1 else f"{base[:-1]}#{n}>"
 
-    def _check_syntax(self, source: str, filename: str) -> None:
-        """A SyntaxError here, not once per rank: the cell compiles as Python, or as
-        the Python that IPython's transformers make of it (as the workers do: the
-        leading comment and blank lines, the header line among them, kept apart)."""
-        try:
-            compile(source, filename, "exec")
-            return
-        except SyntaxError:
-            pass
-        lines = source.splitlines(keepends=True)
-        n = 0
-        while n < len(lines) and (not lines[n].strip() or lines[n].lstrip().startswith("#")):
-            n += 1
-        head = "".join(lines[:n])
-        if head and not head.endswith("\n"):
-            head += "\n"
-        try:
-            compile(head + _transformer().transform_cell("".join(lines[n:])), filename, "exec")
-        except SyntaxError as e:
-            lines = self.shell.SyntaxTB.structured_traceback(type(e), e, [])
-            raise CellSyntaxError(e, lines) from None
-
     @cell_magic
     def monarch(self, line: str, cell: str):
         run = self._start_cell(line, cell)
@@ -237,7 +206,7 @@ class MonarchMagics(Magics):
         filename = self._filename()
         # line 1 stands for the magic's own line: tracebacks show the cell's real line numbers
         source = f"# %%monarch {line}".rstrip() + "\n" + cell
-        self._check_syntax(source, filename)
+        cell_syntax.check(source, filename, self.shell)
         first = next((ln.strip() for ln in cell.splitlines() if ln.strip()), "")
         label = f"%%monarch {filename[9:-1]}"
         what = f"{label}: {first[:40]}"

@@ -21,6 +21,13 @@ from __future__ import annotations
 import re
 import threading
 
+# what the shell's constructor imports, loaded with this module: the host agent's
+# preload covers them, and a rank's first cell only builds the shell (~10 ms, not ~25)
+import IPython.core.application  # noqa: F401
+import IPython.core.completer  # noqa: F401
+import IPython.core.completerlib  # noqa: F401
+import IPython.core.magics  # noqa: F401
+import IPython.core.oinspect  # noqa: F401
 from IPython.core.error import UsageError
 from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
