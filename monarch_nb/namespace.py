@@ -49,12 +49,14 @@ class NamespaceCommands:
         timeout: float | None = None,
         before_send=None,
     ):
-        """Run notebook-cell ``source`` on every rank (or on ``ranks``, some of this
-        mesh's) as one command, binding ``names`` first (Refs become their per-rank
-        values; ``auto``: bound unless worker code defined that name). Returns an
-        AsyncResult of the per-rank ``{"data": mimebundle of the last expression or
-        None, "figures": [...]}``; when the cell failed on a rank it raises the
-        RemoteError, whose ``results`` still hold every rank's figures.
+        """Run notebook-cell ``source`` (IPython syntax: magics, ``!cmd``, ``obj?``)
+        on every rank (or on ``ranks``, some of this mesh's) as one command, binding
+        ``names`` first (Refs become their per-rank values; ``auto``: bound unless
+        worker code defined that name). Returns an AsyncResult of the per-rank
+        ``{"data": mimebundle of the last expression or None, "figures": [...],
+        "displays": [bundles the cell display()ed]}``; when the cell failed on a
+        rank it raises the RemoteError, whose ``results`` still hold every rank's
+        figures and displays.
         ``before_send(ident)`` is called with the command's number before it leaves
         (the notebook routes the cell's output by it)."""
         if not isinstance(source, str):

@@ -7,7 +7,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from .. import launch
 from .. import mesh as mesh_mod
-from . import waiting
+from . import cell_syntax, waiting
 from .args import (
     HelpShown,
     cell_parser,
@@ -24,7 +24,6 @@ from .display import MeshViews
 from .output import OutputHub
 from .publish import Publisher
 from .push import names_to_push
-from .results import CellSyntaxError
 
 DEFAULT_NAME = "default"
 
@@ -207,11 +206,7 @@ class MonarchMagics(Magics):
         filename = self._filename()
         # line 1 stands for the magic's own line: tracebacks show the cell's real line numbers
         source = f"# %%monarch {line}".rstrip() + "\n" + cell
-        try:
-            compile(source, filename, "exec")  # a SyntaxError here, not once per rank
-        except SyntaxError as e:
-            lines = self.shell.SyntaxTB.structured_traceback(type(e), e, [])
-            raise CellSyntaxError(e, lines) from None
+        cell_syntax.check(source, filename, self.shell)
         first = next((ln.strip() for ln in cell.splitlines() if ln.strip()), "")
         label = f"%%monarch {filename[9:-1]}"
         what = f"{label}: {first[:40]}"

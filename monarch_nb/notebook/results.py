@@ -1,4 +1,4 @@
-"""What a ``%%monarch`` cell shows at its end: values and figures per group of
+"""What a ``%%monarch`` cell shows at its end: displays, values and figures per group of
 ranks, and failures once per distinct traceback."""
 
 from __future__ import annotations
@@ -95,11 +95,16 @@ def _labelled(label: str, data: dict) -> list[dict]:
 
 
 def result_displays(results: dict) -> list[dict]:
-    """rank -> {"data": bundle or None, "figures": [bundles]} ==> display bundles:
-    values folded over ranks with equal ones, then figures likewise."""
+    """rank -> {"data": bundle or None, "figures": [bundles], "displays": [bundles]}
+    ==> display bundles: what the cell ``display()``ed, then the values, then the
+    figures, each folded over the ranks that showed the same."""
     values = {r: res["data"] for r, res in results.items() if res and res.get("data")}
     figures = {r: res["figures"] for r, res in results.items() if res and res.get("figures")}
+    shown = {r: res["displays"] for r, res in results.items() if res and res.get("displays")}
     out: list[dict] = []
+    for ranks, bundles in _grouped(shown):
+        for bundle in bundles:
+            out.extend(_labelled(f"[{format_ranks(ranks)}]", bundle))
     for ranks, data in _grouped(values):
         out.extend(_labelled(f"[{format_ranks(ranks)}]", data))
     for ranks, figs in _grouped(figures):

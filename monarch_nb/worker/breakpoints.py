@@ -35,17 +35,18 @@ def deliver(stream, action) -> None:
         stream.debugger_queue.put(action)
 
 
-def run_source(source: str, filename: str, namespace: dict):
+def run_source(source: str, filename: str, namespace: dict, to_python=None):
     """``code.run_source``, under the breakpoints of this cell and of notebook files."""
     table = _table
     if not table["cells"] and not table["files"]:  # the hot path: no breakpoint anywhere
-        return code.run_source(source, filename, namespace)
+        return code.run_source(source, filename, namespace, to_python)
     lines = table["cells"].get(cell_key(source.partition("\n")[2]))
     if not lines and not table["files"]:
-        return code.run_source(source, filename, namespace)
+        return code.run_source(source, filename, namespace, to_python)
     code.register_source(filename, source)
     breaks = [(filename, line, cond) for line, cond in lines or ()]
-    return _traced(lambda: code.run_source(source, filename, namespace), breaks, table)
+    work = lambda: code.run_source(source, filename, namespace, to_python)  # noqa: E731
+    return _traced(work, breaks, table)
 
 
 def call(fn, args, kwargs):

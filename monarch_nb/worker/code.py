@@ -16,11 +16,18 @@ def register_source(filename: str, source: str) -> None:
     linecache.cache[filename] = (len(source), None, lines, filename)
 
 
-def run_source(source: str, filename: str, namespace: dict):
+def run_source(source: str, filename: str, namespace: dict, to_python=None):
     """Execute ``source``; return the value of its last statement when that is an
-    expression (as IPython does), else None."""
+    expression (as IPython does), else None. Source that is not Python is turned
+    into Python by ``to_python`` (IPython's transformers), when given; tracebacks
+    show the source's own lines either way."""
     register_source(filename, source)
-    tree = ast.parse(source, filename, "exec")
+    try:
+        tree = ast.parse(source, filename, "exec")
+    except SyntaxError:
+        if to_python is None:
+            raise
+        tree = ast.parse(to_python(source), filename, "exec")
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)

@@ -2,14 +2,16 @@
 
 ``run_cell`` runs on a stream (the ``RunCell`` command, ``mesh.run_cell``): it
 binds the names pushed from the notebook, executes the cell in the persistent
-namespace, and keeps what the notebook will show (a mimebundle of the last
-expression's value, the matplotlib figures the cell drew) under the command's
-key until ``take_result``, which the same command's reply runs right behind it
-on the stream. A failing cell still reports through the normal failure path
-(RemoteFunctionFailed) first; the reply then carries only its figures.
+namespace as IPython would (``ipython_shell``: magics, ``!cmd``, ``obj?``), and
+keeps what the notebook will show (what the cell ``display()``ed, a mimebundle of
+the last expression's value, the matplotlib figures the cell drew) under the
+command's key until ``take_result``, which the same command's reply runs right
+behind it on the stream. A failing cell still reports through the normal failure
+path (RemoteFunctionFailed) first; the reply then carries only its displays and
+figures.
 
-Nothing here imports IPython; matplotlib is touched only when user code has
-imported it already.
+IPython is imported by the first cell (``ipython_shell``), never by this module;
+matplotlib is touched only when user code has imported it already.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ from . import breakpoints, context
 
 MAX_TEXT = 200_000  # characters of one text repr kept; the rest is dropped with a notice
 MAX_FIGURES = 20  # figures sent per cell and rank
+MAX_DISPLAYS = 100  # display() bundles sent per cell and rank; later ones are dropped
 
-_results: dict = {}  # key -> {"data": bundle or None, "figures": [...]}
+_results: dict = {}  # key -> {"data": bundle or None, "figures": [...], "displays": [...]}
 _auto: dict = {}  # name -> the object last bound automatically under that name
-_collecting = threading.local()  # .figures while a cell runs on this thread
+# while a cell runs on this thread: .figures, .displays (bundles in order) and
+# .display_ids (transient display_id -> index in .displays)
+_collecting = threading.local()
+_ipython = None  # the ipython_shell module once a cell loaded it; False: no IPython here
 
 _MIME_METHODS = (
     ("_repr_html_", "text/html"),
@@ -49,7 +55,8 @@ def run_cell(
     reads) too, except over a worker variable that worker code defined."""
     ns = context.namespace
     figures: list = []
-    _collecting.figures = figures
+    displays: list = []
+    _collecting.figures, _collecting.displays, _collecting.display_ids = figures, displays, {}
     value = None
     try:
         for name, obj in (auto or {}).items():
@@ -57,12 +64,79 @@ def run_cell(
                 ns[name] = _auto[name] = obj
         if names:
             ns.update(names)
-        value = breakpoints.run_source(source, filename, ns)
+        value = _run(source, filename, ns)
     finally:
-        _collecting.figures = None
+        _collecting.figures = _collecting.displays = _collecting.display_ids = None
         figures.extend(_take_open_figures(skip=_figure_of(value)))
-        _results[key] = {"data": None, "figures": figures[:MAX_FIGURES]}
+        _results[key] = {"data": None, "figures": figures[:MAX_FIGURES], "displays": displays}
     _results[key]["data"] = mimebundle(value) if value is not None else None
+
+
+def _run(source: str, filename: str, ns: dict):
+    """The cell, as an IPython cell of the worker's shell (plain Python without IPython)."""
+    sh = _shell(ns)
+    if sh is None:
+        return breakpoints.run_source(source, filename, ns)
+    info = _ipython.before_cell(sh, source)
+    value = error = None
+    try:
+        value = breakpoints.run_source(source, filename, ns, _ipython.to_python)
+        return value
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        _ipython.after_cell(sh, info, value, error)
+
+
+def _shell(ns: dict):
+    """The worker's IPython shell, made by the first cell (None where IPython is missing)."""
+    if _ipython is None:
+        preload()
+    return _ipython.shell(ns) if _ipython else None
+
+
+def preload() -> None:
+    """Import IPython's shell now, not at the first cell (the host agent does, before
+    it forks: each rank's first cell is then ~50 ms sooner)."""
+    global _ipython
+    try:
+        from . import ipython_shell
+    except ImportError:  # the cells of this worker are plain Python
+        _ipython = False
+    else:
+        _ipython = ipython_shell
+
+
+def publish(data: dict, metadata=None, transient=None, update: bool = False) -> None:
+    """``display()`` of a bundle: shown with the running cell's results (``update``:
+    in place of the one shown under the same ``transient`` display_id). Outside a
+    cell (a thread it started, a remote function) its ``text/plain`` is printed."""
+    displays = getattr(_collecting, "displays", None)
+    if displays is None:
+        text = data.get("text/plain")
+        if text is not None:
+            print(text)
+        return
+    bundle = _checked({k: _jsonable(k, v) for k, v in data.items() if v is not None})
+    display_id = (transient or {}).get("display_id")
+    ids = _collecting.display_ids
+    if update:
+        if display_id in ids:
+            displays[ids[display_id]] = bundle
+        return
+    if len(displays) < MAX_DISPLAYS:
+        if display_id is not None:
+            ids[display_id] = len(displays)
+        displays.append(bundle)
+
+
+def clear_output() -> None:
+    """``clear_output()`` in a cell: what it ``display()``ed so far is not shown."""
+    displays = getattr(_collecting, "displays", None)
+    if displays is not None:
+        displays.clear()
+        _collecting.display_ids.clear()
 
 
 def take_result(key: int) -> dict | None:
@@ -109,13 +183,18 @@ def mimebundle(obj) -> dict:
             if isinstance(v, tuple):  # (data, metadata)
                 v = v[0]
             data[mime] = _jsonable(mime, v)
+    if "text/plain" not in data:
+        data["text/plain"] = _plain(obj)
+    return _checked(data)
+
+
+def _checked(data: dict) -> dict:
+    """A bundle that travels: JSON that serialises, texts cut at MAX_TEXT."""
     if "application/json" in data:
         try:
             json.dumps(data["application/json"])
         except (TypeError, ValueError):
             del data["application/json"]
-    if "text/plain" not in data:
-        data["text/plain"] = _plain(obj)
     for k, v in list(data.items()):
         if isinstance(v, str) and k.startswith("text/") and len(v) > MAX_TEXT:
             dropped = len(v) - MAX_TEXT
@@ -158,10 +237,11 @@ def _png_of_figure(obj) -> str | None:
     fig = _figure_of(obj)
     if fig is None:
         return None
-    return _render(fig)
+    return figure_png(fig)
 
 
-def _render(fig) -> str | None:
+def figure_png(fig) -> str | None:
+    """The figure as a base64 PNG (None when it cannot be drawn)."""
     import io
 
     buf = io.BytesIO()
@@ -173,7 +253,7 @@ def _render(fig) -> str | None:
 
 
 def _figure_entry(fig) -> dict | None:
-    png = _render(fig)
+    png = figure_png(fig)
     if png is None:
         return None
     w, h = fig.get_size_inches()

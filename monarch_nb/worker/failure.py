@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 from ..protocol.messages import RemoteFailure
@@ -19,11 +20,16 @@ def is_machinery(filename: str) -> bool:
 
 def format_user_traceback(e: BaseException) -> str:
     """``e`` formatted without the frames of the worker's own machinery (which
-    runs the user's code and delivers interrupts)."""
+    runs the user's code and delivers interrupts), nor, for a bad magic (IPython's
+    UsageError), IPython's own frames: the cell's line and the message, as IPython
+    says it."""
     te = traceback.TracebackException(type(e), e, e.__traceback__)
+    hidden = _MACHINERY
+    if type(e).__name__ == "UsageError" and type(e).__module__ == "IPython.core.error":
+        hidden += (os.path.dirname(sys.modules["IPython"].__file__) + os.sep,)
     for t in _chain(te):
         t.stack = traceback.StackSummary.from_list(
-            [f for f in t.stack if not is_machinery(f.filename)]
+            [f for f in t.stack if not os.path.abspath(f.filename).startswith(hidden)]
         )
     return "".join(te.format())
 
