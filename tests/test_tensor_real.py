@@ -27,7 +27,9 @@ def _eval_loss(model, data):
     model.eval()
     with torch.no_grad():
         logits = model(data[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, lm.VOCAB), data[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, lm.VOCAB), data[:, 1:].reshape(-1)
+        )
     with torch.inference_mode():
         again = model(data[:, :-1])
     model.train()

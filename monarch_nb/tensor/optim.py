@@ -18,8 +18,10 @@ from .tensor import Tensor
 def foreach_for_mesh_tensors(optimizer, args, kwargs) -> None:
     """The step pre-hook: a group of mesh tensors whose ``foreach`` is unset takes it."""
     for group in optimizer.param_groups:
-        if group.get("foreach", False) is not None or group.get("fused") or group.get(
-            "differentiable"
+        if (
+            group.get("foreach", False) is not None
+            or group.get("fused")
+            or group.get("differentiable")
         ):
             continue
         params = group["params"]
