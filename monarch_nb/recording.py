@@ -27,39 +27,13 @@ from typing import Any
 
 from .context import recording_trace
 from .protocol import messages as m
-from .protocol.pickling import unpack_args
+from .recorded import RecordingError, Signature, Trace, fields
 from .remote import Ref
 
-RECORDABLE = ("CallFunction", "Reduce", "RunCode")
+__all__ = ["Compiled", "RecordingError", "compile"]
+
 MAX_ATTEMPTS = 4  # recordings in a row of a function with state that do not settle
-_ID_FIELDS = frozenset({"result", "source", "out"})
-
-
-class RecordingError(RuntimeError):
-    """Something a compiled function did cannot be recorded."""
-
-
-class _Trace:
-    def __init__(self, ctrl):
-        self.ctrl = ctrl
-        self.commands: list = []  # (msg, targets)
-        self.refs: dict[int, Ref] = {}  # every Ref the recorded commands name
-        self.tensors: dict[int, weakref.ref] = {}  # ... and every mesh tensor (weakly)
-        self.made: list[weakref.ref] = []  # mesh tensors made while recording
-
-    def observe(self, msg, targets) -> None:
-        kind = type(msg).__name__
-        if kind not in RECORDABLE:
-            what = {"SendValue": "fetch()", "Pull": "pull()"}.get(kind, kind)
-            raise RecordingError(f"{what} cannot be used inside a compiled function")
-        self.commands.append((msg, tuple(targets)))
-
-    def note(self, refs) -> None:
-        for r in refs:
-            if _is_tensor(r):
-                self.tensors.setdefault(r.id, weakref.ref(r))
-            else:
-                self.refs[r.id] = r
+MAX_RECORDINGS = 8  # per compiled function: the older ones are freed on the workers
 
 
 def _walk(obj, refs: list):
@@ -68,7 +42,8 @@ def _walk(obj, refs: list):
     t = type(obj)
     if t is Ref or _is_tensor(obj):
         refs.append(obj)
-        return ("ref", obj.mesh.targets, obj.stream.id, getattr(obj, "_layout", None))
+        layout = getattr(obj, "_layout", None)  # its storage offset is no guard: slices
+        return ("ref", obj.mesh.targets, obj.stream.id, layout and (*layout[:2], *layout[3:]))
     if t in (tuple, list):
         return (t.__name__, tuple(_walk(o, refs) for o in obj))
     if t is dict:
@@ -148,8 +123,9 @@ class _Recorded:
         self.template: Any = None
         self.targets: tuple = ()
         self.streams: dict[int, tuple] = {}  # stream id -> ranks
-        self.signature: tuple | None = None  # what it sends, for a function with state
+        self.signature: Signature | None = None  # what it sends
         self.confirmed = True
+        self.checked = False  # its floats change per call: each call runs, held, and checks
 
     def usable(self) -> bool:
         return self.generation == self.ctrl.generation and self.ctrl.usable
@@ -176,8 +152,9 @@ class Compiled:
 
     def __init__(self, fn):
         self._fn = fn
-        self._recorded: dict = {}
+        self._recorded: dict = {}  # key -> _Recorded, the most recent last
         self._attempts: dict = {}  # key -> recordings in a row that did not settle
+        self._why = ""  # how the last two recordings of a key differed
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -189,6 +166,12 @@ class Compiled:
             raise RecordingError("a compiled function cannot be called while another one records")
         rec = self._recorded.get(key)
         if rec is not None and rec.confirmed and rec.usable():
+            if rec.checked:
+                done, result = self._checked_call(rec, args, kwargs, refs)
+                if done:
+                    self._attempts[key] = 0
+                    return result
+                return self._settle(key, rec, *result)
             captured = rec.inputs()
             if captured is not None:
                 self._attempts[key] = 0
@@ -197,31 +180,52 @@ class Compiled:
         attempts = self._attempts.get(key, 0)
         if attempts >= MAX_ATTEMPTS:  # warned once: it runs uncompiled
             return self._fn(*args, **kwargs)
-        result, new = self._record(args, kwargs, refs)
-        if new is not None:
-            if new.state:  # confirmed by the same commands twice; a replay resets the count
-                new.confirmed = rec is not None and _same(rec.signature, new.signature)
-                self._attempts[key] = attempts + 1
-                if not new.confirmed and attempts + 1 >= MAX_ATTEMPTS:
-                    self._warn_unsettled()
-            self._recorded[key] = new
+        return self._settle(key, rec, *self._record(args, kwargs, refs))
+
+    def _settle(self, key, rec, result, new):
+        """Keep recording ``new`` of ``key`` (after ``rec``): a function with state is
+        confirmed by the same commands twice (floats aside: then each call is checked)."""
+        if new is None:
+            return result
+        if new.state:  # a replay resets the count
+            prev = rec.signature if rec is not None else None
+            new.confirmed = prev is not None and prev.same_as(new.signature, floats=False)
+            new.checked = new.confirmed and not prev.same_as(new.signature)
+            attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
+            if not new.confirmed and prev is not None:
+                self._why = prev.difference(new.signature)
+            if not new.confirmed and attempts >= MAX_ATTEMPTS:
+                self._warn_unsettled()
+        self._keep(key, new)
         return result
+
+    def _keep(self, key, rec: _Recorded) -> None:
+        """``rec`` for ``key``; the recording it replaces, and the oldest beyond
+        MAX_RECORDINGS, are freed on the workers."""
+        old = [self._recorded.pop(key, None)]
+        self._recorded[key] = rec
+        while len(self._recorded) > MAX_RECORDINGS:
+            old.append(self._recorded.pop(next(iter(self._recorded))))
+        for r in old:
+            if r is not None and r.usable():
+                r.ctrl.send(m.DeleteRecording(r.id), r.targets, check=False)
 
     def _warn_unsettled(self) -> None:
         name = getattr(self._fn, "__qualname__", "the function")
         warnings.warn(
-            f"mnb.compile: {name} sends different commands on each call (or the tensors it "
-            f"reads do not outlive a call), so it runs uncompiled from now on; values computed "
-            f"in Python per call (a step count, a schedule) belong in its arguments",
+            f"mnb.compile: {name} sends different commands on each call, so it runs "
+            f"uncompiled from now on: {self._why or 'the tensors it reads do not outlive a call'}"
+            f"; values computed in Python per call that are not a tensor op's floats (a step "
+            f"count as an int, a layout) belong in its arguments",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     def _record(self, args, kwargs, refs: list[Ref]):
         from .mesh import get_mesh
 
         ctrl = refs[0].mesh._controller if refs else get_mesh()._controller
-        trace = _Trace(ctrl)
+        trace = Trace(ctrl)
         recording_trace.active = trace
         try:
             result = self._fn(*args, **kwargs)
@@ -231,16 +235,12 @@ class Compiled:
             return result, None
         out_refs: list[Ref] = []
         _walk(result, out_refs)
-        defined = {msg.result for msg, _ in trace.commands}
+        described = [fields(c) for c, _, _ in trace.commands]
+        defined = {result_id for result_id, _, _ in described}
         formal_ids = [r.id for r in refs]
         used = set()
-        for msg, _ in trace.commands:
-            if type(msg).__name__ == "CallFunction" and msg.args is not None:
-                used.update(msg.args.refs)
-            elif type(msg).__name__ == "Reduce":
-                used.add(msg.source)
-                if msg.out is not None:
-                    used.add(msg.out)
+        for _, reads, _ in described:
+            used.update(reads)
         rec = _Recorded(ctrl.next_id(), ctrl, ctrl.generation)
         rec.formals = formal_ids
         for i in sorted(used - defined - set(formal_ids)):
@@ -263,17 +263,21 @@ class Compiled:
             dict.fromkeys([r.id for r in out_refs if r.id in defined] + [i for i, _ in rec.state])
         )
         rec.template = _template(result, defined, formal_ids, set(state) & returned)
-        ranks = sorted({r for _, targets in trace.commands for r in targets})
+        ranks = sorted({r for _, targets, _ in trace.commands for r in targets})
         rec.targets = tuple(ranks)
-        for msg, targets in trace.commands:
-            prev = rec.streams.get(msg.stream, ())
-            rec.streams[msg.stream] = tuple(sorted(set(prev) | set(targets)))
-        if rec.state:
-            rec.signature = _signature(trace.commands)
+        for (_, targets, _), (_, _, sid) in zip(trace.commands, described):
+            rec.streams[sid] = tuple(sorted(set(rec.streams.get(sid, ())) | set(targets)))
+        rec.signature = Signature(trace.commands)
         name = getattr(self._fn, "__name__", "compiled")
+        at, floats_at = 0, []
+        for command, _, _ in trace.commands:
+            n = len(command[5]) if type(command) is tuple else 0
+            floats_at.append(at if n else -1)
+            at += n
         for r in ranks:
-            mine = tuple(msg for msg, targets in trace.commands if r in targets)
-            ctrl.send(m.DefineRecording(rec.id, name, mine), [r])
+            mine = [(c, f) for (c, t, _), f in zip(trace.commands, floats_at) if r in t]
+            msg = m.DefineRecording(rec.id, name, *map(tuple, zip(*mine)))
+            ctrl.send(msg, [r])
         return result, rec
 
     def _replay(self, rec: _Recorded, refs: list[Ref], captured: tuple):
@@ -282,47 +286,56 @@ class Compiled:
         ident = ctrl.next_ident()
         inputs = tuple(zip(rec.formals, (r._wire_id() for r in refs))) + captured
         new_ids = {rid: ctrl.next_id() for rid in rec.results}
-        what = f"compiled {getattr(self._fn, '__name__', '')}"
-        for sid, ranks in rec.streams.items():
-            ctrl.state.record_sent(ident, sid, ranks, what)
-        ctrl.send(m.CallRecording(ident, rec.id, inputs, tuple(new_ids.items())), rec.targets)
+        self._sent(rec, ident)
+        ctrl.send(m.CallRecording(ident, rec.id, inputs, tuple(new_ids.items()), ()), rec.targets)
         for rid, w in rec.state:  # after the replay is sent: the old values go after it
             w()._rebind(new_ids[rid], ident)
         return _build(rec.template, new_ids, ident, refs)
 
+    def _sent(self, rec: _Recorded, ident: int) -> None:
+        what = f"compiled {getattr(self._fn, '__name__', '')}"
+        for sid, ranks in rec.streams.items():
+            rec.ctrl.state.record_sent(ident, sid, ranks, what)
+
+    def _checked_call(self, rec: _Recorded, args, kwargs, refs: list[Ref]) -> tuple:
+        """Run the function with its commands held back. When it sent what ``rec`` holds
+        (its floats aside), send one CallRecording with this call's floats: ``(True,
+        result)``; else send the commands as they are: ``(False, (result, recording))``."""
+        ctrl = rec.ctrl
+        trace = Trace(ctrl, hold=True)
+        recording_trace.active = trace
+        try:
+            result = self._fn(*args, **kwargs)
+        except BaseException:
+            recording_trace.active = None
+            trace.flush()
+            raise
+        recording_trace.active = None
+        sig = Signature(trace.commands)
+        if not rec.usable() or not rec.signature.same_as(sig, floats=False):
+            self._why = rec.signature.difference(sig)
+            trace.flush()
+            return False, (result, None)
+        deleted = set(trace.deletes)
+        inputs, results = [], []
+        for recorded, actual in zip(rec.signature.ids, sig.ids):
+            if recorded not in rec.signature.made:
+                inputs.append((recorded, actual))
+            elif actual not in deleted:
+                results.append((recorded, actual))
+        ident = ctrl.next_ident()
+        self._sent(rec, ident)
+        msg = m.CallRecording(ident, rec.id, tuple(inputs), tuple(results), sig.floats)
+        ctrl.send(msg, rec.targets, check=False)
+        for w in trace.made:
+            t = w()
+            if t is not None:
+                t.ident = ident
+        trace.release(sig.made)
+        return True, result
+
     def __repr__(self) -> str:
         return f"<compiled {getattr(self._fn, '__qualname__', self._fn)!r}>"
-
-
-def _signature(commands) -> tuple | None:
-    """What ``commands`` do, with ref ids numbered by first appearance (two calls of a
-    function that sent the same commands have the same signature); None when an
-    argument cannot be compared."""
-    canon: dict = {}
-
-    def c(rid):
-        return None if rid is None else canon.setdefault(rid, len(canon))
-
-    out = []
-    try:
-        for msg, targets in commands:
-            fields = msg._asdict()
-            fields.pop("ident", None)
-            for name in _ID_FIELDS & fields.keys():
-                fields[name] = c(fields[name])
-            if type(msg).__name__ == "CallFunction":
-                fields["args"] = unpack_args(msg.args, lambda rid: ("ref", c(rid)))
-            out.append((type(msg).__name__, tuple(targets), tuple(fields.items())))
-    except Exception:
-        return None
-    return tuple(out)
-
-
-def _same(a: tuple | None, b: tuple | None) -> bool:
-    try:
-        return a is not None and b is not None and bool(a == b)
-    except Exception:  # arguments that do not compare (tensors sent by value)
-        return False
 
 
 def compile(fn=None):  # noqa: A001 - the public name, as in torch.compile

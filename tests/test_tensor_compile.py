@@ -71,24 +71,48 @@ def test_a_compiled_training_step_matches_the_op_by_op_one(mesh, momentum):
     assert _commands_done(mesh) - before > 20
 
 
-def test_a_step_that_differs_on_every_call_runs_uncompiled_with_a_warning(mesh):
+def test_a_float_that_changes_on_every_call_is_lifted_and_each_call_replays(mesh):
     with mesh.activate():
         w = torch.zeros(4)
     calls = []
 
     def bump():
         calls.append(1)
-        w.add_(float(len(calls)))  # a Python value that changes on every call
+        w.add_(float(len(calls)))  # a Python float that changes on every call
         return w
 
     step = mnb.compile(bump)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):  # recorded twice (its floats differ: each call is checked)
+            step()
+        before = _commands_done(mesh)
+        for _ in range(3):
+            step()
+        assert _commands_done(mesh) - before == 3  # one CallRecording a call
+    assert len(calls) == 6  # every call ran, held, for its floats
+    assert mnb.inspect(w).tolist() == [21.0] * 4  # 1 + 2 + ... + 6, as eagerly
+
+
+def test_a_step_that_differs_on_every_call_runs_uncompiled_with_a_warning(mesh):
+    with mesh.activate():
+        w = torch.arange(6.0)
+    calls = []
+
+    def shift():
+        calls.append(1)
+        w.copy_(torch.roll(w, len(calls)))  # an int that changes: another op each call
+        return w
+
+    step = mnb.compile(shift)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(6):
             step()
-    assert any("runs uncompiled" in str(c.message) for c in caught)
+    messages = [str(c.message) for c in caught]
+    assert any("runs uncompiled" in t and "aten.roll" in t for t in messages), messages
     assert len(calls) == 6  # every call ran for real
-    assert mnb.inspect(w).tolist() == [21.0] * 4  # 1 + 2 + ... + 6, as eagerly
+    assert mnb.inspect(w).tolist() == torch.roll(torch.arange(6.0), 21).tolist()
 
 
 def test_a_replay_after_the_captured_tensor_is_replaced_records_again(mesh):

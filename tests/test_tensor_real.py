@@ -63,3 +63,35 @@ def test_the_lm_trains_on_the_mesh_exactly_as_locally(mesh):
     for (name, p), q in zip(model.named_parameters(), local_model.parameters()):
         assert torch.equal(mnb.inspect(p, dp=1), q.detach()), name
     assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])
+
+
+def _commands_done(mesh) -> int:
+    mesh.wait()
+    return mesh.status()["ranks"][0]["streams"]["default"]["done"]
+
+
+def test_the_lm_step_compiled_replays_and_gives_local_numbers(mesh):
+    """AdamW's bias corrections and the scheduler's learning rate change every step:
+    lifted into the recording's floats, each call is one replay with its own."""
+    steps = 6
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, opt, sched, data = lm.make()
+        local = [lm.step(model, opt, sched, data).detach().clone() for _ in range(steps)]
+    finally:
+        torch.set_num_threads(threads)
+    with mesh.activate():
+        state = lm.make()
+    step = mnb.compile(lambda: lm.step(*state))
+    losses = [step() for _ in range(3)]  # recorded twice, then checked and replayed
+    before = _commands_done(mesh)
+    losses += [step() for _ in range(steps - 3)]
+    assert _commands_done(mesh) - before == steps - 3  # one command a step
+    for rank in (0, 1):
+        for ours, theirs in zip(losses, local):
+            assert torch.equal(mnb.inspect(ours, dp=rank), theirs)
+    for p, q in zip(state[0].parameters(), model.parameters()):
+        assert torch.equal(mnb.inspect(p, dp=1), q.detach())
+        assert torch.equal(mnb.inspect(p.grad, dp=0), q.grad)
+    assert state[1].param_groups[0]["lr"] == opt.param_groups[0]["lr"]

@@ -30,7 +30,7 @@ from ..protocol.ndslice import NDSlice
 from .async_result import AsyncResult
 from .cancels import Cancels
 from .debugger import DebugSessions
-from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again
+from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again, sequence_gap
 from .failures import FailureLog
 from .host_launcher import default_launcher
 from .interrupts import Interrupts
@@ -203,9 +203,10 @@ class Controller:
 
     # ------------------------------------------------------------ sending
 
-    def _frames(self, msg, targets, stream: int | None, what: str) -> list:
-        if stream is not None and recording_trace.active is not None:
-            recording_trace.active.observe(msg, targets)
+    def _frames(self, msg, targets, stream: int | None, what: str) -> list | None:
+        trace = recording_trace.active  # None when a compiled call holds it back
+        if stream is not None and trace is not None and trace.observe(msg, targets, what):
+            return None
         frames = encode(msg, self.signer)
         if stream is not None:
             self.state.record_sent(msg.ident, stream, tuple(targets), what)
@@ -220,9 +221,10 @@ class Controller:
         if check:
             self.check_usable(targets)
         frames = self._frames(msg, targets, stream, what)
-        nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
-        if nbytes <= BIG_SEND:
+        nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if frames and len(frames) > 2 else 0
+        if frames is not None and nbytes <= BIG_SEND:
             self.io.submit(("msg", targets, frames, None))
+        if frames is None or nbytes <= BIG_SEND:
             return
         done: Future = Future()
         self.io.submit(("msg", targets, frames, done))
@@ -271,11 +273,15 @@ class Controller:
     def delete_ref(self, ref_id: int) -> None:
         """Free a worker-side value (called from Ref.__del__, any thread): sent with
         the next batch, after every command already handed over."""
+        if recording_trace.active is not None and recording_trace.active.holds_delete(ref_id):
+            return
         if not self._closed:
             self.io.submit_quiet(("del", ref_id))
 
     def send_op(self, fields: tuple, ranks, what: str) -> None:
         """A tensor op (a RunOps entry) to ``ranks`` (checked usable by the caller)."""
+        if recording_trace.active is not None and recording_trace.active.observe(fields, ranks, what):
+            return
         self.state.record_sent(fields[0], fields[4], ranks, what)
         self.io.submit(("op", ranks, fields))
 
@@ -288,13 +294,7 @@ class Controller:
     def on_gap(self, rank: int, missed: int) -> None:
         """``missed`` messages of a socket of ``rank`` never arrived (IO thread): the
         requests waiting on that rank fail instead of waiting for them."""
-        err = RemoteError(
-            {},
-            None,
-            f"mesh {self.name!r}: {missed} message(s) from rank {rank} were lost on the way "
-            f"(a sequence gap); the calls waiting on that rank fail rather than wait",
-        )
-        self.table.fail_rank(rank, err)
+        self.table.fail_rank(rank, sequence_gap(self.name, rank, missed))
 
     def break_mesh(self, err: BaseException) -> None:
         """The mesh cannot go on (IO thread): fail every request with ``err``. A rank

@@ -279,6 +279,16 @@ class WorkerUnresponsive(WorkerCrashed):
         )
 
 
+def sequence_gap(mesh: str, rank: int, missed: int) -> RemoteError:
+    """What the calls waiting on ``rank`` fail with when its messages were lost."""
+    return RemoteError(
+        {},
+        None,
+        f"mesh {mesh!r}: {missed} message(s) from rank {rank} were lost on the way "
+        f"(a sequence gap); the calls waiting on that rank fail rather than wait",
+    )
+
+
 def broken_again(err: BaseException) -> BaseException:
     """What a call on a broken mesh raises: a new, short error (no old traceback)."""
     if isinstance(err, WorkerCrashed):

@@ -29,7 +29,7 @@ HEALTH_PERIOD = 1.0
 REFUSED = (
     "Reduce SendTensor RunOps RunCell PostMortem PipeRecv CallRecording BorrowCreate "
     "DefineOp CreateProcessGroup CreatePipe ClosePipe DefineRecording DebuggerMessage "
-    "BorrowFirstUse BorrowDrop"
+    "BorrowFirstUse BorrowDrop DeleteRecording"
 ).split()
 _REPLIES = {"RunCell", "PostMortem"}  # their caller waits for a FetchResult too
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from .insight_messages import ReadClock, ReadMemory, StartProfile, StopProfile, Timings  # noqa: F401
 from .ndslice import NDSlice
+from .recording_messages import CallRecording, DefineRecording, DeleteRecording  # noqa: F401
 from .store_messages import StoreReply, StoreRequest  # noqa: F401 - records of the store
 from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - their fields
 
@@ -142,23 +143,6 @@ class Cancel(NamedTuple):
 
 class Exit(NamedTuple):
     """Stop serving."""
-
-
-class DefineRecording(NamedTuple):
-    """Commands captured by ``mnb.compile`` (those that concern the receiving rank)."""
-
-    recording: int
-    name: str
-    commands: tuple
-
-
-class CallRecording(NamedTuple):
-    """Replay: ``inputs`` (recorded id, actual id) pairs, ``results`` (recorded, new)."""
-
-    ident: int
-    recording: int
-    inputs: tuple
-    results: tuple
 
 
 class CreatePipe(NamedTuple):

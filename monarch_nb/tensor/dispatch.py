@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from ..context import recording_trace, resolve_target
+from ..context import resolve_target
 from ..protocol import messages as m
 from ..protocol.aten import OpSlot, alias_after
 from ..protocol.pickling import pack_ref_args, ref_placeholder
@@ -182,12 +182,12 @@ def _device_type(device) -> str:
 
 def _run(ctrl, template, args, kwargs, refs, mesh, stream, what: str, floats=None) -> tuple:
     """Send one op: a RunOps entry of ``template`` (``(op id, DefineOp)``, defined on every
-    worker first) with ``floats`` for its scalar slots, or, while ``mnb.compile`` records
-    or without a template (an unhashable key), a CallFunction of its arguments.
+    worker first) with ``floats`` for its scalar slots (``mnb.compile`` records it as
+    such), or, without a template (an unhashable key), a CallFunction of its arguments.
     Returns (result id, ident)."""
     result, ident = ctrl.next_id(), ctrl.next_ident()
-    if template is None or recording_trace.active is not None:
-        function = RUN_OP if template is None else template[1].function
+    if template is None:
+        function = RUN_OP
         packed = pack_ref_args(args, kwargs, tuple([r.id for r in refs]))
         msg = m.CallFunction(ident, result, function, packed, stream.id, mesh.id, what)
         ctrl.send(msg, mesh.targets, stream.id, what)

@@ -65,7 +65,7 @@ def _work(op, cells: list, scalars: tuple):
 
 
 class OpHandlers:
-    """Handlers of DefineOp, RunOps, DefineRecording and CallRecording."""
+    """Handlers of DefineOp, RunOps, DefineRecording, CallRecording and DeleteRecording."""
 
     def DefineOp(self, msg: m.DefineOp) -> None:
         try:
@@ -92,7 +92,10 @@ class OpHandlers:
     def DefineRecording(self, msg: m.DefineRecording) -> None:
         from .recording import Recording
 
-        self.recordings[msg.recording] = Recording(msg)
+        self.recordings[msg.recording] = Recording(msg, self.ops)
 
     def CallRecording(self, msg: m.CallRecording) -> None:
         self.recordings[msg.recording].call(self, msg)
+
+    def DeleteRecording(self, msg: m.DeleteRecording) -> None:
+        self.recordings.pop(msg.recording, None)

@@ -74,11 +74,41 @@ def _reduce_runner(msg: m.Reduce):
     return run
 
 
-def _step(msg) -> tuple:
+FLOATS = -1  # the key of a call's lifted floats among a replay's values (ids are > 0)
+
+
+def _op_runner(op, refs: tuple, scalars: tuple, at: int):
+    """A tensor op (a RunOps entry): its template on the values of ``refs``, then its
+    scalars: the recorded ones, or those of the call (``values[FLOATS]``) from ``at``."""
+    n = len(scalars)
+
+    def run(values, worker, ident):
+        args = []
+        for rid in refs:
+            v = values[rid]
+            if isinstance(v, DependentOnError):
+                raise v
+            args.append(v)
+        if n:
+            floats = values.get(FLOATS)
+            args.extend(floats[at : at + n] if floats else scalars)
+        return op.run(args)
+
+    return run
+
+
+def _step(msg, ops: dict, at: int) -> tuple:
     """(function, first, rest, result id, ids of the Refs it reads) of one recorded
-    command. With ``first`` (a ref id), the step is ``function(values[first],
-    *rest)``, run in the replay loop itself (the common ``f(ref, constants)``);
-    without, ``function(values, worker, ident)``."""
+    command (``ops``: the worker's op templates, for a tensor op; ``at``: where its
+    lifted floats start in a call's). With ``first`` (a ref id), the step is
+    ``function(values[first], *rest)``, run in the replay loop itself (the common
+    ``f(ref, constants)``); without, ``function(values, worker, ident)``."""
+    if type(msg) is tuple:  # a tensor op
+        _, result, op_id, refs, _, scalars = msg
+        op = ops.get(op_id)
+        if op is None:
+            raise RuntimeError(f"tensor op {op_id} was never defined on this worker")
+        return _op_runner(op, refs, scalars, at), None, (), result, set(refs)
     kind = type(msg).__name__
     if kind == "CallFunction":
         fn = resolve_function(msg.function)
@@ -103,12 +133,13 @@ def _step(msg) -> tuple:
 class Recording:
     """The commands of one recording that concern this rank, per stream."""
 
-    def __init__(self, msg: m.DefineRecording):
+    def __init__(self, msg: m.DefineRecording, ops: dict):
         self.name = msg.name
         self.what = f"compiled {msg.name}"
         self._steps: dict[int, list[tuple]] = {}  # stream id -> [_step(command)]
-        for cmd in msg.commands:
-            self._steps.setdefault(cmd.stream, []).append(_step(cmd))
+        for cmd, at in zip(msg.commands, msg.floats_at):
+            sid = cmd[4] if type(cmd) is tuple else cmd.stream
+            self._steps.setdefault(sid, []).append(_step(cmd, ops, at))
         self.produces = {sid: {s[3] for s in steps} for sid, steps in self._steps.items()}
         self.reads = {
             sid: set().union(*(s[4] for s in steps)) for sid, steps in self._steps.items()
@@ -153,7 +184,7 @@ class Recording:
             produced = [(rid, c) for rid, c in outputs.items() if rid in self.produces[sid]]
 
             def work(sid=sid, inputs=inputs, produced=produced):
-                values = {}
+                values = {FLOATS: msg.floats}
                 for rid, cell in inputs:
                     v = cell.value
                     values[rid] = _Missing(ident, v) if isinstance(v, MissingRef) else v
