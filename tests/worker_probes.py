@@ -23,3 +23,13 @@ def env_sizes(mesh) -> list[int]:
 
     mesh.wait()
     return mnb.remote(env_size)(mesh=mesh).fetch(timeout=60)
+
+
+def recordings() -> int:
+    """The number of recordings (``mnb.compile``) the worker keeps."""
+    import gc
+
+    from monarch_nb.worker.worker import Worker
+
+    (worker,) = [o for o in gc.get_objects() if isinstance(o, Worker)]
+    return len(worker.recordings)

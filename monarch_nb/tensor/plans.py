@@ -15,6 +15,7 @@ corrections change every step; they must not cost a propagation each).
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import torch
 
@@ -32,6 +33,7 @@ _FLOAT = object()  # a lifted float's place in a key
 _lifting: dict = {}  # id(op) -> whether its floats are lifted
 _SCALARS = (float, bool, complex)
 _plans: dict = {}
+_templates: dict = {}  # a template's pickled arguments -> (op id, DefineOp)
 _PLANS_MAX = 100_000
 _op_ids = itertools.count(1)  # a template's id, unique in this process
 
@@ -130,15 +132,31 @@ def plan(func, args, kwargs, tensors: list, key, lifted: bool = False) -> Plan:
         index = {id(t): i for i, t in enumerate(tensors)}
         floats = [len(tensors)] if lifted else None  # the next scalar slot
         skel_kwargs = _skeleton(kwargs, index, floats)
-        skeleton = (names[0], *_skeleton(args, index, floats))
-        op = next_op_id()
-        template = (op, m.DefineOp(op, RUN_OP, skeleton, skel_kwargs, names[1]))
+        template = _template((names[0], *_skeleton(args, index, floats)), skel_kwargs, names[1])
     p = Plan(func, entry, mutated, _written(entry, mutated), names, template)
     if key is not None:
         if len(_plans) >= _PLANS_MAX:
             _plans.clear()
+            _templates.clear()
         _plans[key] = p
     return p
+
+
+def _template(args: tuple, kwargs: dict, what: str) -> tuple:
+    """``(op id, DefineOp)`` of an op with these arguments: one per distinct content,
+    so that plans which differ only in their inputs' layouts (a slice's storage
+    offset) send the same op (``mnb.compile`` sees the same command)."""
+    try:
+        content = pickle.dumps((args, kwargs), 5)
+    except Exception:
+        content = None
+    template = _templates.get(content) if content is not None else None
+    if template is None:
+        op = next_op_id()
+        template = (op, m.DefineOp(op, RUN_OP, args, kwargs, what))
+        if content is not None:
+            _templates[content] = template
+    return template
 
 
 def _written(entry, mutated: tuple) -> tuple:
