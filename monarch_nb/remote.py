@@ -284,9 +284,13 @@ register_special_type(ProcessGroup, ProcessGroup._reduce)
 def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
     """Refs passed to a command must live on its mesh and stream. A borrow's
     first use is announced before the command that makes it."""
-    if recording_trace.active is not None:
+    if recording_trace.anyone is not None and recording_trace.active is not None:
         recording_trace.active.note(refs)
     for r in refs:
+        if r.mesh is mesh and r.stream is stream:  # the common case: nothing to check
+            if r._borrow is not None:
+                r._first_use()
+            continue
         if r.mesh._controller is not mesh._controller:
             raise RefUseError(
                 f"Ref {r.id} lives on mesh {r.mesh.name!r}, not on mesh {mesh.name!r}: "

@@ -204,7 +204,7 @@ class Controller:
     # ------------------------------------------------------------ sending
 
     def _frames(self, msg, targets, stream: int | None, what: str) -> list | None:
-        trace = recording_trace.active  # None when a compiled call holds it back
+        trace = recording_trace.anyone and recording_trace.active  # a compiled call may hold it
         if stream is not None and trace is not None and trace.observe(msg, targets, what):
             return None
         frames = encode(msg, self.signer)
@@ -273,14 +273,14 @@ class Controller:
     def delete_ref(self, ref_id: int) -> None:
         """Free a worker-side value (called from Ref.__del__, any thread): sent with
         the next batch, after every command already handed over."""
-        if recording_trace.active is not None and recording_trace.active.holds_delete(ref_id):
+        if recording_trace.anyone is not None and recording_trace.active.holds_delete(ref_id):
             return
         if not self._closed:
             self.io.submit_quiet(("del", ref_id))
 
     def send_op(self, fields: tuple, ranks, what: str) -> None:
         """A tensor op (a RunOps entry) to ``ranks`` (checked usable by the caller)."""
-        if recording_trace.active is not None and recording_trace.active.observe(fields, ranks, what):
+        if recording_trace.anyone is not None and recording_trace.active.observe(fields, ranks, what):
             return
         self.state.record_sent(fields[0], fields[4], ranks, what)
         self.io.submit(("op", ranks, fields))

@@ -14,12 +14,14 @@ import threading
 class _RecordingTrace:
     def __init__(self):
         self._tls = threading.local()
-        self._any = None  # the recording in progress on some thread
+        # the recording in progress on some thread: None in the common case, which hot
+        # paths read before the ``active`` property (a thread-local look-up)
+        self.anyone = None
 
     @property
     def active(self):
         """The _Trace of the recording in progress (this thread's, else any)."""
-        anyone = self._any
+        anyone = self.anyone
         if anyone is None:  # nobody records: the common case, read on every command
             return None
         mine = getattr(self._tls, "trace", None)
@@ -28,10 +30,10 @@ class _RecordingTrace:
     @active.setter
     def active(self, trace) -> None:
         if trace is None:
-            if self._any is getattr(self._tls, "trace", None):
-                self._any = None
+            if self.anyone is getattr(self._tls, "trace", None):
+                self.anyone = None
         else:
-            self._any = trace
+            self.anyone = trace
         self._tls.trace = trace
 
 

@@ -40,7 +40,7 @@ class Tensor(torch.Tensor, Ref):
         Ref.__init__(t, ref_id, mesh, stream, ident)
         t._layout = layout
         t._aliases = None  # weakrefs to the tensors sharing its storage (dispatch._join)
-        trace = recording_trace.active
+        trace = recording_trace.anyone and recording_trace.active
         if trace is not None:  # mnb.compile: a tensor made while recording may be state
             trace.made.append(weakref.ref(t))
         return t
