@@ -95,3 +95,59 @@ def test_the_lm_step_compiled_replays_and_gives_local_numbers(mesh):
         assert torch.equal(mnb.inspect(p, dp=1), q.detach())
         assert torch.equal(mnb.inspect(p.grad, dp=0), q.grad)
     assert state[1].param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def _cnn():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 10),
+    )
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return net, opt, torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+
+
+def _cnn_step(net, opt, x, y):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_cnn_with_batchnorm_trains_and_its_weights_travel_both_ways(mesh):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = _cnn()
+        local_losses = [_cnn_step(*local).item() for _ in range(3)]
+        local[0].eval()
+        local_eval = local[0](local[2]).detach()
+    finally:
+        torch.set_num_threads(threads)
+    with mesh.activate():
+        state = _cnn()
+        losses = [_cnn_step(*state) for _ in range(3)]
+        state[0].eval()
+        ours = state[0](state[2])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = state[0](state[2])
+    assert [mnb.inspect(t, dp=1).item() for t in losses] == local_losses
+    assert torch.equal(mnb.inspect(ours, dp=1), local_eval)  # running stats in eval
+    assert low.dtype == mnb.inspect(low).dtype == torch.bfloat16
+    # the mesh's weights into a local model, and local weights onto the mesh
+    fetched = {k: mnb.inspect(v) for k, v in state[0].state_dict().items()}
+    fresh = _cnn()[0]
+    fresh.load_state_dict(fetched)
+    fresh.eval()
+    assert torch.equal(fresh(local[2]).detach(), local_eval)
+    with mesh.activate():
+        other = _cnn()[0]
+        other.load_state_dict(local[0].state_dict())
+        other.eval()
+        again = other(state[2])
+    assert torch.equal(mnb.inspect(again, dp=1), local_eval)

@@ -26,6 +26,7 @@ from .tensor import Tensor
 _GETITEM = function_ref(operator.getitem)
 _ALIAS = function_ref(alias_after)
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_COPY = torch.ops.aten.copy_.default  # a local source goes by value (load_state_dict)
 _CUDA = torch.device("cuda")
 _aux: dict = {}  # the templates of the dispatcher's own ops (an output of many, an alias)
 _defined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ctrl -> (gen, {op id})
@@ -91,8 +92,9 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
     elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
         return func(*args, **kwargs)
     else:
+        copy_in = func is _COPY and args[0] is tensors[0] and len(args) > 1 and args[1] is local[0]
         for t in local:
-            if t.dim() != 0 or t.requires_grad:
+            if (t.dim() != 0 and not copy_in) or t.requires_grad:
                 raise _local_error(op_name(func), t, mesh)
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)

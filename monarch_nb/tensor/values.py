@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..controller import AsyncResult
 from ..protocol import aten
 from ..remote import remote
@@ -32,12 +34,17 @@ def shard_rank(t: Tensor, coords: dict) -> int:
 def fetch_shard(t: Tensor, timeout: float | None = None, **coords) -> AsyncResult:
     """The AsyncResult of the shard of ``t`` at mesh coordinates ``coords``
     (``dp=1``; dims not named: 0), a local torch.Tensor."""
-    return t.fetch_async(rank=shard_rank(t, coords), timeout=timeout)
+    rank = shard_rank(t, coords)
+    return t.fetch_async(rank=rank, timeout=timeout)
 
 
 def inspect(t: Tensor, timeout: float | None = None, **coords):
     """The shard of ``t`` at ``coords`` (default: the mesh's first rank) as a local
-    tensor; blocks. A failure of the ops behind it on that rank is raised here."""
+    tensor; blocks. A failure of the ops behind it on that rank is raised here. A
+    local tensor (a host scalar such as a BatchNorm's ``num_batches_tracked`` or an
+    optimizer's step count, which stay on the controller) is its own value."""
+    if isinstance(t, torch.Tensor) and not isinstance(t, Tensor):
+        return t
     return fetch_shard(t, timeout=timeout, **coords).result()
 
 

@@ -1,0 +1,170 @@
+"""Running torch's OpInfo database (``op_db``) on a mesh against local torch, as
+DTensor's ``test_dtensor_ops`` does: the samples of every op that supports float32 on
+the CPU, forward (the outputs) and backward (the input's grad), compared exactly.
+
+Used by ``tests/test_tensor_opinfo.py``; ``python tests/opinfo_conformance.py``
+prints the outcome of every op (what builds the expected-failure table).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import monarch_nb as mnb
+
+warnings.filterwarnings("ignore", message="To copy construct from a tensor")
+
+FORWARD_SAMPLES = 6  # per op, at most (the database has ~19,000 in all)
+BACKWARD_SAMPLES = 3
+# random ops: compared by their own test (a seed on the mesh gives local numbers)
+RANDOM = ("normal", "bernoulli", "rand", "randn", "randint", "randperm", "dropout", "multinomial", "uniform", "exponential", "geometric", "cauchy", "log_normal", "empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "empty_permuted")
+
+
+def float32_ops():
+    """The OpInfos that support float32 on the CPU, less the random and empty ones."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    out = []
+    for op in op_db:
+        if torch.float32 not in op.supported_dtypes("cpu"):
+            continue
+        if any(r in op.name for r in RANDOM):
+            continue
+        out.append(op)
+    return out
+
+
+def _samples(op, requires_grad: bool, limit: int) -> list:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = []
+        for s in op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
+            out.append(s)
+            if len(out) >= limit:
+                break
+    return out
+
+
+def _to_mesh(x):
+    """A local tensor's copy on the active mesh (its values, contiguous)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.layout != torch.strided:
+        return x  # a sparse input stays local: the op refuses it by name
+    t = torch.empty(x.shape, dtype=x.dtype)
+    with torch.no_grad():
+        t.copy_(x.detach())
+    assert isinstance(t, mnb.Tensor)
+    if x.requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _same(ours, theirs) -> bool:
+    try:
+        return _same_values(ours, theirs)
+    except (NotImplementedError, RuntimeError):  # a dtype torch.equal lacks (complex32)
+        return _same_values(_widened(ours), _widened(theirs))
+
+
+def _widened(x):
+    return tree_map(lambda t: t.to(torch.complex64) if isinstance(t, torch.Tensor) and t.is_complex() else t, x)
+
+
+def _same_values(ours, theirs) -> bool:
+    if isinstance(theirs, torch.Tensor) and theirs.layout != torch.strided:
+        theirs = theirs.to_dense()
+    if isinstance(ours, torch.Tensor) and ours.layout != torch.strided:
+        ours = ours.to_dense()
+    if isinstance(theirs, torch.Tensor):
+        if not isinstance(ours, torch.Tensor) or ours.shape != theirs.shape:
+            return False
+        if ours.dtype != theirs.dtype:
+            return False
+        return bool(torch.equal(ours, theirs)) or bool(
+            ((ours == theirs) | (ours.isnan() & theirs.isnan())).all()
+            if ours.is_floating_point() or ours.is_complex()
+            else False
+        )
+    if isinstance(theirs, (tuple, list)):
+        return len(ours) == len(theirs) and all(_same_values(a, b) for a, b in zip(ours, theirs))
+    if isinstance(theirs, float) and isinstance(ours, float):
+        return ours == theirs or (math.isnan(ours) and math.isnan(theirs))
+    return ours == theirs
+
+
+def _fetch(out):
+    return tree_map(lambda t: mnb.inspect(t, timeout=60) if isinstance(t, mnb.Tensor) else t, out)
+
+
+def _grads(out, args):
+    """The grads of the differentiable inputs ``args`` of the sum of the outputs
+    (None for an input the outputs do not depend on), or None: nothing to take."""
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not leaves or not inputs:
+        return None
+    target = sum(t.float().sum() for t in leaves)
+    return list(torch.autograd.grad(target, inputs, allow_unused=True))
+
+
+def run_sample(mesh, op, sample, backward: bool) -> tuple[str, str]:
+    """``(outcome, detail)``: "equal", "wrong" (numbers differ), "error" (the mesh raised
+    where local torch did not: detail names it) or "skip" (local torch raised)."""
+    args = (sample.input, *sample.args)
+    kwargs = dict(sample.kwargs)
+    try:
+        local = op(*args, **kwargs)
+        if backward:
+            local = _grads(local, (args, kwargs))
+            if local is None:
+                return "skip", "no differentiable output"
+    except Exception as e:
+        return "skip", f"local: {type(e).__name__}"
+    try:
+        with mesh.activate():
+            margs, mkwargs = tree_map(_to_mesh, (args, kwargs))
+            ours = op(*margs, **mkwargs)
+            if backward:
+                ours = _grads(ours, (margs, mkwargs))
+        ours = _fetch(ours)
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return ("equal" if _same(ours, local) else "wrong"), ""
+
+
+def run_op(mesh, op, backward: bool) -> list[tuple[str, str]]:
+    samples = _samples(op, backward, BACKWARD_SAMPLES if backward else FORWARD_SAMPLES)
+    return [run_sample(mesh, op, s, backward) for s in samples]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    mesh = mnb.local_mesh(dp=2, name="opinfo")
+    totals = collections.Counter()
+    try:
+        for op in float32_ops():
+            for backward in (False, True):
+                if backward and not op.supports_autograd:
+                    continue
+                outcomes = run_op(mesh, op, backward)
+                kinds = collections.Counter(o for o, _ in outcomes)
+                for k, v in kinds.items():
+                    totals[(backward, k)] += v
+                bad = [d for o, d in outcomes if o in ("error", "wrong")]
+                if bad:
+                    tag = "bwd" if backward else "fwd"
+                    wrong = kinds.get("wrong", 0)
+                    print(f"{op.name}|{op.variant_test_name}|{tag}|{kinds.get('equal', 0)} equal|{wrong} wrong|{bad[0] if kinds.get('error') else ''}", flush=True)
+    finally:
+        mesh.shutdown()
+    print(dict(totals))
+
+
+if __name__ == "__main__":
+    main()
