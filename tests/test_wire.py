@@ -300,3 +300,20 @@ def test_open_from_controller_admits_and_decode_each_names_what_fails():
     with pytest.raises(BadMessage, match="not of the controller") as e:
         envelope.open_from_controller(envelope.Sealer(s, envelope.CONTROLLER).seal(good), s, fresh)
     assert e.value.kind == "rank"
+
+
+def test_tensors_torch_makes_without_plain_memory_travel():
+    """Found by the OpInfo conformance run: a size-1 tensor broadcast by stride 0
+    (``expand_as``) and autograd's ZeroTensor gradient could not be sent back."""
+    import torch
+
+    from monarch_nb.protocol.pickling import dumps, loads
+
+    for t in (
+        torch.tensor(3.0).expand(1, 1, 1),
+        torch.ones(3, 1)[:, :1].expand(3, 1),
+        torch._efficientzerotensor(2, 3),
+    ):
+        payload, buffers = dumps(t)
+        back = loads(payload, buffers)
+        assert torch.equal(back, t.clone() if not t._is_zerotensor() else torch.zeros(2, 3))

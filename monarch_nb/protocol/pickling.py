@@ -178,12 +178,17 @@ def _reduce_tensor(t):
     d = t.detach()
     if d.device.type != "cpu":
         d = d.cpu()
+    if d._is_zerotensor():  # autograd's zero gradient holds no memory
+        d = torch.zeros(d.shape, dtype=d.dtype)
     d = d.resolve_conj().resolve_neg().contiguous()
     dtype = str(d.dtype).removeprefix("torch.")
     if d.numel() == 0:
         data = pickle.PickleBuffer(b"")
     else:
-        data = pickle.PickleBuffer(d.reshape(-1).view(torch.uint8).numpy())
+        flat = d.reshape(-1)
+        if flat.stride(0) != 1:  # size-1 dims broadcast by stride 0 count as contiguous
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        data = pickle.PickleBuffer(flat.view(torch.uint8).numpy())
     return (_rebuild_tensor, (data, dtype, tuple(d.shape), t.requires_grad))
 
 
