@@ -149,9 +149,12 @@ def run_sample(mesh, op, sample, backward: bool) -> tuple[str, str]:
             ours = op(*margs, **mkwargs)
             if backward:
                 ours = _grads(ours, (margs, mkwargs))
+        flat = tree_flatten(ours)[0]
+        if any(isinstance(t, torch.Tensor) and not isinstance(t, mnb.Tensor) for t in flat):
+            return "error", "LocalResult: a result was computed on the controller"
         ours = _fetch(ours)
     except Exception as e:
-        return "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return "error", f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
     if _same(ours, local):
         return "equal", ""
     if op.name in SUBCLASS_FORMULA and _close(ours, local):

@@ -17,7 +17,14 @@ def resolve_op(name: str):
     if not sep or not rest:
         raise ValueError(f"not an operator name: {name!r} (expected 'ns::op.overload')")
     base, _, overload = rest.partition(".")
-    return getattr(getattr(getattr(torch.ops, ns), base), overload or "default")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), base), overload or "default")
+    except AttributeError:
+        raise RuntimeError(
+            f"operator {name} is not registered in this worker: an op defined in Python "
+            f"(torch.library) exists only where its module was imported (or, for some of "
+            f"torch's own, called once); import that module on the workers first"
+        ) from None
 
 
 def run_op(name: str, *args, **kwargs):
