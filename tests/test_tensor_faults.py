@@ -154,3 +154,26 @@ def test_ctrl_c_in_a_loop_of_ops_lands_every_time(mesh):
     assert len(latencies) == 20
     assert max(latencies) < 1.0, latencies
     assert mnb.inspect(x).shape == (16,)
+
+
+def test_no_mesh_takes_the_mesh_mode_off_torch_s_stack(mesh):
+    """Local torch inside ``no_mesh()`` runs at its own speed: no mode of ours sees its
+    ops (issue 26: a local step ran at half speed inside activate() + no_mesh())."""
+    from monarch_nb.tensor.mode import MeshMode
+
+    def ours() -> int:
+        return sum(type(m) is MeshMode for m in _get_current_dispatch_mode_stack())
+
+    with mesh.activate():
+        assert ours() == 1
+        with mnb.no_mesh():
+            assert ours() == 0
+            local = torch.ones(3) * 2
+            with mesh.activate():  # a mesh again, inside
+                again = torch.ones(3) * 2
+            assert ours() == 0
+        assert ours() == 1
+        after = torch.ones(3) * 2
+    assert not isinstance(local, mnb.Tensor) and torch.equal(local, torch.full((3,), 2.0))
+    assert isinstance(again, mnb.Tensor) and isinstance(after, mnb.Tensor)
+    assert ours() == 0

@@ -7,7 +7,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from .dispatch import dispatch
 
@@ -38,11 +43,21 @@ class MeshMode(TorchDispatchMode):
 @contextlib.contextmanager
 def no_mesh():
     """Within this block torch runs locally, even under an active mesh (ops on
-    mesh tensors still go to their mesh)."""
+    mesh tensors still go to their mesh). The mesh's modes on top of torch's mode
+    stack step off it for the block, so local ops do not pass through Python (local
+    torch runs at its own speed); one under another mode stays, and lets them by."""
     _tls.local = getattr(_tls, "local", 0) + 1
+    off = []
     try:
+        while True:
+            stack = _get_current_dispatch_mode_stack()
+            if not stack or type(stack[-1]) is not MeshMode:
+                break
+            off.append(_pop_mode())
         yield
     finally:
+        for mode in reversed(off):
+            _push_mode(mode)
         _tls.local -= 1
 
 
