@@ -104,4 +104,59 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
     ]
 
 
-BENCHMARKS = [("tensor_real_step", bench_tensor_real_step)]
+def bench_tensor_soak(quick: bool) -> list[Entry]:
+    import monarch_nb as mnb
+
+    from . import lm
+    from .soak import RSS_LIMIT, _settled
+
+    steps = 900 if quick else 3_000
+    mesh = mnb.local_mesh(dp=2, name="bench-tensor-soak")
+    rows = []
+    try:
+        with mesh.activate():
+            state = lm.make()
+        compiled = mnb.compile(lambda: lm.step(*state))
+        for label, fn in (("op by op", lambda: lm.step(*state)), ("compiled", compiled)):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                loss = fn()
+                if i == steps // 3:
+                    base, _ = _settled(mesh)
+                if i % 50 == 0:
+                    mnb.inspect(loss)  # a real loop looks at its loss now and then
+            final, _ = _settled(mesh)
+            rate = steps / (time.perf_counter() - t0)
+            rows.append((label, base, final, rate))
+    finally:
+        mesh.shutdown()
+    out = []
+    for kind in ("controller", "worker"):
+        ratios = []
+        for label, base, final, rate in rows:
+            pids = list(base)[:1] if kind == "controller" else list(base)[1:]
+            for p in pids:
+                ratios.append((final[p] / base[p], final[p], base[p], label, rate))
+        ratio, final_b, base_b, label, rate = max(ratios)
+        out.append(
+            Entry(
+                f"tensor_soak_rss_{kind}",
+                final_b / 2**20,
+                base_b / 2**20,
+                "MiB",
+                f"<= {RSS_LIMIT}",
+                f"the {kind}'s RSS after a third of the run (the run and process that grew most)",
+                note=(
+                    f"{steps} transformer LM steps (benchmarks/lm.py) op by op, then {steps} "
+                    f"compiled, on local_mesh(dp=2); worst: {label} ({rate:.0f} steps/s); "
+                    f"issue 26 asks RSS within 5 %"
+                ),
+            )
+        )
+    return out
+
+
+BENCHMARKS = [
+    ("tensor_real_step", bench_tensor_real_step),
+    ("tensor_soak", bench_tensor_soak),
+]
