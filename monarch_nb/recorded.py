@@ -17,6 +17,7 @@ differ only in them are replayed with each call's own.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 from .protocol.pickling import unpack_args
@@ -150,12 +151,12 @@ class Signature:
         if self.skeleton is None or other.skeleton is None:
             return "an argument sent by value cannot be compared between calls"
         for i, (a, b) in enumerate(zip(self.skeleton, other.skeleton)):
-            if a != b:
+            if _differ(a, b):
                 return f"command {i + 1} ({other.whats[i] or a[0]}) differs: {_field_apart(a, b)}"
         if len(self.skeleton) != len(other.skeleton):
             return f"one call sent {len(self.skeleton)} commands, the next {len(other.skeleton)}"
         for a, b in zip(self.floats, other.floats):
-            if a != b:
+            if _differ(a, b):
                 return f"a float argument changes per call ({a!r}, then {b!r})"
         return "the tensors it reads do not outlive a call"
 
@@ -166,8 +167,30 @@ def _message_skeleton(msg, targets, c) -> tuple:
     for name in _ID_FIELDS & values.keys():
         values[name] = c(values[name])
     if type(msg).__name__ == "CallFunction":
-        values["args"] = unpack_args(msg.args, lambda rid: ("ref", c(rid)))
+        values["args"] = _comparable(unpack_args(msg.args, lambda rid: ("ref", c(rid))))
     return (type(msg).__name__, targets, tuple(values.items()))
+
+
+def _comparable(obj):
+    """``obj`` with each tensor sent by value (a host scalar beside mesh tensors) as
+    its dtype, shape and bytes: two calls that sent the same values compare equal."""
+    t = type(obj)
+    if t in (tuple, list):
+        return t(_comparable(o) for o in obj)
+    if t is dict:
+        return {k: _comparable(v) for k, v in obj.items()}
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        data = obj.detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes()
+        return ("tensor", obj.dtype, tuple(obj.shape), data)
+    return obj
+
+
+def _differ(a, b) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:  # values that do not compare
+        return True
 
 
 def _field_apart(a: tuple, b: tuple) -> str:
@@ -176,7 +199,7 @@ def _field_apart(a: tuple, b: tuple) -> str:
     if a[0] == "op":
         names = ("kind", "ranks", "stream", "op (its non-float arguments or layouts)", "inputs")
         for name, x, y in zip(names, a, b):
-            if x != y:
+            if _differ(x, y):
                 return f"its {name} changed between calls"
         return "it reads or makes other values"
     return "its arguments changed between calls (a Python value computed per call?)"

@@ -288,8 +288,7 @@ def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
         recording_trace.active.note(refs)
     for r in refs:
         if r.mesh is mesh and r.stream is stream:  # the common case: nothing to check
-            if r._borrow is not None:
-                r._first_use()
+            r._first_use()
             continue
         if r.mesh._controller is not mesh._controller:
             raise RefUseError(
