@@ -121,7 +121,7 @@ def bench_tensor_soak(quick: bool) -> list[Entry]:
             t0 = time.perf_counter()
             for i in range(steps):
                 loss = fn()
-                if i == steps // 3:
+                if i == steps // 2:
                     base, _ = _settled(mesh)
                 if i % 50 == 0:
                     mnb.inspect(loss)  # a real loop looks at its loss now and then
@@ -145,7 +145,7 @@ def bench_tensor_soak(quick: bool) -> list[Entry]:
                 base_b / 2**20,
                 "MiB",
                 f"<= {RSS_LIMIT}",
-                f"the {kind}'s RSS after a third of the run (the run and process that grew most)",
+                f"the {kind}'s RSS halfway through the run (the run and process that grew most)",
                 note=(
                     f"{steps} transformer LM steps (benchmarks/lm.py) op by op, then {steps} "
                     f"compiled, on local_mesh(dp=2); worst: {label} ({rate:.0f} steps/s); "
