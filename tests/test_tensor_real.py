@@ -5,6 +5,8 @@ clip_grad_norm_, LambdaLR, 2 accumulated micro-batches) trained unmodified under
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,18 @@ import monarch_nb as mnb
 from benchmarks import lm
 
 STEPS = 3
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Local torch on one thread, as each rank of a dp=2 mesh here (another count
+    splits reductions otherwise and changes the last bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +53,10 @@ def _eval_loss(model, data):
 def _local_run():
     """The reference, on one thread as each rank of a dp=2 mesh here (another count
     splits reductions otherwise and changes the last bits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         model, opt, sched, data = lm.make()
         losses = [lm.step(model, opt, sched, data).detach().clone() for _ in range(STEPS)]
         return losses, model, _eval_loss(model, data)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_the_lm_trains_on_the_mesh_exactly_as_locally(mesh):
@@ -74,13 +84,9 @@ def test_the_lm_step_compiled_replays_and_gives_local_numbers(mesh):
     """AdamW's bias corrections and the scheduler's learning rate change every step:
     lifted into the recording's floats, each call is one replay with its own."""
     steps = 6
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         model, opt, sched, data = lm.make()
         local = [lm.step(model, opt, sched, data).detach().clone() for _ in range(steps)]
-    finally:
-        torch.set_num_threads(threads)
     with mesh.activate():
         state = lm.make()
     step = mnb.compile(lambda: lm.step(*state))
@@ -120,15 +126,11 @@ def _cnn_step(net, opt, x, y):
 
 
 def test_a_cnn_with_batchnorm_trains_and_its_weights_travel_both_ways(mesh):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         local = _cnn()
         local_losses = [_cnn_step(*local).item() for _ in range(3)]
         local[0].eval()
         local_eval = local[0](local[2]).detach()
-    finally:
-        torch.set_num_threads(threads)
     with mesh.activate():
         state = _cnn()
         losses = [_cnn_step(*state) for _ in range(3)]
@@ -181,13 +183,9 @@ def test_a_transformers_model_from_a_config_trains_as_locally(mesh, monkeypatch)
         opt.step()
         return loss
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         local = make()
         expect = [step(*local).item() for _ in range(5)]
-    finally:
-        torch.set_num_threads(threads)
     with mesh.activate():
         eager = make()
         assert [mnb.inspect(step(*eager)).item() for _ in range(5)] == expect
