@@ -135,8 +135,8 @@ class LightRank:
             value = Failed(ident)
             if report:
                 self._send(m.RemoteFunctionFailed(ident, self.rank, sid, failure))
-        if result is not None:
-            self.env[result] = value
+        for r in result if type(result) is tuple else () if result is None else (result,):
+            self.env[r] = value
         s[1] = ident
         s[2] += 1
         return value, failure

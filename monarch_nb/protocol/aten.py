@@ -41,6 +41,12 @@ def alias_after(value, mutated):
     return value
 
 
+def aliases_after(mutated, *values) -> tuple:
+    """``values`` themselves, once ``mutated`` has run: the new names of every tensor
+    an op wrote (a foreach op's lists, their views), in one command."""
+    return values
+
+
 def layout(value) -> tuple:
     """The layout of a worker's tensor, as the controller's mesh tensors keep it."""
     import torch

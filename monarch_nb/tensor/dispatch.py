@@ -12,9 +12,9 @@ import weakref
 
 import torch
 
-from ..context import resolve_target
+from ..context import recording_trace, resolve_target
 from ..protocol import messages as m
-from ..protocol.aten import OpSlot, alias_after
+from ..protocol.aten import OpSlot, alias_after, aliases_after
 from ..protocol.pickling import pack_ref_args, ref_placeholder
 from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
@@ -25,6 +25,7 @@ from .tensor import Tensor
 
 _GETITEM = function_ref(operator.getitem)
 _ALIAS = function_ref(alias_after)
+_ALIASES = function_ref(aliases_after)
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _COPY = torch.ops.aten.copy_.default  # a local source goes by value (load_state_dict)
 _CUDA = torch.device("cuda")
@@ -129,7 +130,9 @@ def _names(func) -> tuple:
 def _finish(p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh, stream):
     """The op's outputs, once its command is sent: mesh tensors naming its values."""
     ctrl = mesh._controller
-    for j in p.mutated:  # before the op's own value may be freed below
+    if p.mutated and recording_trace.anyone is None:  # before the op's value may go
+        _rename_written([tensors[j] for j in p.mutated], _Holder(result), mesh, stream)
+    for j in p.mutated if recording_trace.anyone is not None else ():  # one by one
         _rename(tensors[j], _Holder(result), mesh, stream)
         if tensors[j]._aliases is not None:
             _rename_aliases(tensors[j], mesh, stream)
@@ -194,15 +197,21 @@ def _run(ctrl, template, args, kwargs, refs, mesh, stream, what: str, floats=Non
         msg = m.CallFunction(ident, result, function, packed, stream.id, mesh.id, what)
         ctrl.send(msg, mesh.targets, stream.id, what)
         return result, ident
+    op = _define(ctrl, template)
+    refs = tuple([r._wire_id() for r in refs])
+    scalars = tuple(floats) if floats else ()
+    ctrl.send_op((ident, result, op, refs, stream.id, scalars), mesh.targets, what)  # checked
+    return result, ident
+
+
+def _define(ctrl, template: tuple) -> int:
+    """The op id of ``template``, defined on ``ctrl``'s workers first if need be."""
     op = template[0]
     known = _known(ctrl)
     if op not in known:
         ctrl.send(template[1], None)
         known.add(op)
-    refs = tuple([r._wire_id() for r in refs])
-    scalars = tuple(floats) if floats else ()
-    ctrl.send_op((ident, result, op, refs, stream.id, scalars), mesh.targets, what)  # checked
-    return result, ident
+    return op
 
 
 def _known(ctrl) -> set:
@@ -277,6 +286,36 @@ def _rename_aliases(t: Tensor, mesh, stream) -> None:
         if u is not t and u.mesh.targets == mesh.targets and u.generation == t.generation:
             _rename(u, t, mesh, stream)
     t._aliases[:] = live
+
+
+def _rename_written(written: list, after, mesh, stream) -> None:
+    """Every tensor of ``written`` (an op wrote them without returning them: a foreach
+    op's lists), and every live tensor sharing storage with one, names its value anew
+    once ``after`` ran, so a failure of that op reaches their readers: one command
+    for all of them (``aliases_after``; an entry whose result is a tuple of ids)."""
+    names, seen = [], set()
+    for t in written:
+        group = [t]
+        if t._aliases is not None:
+            live = [r for r in t._aliases if r() is not None]
+            t._aliases[:] = live
+            group += [r() for r in live]
+        for u in group:
+            if id(u) in seen or u._deleted or u._borrow is not None or u.stream.id != stream.id:
+                continue
+            if u is t or (u.mesh.targets == mesh.targets and u.generation == t.generation):
+                seen.add(id(u))
+                names.append(u)
+    if not names:
+        return
+    ctrl, n = mesh._controller, len(names)
+    slots = tuple(OpSlot(i) for i in range(n + 1))
+    op = _define(ctrl, _aux_template(("aliases", n), slots, _ALIASES, "alias"))
+    ident, ids = ctrl.next_ident(), tuple([ctrl.next_id() for _ in names])
+    refs = (after._wire_id(), *[u._wire_id() for u in names])
+    ctrl.send_op((ident, ids, op, refs, stream.id, ()), mesh.targets, "alias")
+    for u, rid in zip(names, ids):
+        u._rebind(rid, ident)
 
 
 def _rename(u: Tensor, after, mesh, stream) -> None:

@@ -48,6 +48,24 @@ class _Undefined:
         raise self.error
 
 
+class _Spread:
+    """The cells of an op with several results: each gets its item of the op's value
+    (a tuple), or every one the failure."""
+
+    __slots__ = ("cells",)
+
+    def __init__(self, cells: list):
+        self.cells = cells
+
+    def set(self, value) -> None:
+        if type(value) is tuple and len(value) == len(self.cells):
+            for c, v in zip(self.cells, value):
+                c.set(v)
+        else:
+            for c in self.cells:
+                c.set(value)
+
+
 def _work(op, cells: list, scalars: tuple):
     """What a stream runs for one op: ``op`` on the values of ``cells``, then
     ``scalars`` (its lifted floats) in the slots after theirs."""
@@ -79,7 +97,12 @@ class OpHandlers:
         queued: dict[int, list] = {}  # stream id -> commands, in order
         for ident, result, op_id, refs, sid, scalars in msg.ops:
             op = ops.get(op_id) or _Undefined(op_id)
-            out = env[result] = Cell()
+            if type(result) is tuple:  # several values: aliases_after's new names
+                cells = [Cell() for _ in result]
+                env.update(zip(result, cells))
+                out = _Spread(cells)
+            else:
+                out = env[result] = Cell()
             commands = queued.get(sid)
             if commands is None:
                 commands = queued[sid] = []
