@@ -95,8 +95,10 @@ def key_of(x, tensors: list, local: list, floats: list | None = None):
         i = len(tensors)
         tensors.append(x)
         return _marks[i] if i < 64 else (_MARK, i)
-    if tp is list or tp is tuple:
-        return tuple([key_of(y, tensors, local, floats) for y in x])
+    if tp is list or tp is tuple:  # sizes, dims: ints mostly, taken here without a call
+        return tuple(
+            [y if type(y) is int or y is None else key_of(y, tensors, local, floats) for y in x]
+        )
     if tp in _SCALARS:  # 1.0 == 1 == True, but they promote differently
         return (tp, x)
     if isinstance(x, torch.Tensor):
