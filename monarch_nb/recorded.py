@@ -85,8 +85,13 @@ class Trace:
         self.deletes = []
 
 
+def results_of(result) -> tuple:
+    """The ids a command's ``result`` names (a tensor op may have several)."""
+    return result if type(result) is tuple else (result,)
+
+
 def fields(command) -> tuple:
-    """``(result, ids it reads, stream)`` of a command."""
+    """``(result, ids it reads, stream)`` of a command (``result``: see ``results_of``)."""
     if type(command) is tuple:
         return command[1], command[3], command[4]
     kind = type(command).__name__
@@ -116,14 +121,15 @@ class Signature:
         for command, targets, _ in commands:
             result, reads, stream = fields(command)
             read = tuple([c(r) for r in reads])
-            made.add(result)
+            made.update(results_of(result))
+            if type(command) is tuple or skeleton is None:
+                made_here = tuple([c(r) for r in results_of(result)])
             if skeleton is None:
-                c(result)
                 continue
             if type(command) is tuple:
                 scalars = command[5]
                 floats.extend(scalars)
-                skeleton.append(("op", targets, stream, command[2], read, c(result), len(scalars)))
+                skeleton.append(("op", targets, stream, command[2], read, made_here, len(scalars)))
                 continue
             try:
                 skeleton.append(_message_skeleton(command, targets, c))

@@ -27,7 +27,7 @@ from typing import Any
 
 from .context import recording_trace
 from .protocol import messages as m
-from .recorded import RecordingError, Signature, Trace, fields
+from .recorded import RecordingError, Signature, Trace, fields, results_of
 from .remote import Ref
 
 __all__ = ["Compiled", "RecordingError", "compile"]
@@ -236,7 +236,7 @@ class Compiled:
         out_refs: list[Ref] = []
         _walk(result, out_refs)
         described = [fields(c) for c, _, _ in trace.commands]
-        defined = {result_id for result_id, _, _ in described}
+        defined = {rid for result, _, _ in described for rid in results_of(result)}
         formal_ids = [r.id for r in refs]
         used = set()
         for _, reads, _ in described:

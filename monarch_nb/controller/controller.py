@@ -221,10 +221,11 @@ class Controller:
         if check:
             self.check_usable(targets)
         frames = self._frames(msg, targets, stream, what)
-        nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if frames and len(frames) > 2 else 0
-        if frames is not None and nbytes <= BIG_SEND:
+        if frames is None:  # held back by a compiled call (recorded.Trace)
+            return
+        nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
+        if nbytes <= BIG_SEND:
             self.io.submit(("msg", targets, frames, None))
-        if frames is None or nbytes <= BIG_SEND:
             return
         done: Future = Future()
         self.io.submit(("msg", targets, frames, done))
@@ -292,8 +293,7 @@ class Controller:
         self.interrupts.interrupt(streams, ranks)
 
     def on_gap(self, rank: int, missed: int) -> None:
-        """``missed`` messages of a socket of ``rank`` never arrived (IO thread): the
-        requests waiting on that rank fail instead of waiting for them."""
+        """``missed`` messages of ``rank`` never arrived: its waiting requests fail."""
         self.table.fail_rank(rank, sequence_gap(self.name, rank, missed))
 
     def break_mesh(self, err: BaseException) -> None:

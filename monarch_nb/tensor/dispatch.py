@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from ..context import recording_trace, resolve_target
+from ..context import resolve_target
 from ..protocol import messages as m
 from ..protocol.aten import OpSlot, alias_after, aliases_after
 from ..protocol.pickling import pack_ref_args, ref_placeholder
@@ -130,12 +130,8 @@ def _names(func) -> tuple:
 def _finish(p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh, stream):
     """The op's outputs, once its command is sent: mesh tensors naming its values."""
     ctrl = mesh._controller
-    if p.mutated and recording_trace.anyone is None:  # before the op's value may go
+    if p.mutated:  # before the op's own value may be freed below
         _rename_written([tensors[j] for j in p.mutated], _Holder(result), mesh, stream)
-    for j in p.mutated if recording_trace.anyone is not None else ():  # one by one
-        _rename(tensors[j], _Holder(result), mesh, stream)
-        if tensors[j]._aliases is not None:
-            _rename_aliases(tensors[j], mesh, stream)
     entry = p.entry
     kind = entry[0]
     if kind == "one":
@@ -297,9 +293,9 @@ def _rename_written(written: list, after, mesh, stream) -> None:
     for t in written:
         group = [t]
         if t._aliases is not None:
-            live = [r for r in t._aliases if r() is not None]
-            t._aliases[:] = live
-            group += [r() for r in live]
+            pairs = [(r, r()) for r in t._aliases]
+            t._aliases[:] = [r for r, u in pairs if u is not None]
+            group += [u for _, u in pairs if u is not None]
         for u in group:
             if id(u) in seen or u._deleted or u._borrow is not None or u.stream.id != stream.id:
                 continue

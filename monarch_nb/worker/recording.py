@@ -18,6 +18,8 @@ commands that read it, with MissingRef.
 
 from __future__ import annotations
 
+from operator import getitem
+
 from ..protocol import messages as m
 from ..protocol.aten import OpSlot
 from ..protocol.wire import resolve_function, unpack_args
@@ -139,7 +141,16 @@ class Recording:
         self._steps: dict[int, list[tuple]] = {}  # stream id -> [_step(command)]
         for cmd, at in zip(msg.commands, msg.floats_at):
             sid = cmd[4] if type(cmd) is tuple else cmd.stream
-            self._steps.setdefault(sid, []).append(_step(cmd, ops, at))
+            steps = self._steps.setdefault(sid, [])
+            step = _step(cmd, ops, at)
+            if type(step[3]) is not tuple:
+                steps.append(step)
+                continue
+            # several results (aliases_after): the value under a key of its own (< -1),
+            # then each result its item
+            whole = -2 - sum(len(s) for s in self._steps.values())
+            steps.append((*step[:3], whole, step[4]))
+            steps.extend((getitem, whole, (i,), rid, {whole}) for i, rid in enumerate(step[3]))
         self.produces = {sid: {s[3] for s in steps} for sid, steps in self._steps.items()}
         self.reads = {
             sid: set().union(*(s[4] for s in steps)) for sid, steps in self._steps.items()
