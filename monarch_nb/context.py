@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 # The controller's send() watches this object (its ``active`` trace observes every
 # command sent); the API reaches it only through this module.
-from .controller.trace import recording_trace  # noqa: F401
+from .controller.trace import RecordingError, recording_trace  # noqa: F401
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh

@@ -20,15 +20,12 @@ from __future__ import annotations
 import sys
 import weakref
 
+from .context import RecordingError
 from .protocol.pickling import unpack_args
 from .remote import Ref
 
 RECORDABLE = ("CallFunction", "Reduce", "RunCode")
 _ID_FIELDS = frozenset({"result", "source", "out"})
-
-
-class RecordingError(RuntimeError):
-    """Something a compiled function did cannot be recorded."""
 
 
 class Trace:

@@ -33,6 +33,12 @@ SUBCLASS_FORMULA = {
     "linalg.eigvalsh": "eigvalsh computes the vectors too for a subclass",
     "prod": "prod's backward takes the composite-compliant formula for a subclass",
 }
+# ops whose local result itself differs in the last bits from one call to the next on
+# the same values: compared to 1e-5 (rel.) as well
+NOT_REPEATABLE = {
+    "linalg.lstsq": "LAPACK's gelsy driver gives other last bits on a clone of the same inputs, locally too",
+}
+CLOSE_ENOUGH = {**SUBCLASS_FORMULA, **NOT_REPEATABLE}
 FORWARD_SAMPLES = 6  # per op, at most (the database has ~19,000 in all)
 BACKWARD_SAMPLES = 3
 # random ops: compared by their own test (a seed on the mesh gives local numbers)
@@ -157,8 +163,8 @@ def run_sample(mesh, op, sample, backward: bool) -> tuple[str, str]:
         return "error", f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
     if _same(ours, local):
         return "equal", ""
-    if op.name in SUBCLASS_FORMULA and _close(ours, local):
-        return "close", SUBCLASS_FORMULA[op.name]
+    if op.name in CLOSE_ENOUGH and _close(ours, local):
+        return "close", CLOSE_ENOUGH[op.name]
     return "wrong", ""
 
 

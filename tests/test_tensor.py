@@ -148,12 +148,20 @@ def test_no_mesh_runs_local_torch(mesh):
     ],
     ids=["item", "bool", "float", "tolist", "nonzero"],
 )
-def test_values_stay_remote_errors_name_inspect(mesh, use):
+def test_values_ranks_disagree_on_error_names_inspect(mesh, use):
+    """Values come from the ranks when they agree (tests/test_tensor_from_data.py);
+    a shard of each rank's own: the error names the ranks and mnb.inspect."""
+
+    def rank_minus_one():
+        import torch.distributed as dist
+
+        return torch.full((1,), float(dist.get_rank() - 1))
+
     with mesh.activate():
-        t = torch.ones(1)
-        with pytest.raises(RuntimeError, match=r"mnb\.inspect"):
+        t = mnb.remote(rank_minus_one, propagate=lambda: torch.empty(1))()
+        with pytest.raises(ValueError, match=r"rank 0: .*rank 1: .*mnb\.inspect"):
             use(t)
-        assert mnb.inspect(t + 1).tolist() == [2.0]  # the mesh keeps working
+        assert mnb.inspect(t + 1, dp=1).tolist() == [1.0]  # the mesh keeps working
 
 
 def test_local_tensor_mixed_with_mesh_tensors_is_refused(mesh):

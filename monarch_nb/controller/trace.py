@@ -11,6 +11,10 @@ from __future__ import annotations
 import threading
 
 
+class RecordingError(RuntimeError):
+    """Something a compiled function did cannot be recorded."""
+
+
 class _RecordingTrace:
     def __init__(self):
         self._tls = threading.local()

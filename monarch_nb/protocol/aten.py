@@ -87,7 +87,15 @@ def describe(value):
     return ("value", None)
 
 
-def _shown(desc) -> str:
+def outcome(value):
+    """What an op whose result depends on the data made on this rank: the layout
+    description of its tensors (``describe``), or ``("value", value)`` for a Python
+    value (``item()``, ``equal``)."""
+    desc = describe(value)
+    return ("value", value) if desc[0] == "value" else desc
+
+
+def shown(desc) -> str:
     def one(lay):
         return "no tensor" if lay is None else f"shape {tuple(lay[0])} {lay[3]}"
 
@@ -125,8 +133,8 @@ def call_checked(function, expected, /, *args, **kwargs):
         got = describe(out)
         if not _fits(got, expected):
             raise LayoutMismatchError(
-                f"{name} returned {_shown(got)}, but its propagator said "
-                f"{_shown(expected)}: the mesh tensors made from it have the wrong "
+                f"{name} returned {shown(got)}, but its propagator said "
+                f"{shown(expected)}: the mesh tensors made from it have the wrong "
                 f"layout; fix the propagate= function (or use propagate='inspect')"
             )
     return out

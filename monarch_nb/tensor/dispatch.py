@@ -18,9 +18,9 @@ from ..protocol.aten import OpSlot, alias_after, aliases_after
 from ..protocol.pickling import pack_ref_args, ref_placeholder
 from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
-from . import borrows
+from . import borrows, from_data
 from .plans import RUN_OP, Plan, key_of, lifts_floats, lookup, next_op_id, plan
-from .propagate import layout_of, op_name
+from .propagate import DataDependentError, layout_of, op_name
 from .tensor import Tensor
 
 _GETITEM = function_ref(operator.getitem)
@@ -70,7 +70,13 @@ def dispatch(func, args, kwargs, mesh=None):
         return _with_local(func, args, kwargs, mesh, tensors, local, key)
     p = lookup(key)
     if p is None:
-        p = plan(func, args, kwargs, tensors, key, floats is not None)
+        if from_data.known(key):
+            return from_data.run(func, args, kwargs, tensors, mesh)
+        try:
+            p = plan(func, args, kwargs, tensors, key, floats is not None)
+        except DataDependentError:
+            from_data.remember(key)
+            return from_data.run(func, args, kwargs, tensors, mesh)
     if p.cuda:  # the plan may have been made on another mesh
         p.check_device(mesh)
     mesh, stream, ctrl = _target(p, tensors, mesh)

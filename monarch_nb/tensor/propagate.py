@@ -100,8 +100,13 @@ def op_name(func) -> str:
     return str(func).removesuffix(".default")
 
 
-def needs_values_error(what: str) -> RuntimeError:
-    return RuntimeError(
+class DataDependentError(RuntimeError):
+    """An op whose result's layout (or value) FakeTensor cannot know: it depends on
+    the values (``nonzero``, ``masked_select``, ``unique``, ``item()``)."""
+
+
+def needs_values_error(what: str, cls=RuntimeError) -> RuntimeError:
+    return cls(
         f"{what} needs the values of a mesh tensor, which live on the workers: "
         f"bring one shard back with mnb.inspect(t) (or every shard with t.fetch())"
     )
@@ -115,7 +120,7 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
         with fake_inputs(args, kwargs, tensors, is_mesh) as (fargs, fkwargs, fakes):
             out = func(*fargs, **fkwargs)
     except (DataDependentOutputException, DynamicOutputShapeException):
-        raise needs_values_error(f"{name} (its result depends on the data)") from None
+        raise needs_values_error(f"{name} (its result depends on the data)", DataDependentError) from None
     except UnsupportedOperatorException:
         raise NotImplementedError(
             f"{name} has no fake (meta) kernel, so the layout of its result cannot be "

@@ -15,7 +15,6 @@ the value (a ``LayoutMismatchError`` at its first inspect or fetch).
 
 from __future__ import annotations
 
-import operator
 import sys
 import weakref
 
@@ -24,15 +23,15 @@ from torch.utils._pytree import tree_leaves
 from ..context import recording_trace, resolve_target
 from ..protocol import aten
 from ..protocol.wire import function_ref
-from ..remote import Ref, _tensor_engine, remote
+from ..remote import _tensor_engine, remote
 from .mode import active_mesh
 from .plans import key_of
 from .propagate import fake_inputs, layout_of
 from .tensor import Tensor
+from .values import outputs
 
 _CALL = function_ref(aten.call_checked)
 _describe = remote(aten.describe)
-_getitem = remote(operator.getitem)
 # fn -> {(propagate kind, argument key): description}; a redefined function starts anew
 _layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CACHE_MAX = 4096
@@ -134,26 +133,7 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
             raise
         if key is not None and propagate == "cached":
             cache[key] = desc
-    return _outputs(ref, desc, mesh, stream)
-
-
-def _tensor_of(ref: Ref, layout: tuple) -> Tensor:
-    t = Tensor(layout, ref.id, ref.mesh, ref.stream, ref.ident)
-    ref._deleted = True  # t names the value now
-    return t
-
-
-def _outputs(ref: Ref, desc, mesh, stream):
-    if desc[0] == "one":
-        return _tensor_of(ref, desc[1])
-    if desc[0] == "value":
-        return ref
-    outs = []
-    for i, layout in enumerate(desc[2]):
-        item = _getitem._send((ref, i), {}, mesh, stream)
-        outs.append(item if layout is None else _tensor_of(item, layout))
-    ref.delete()
-    return tuple(outs) if desc[1] == "tuple" else outs
+    return outputs(ref, desc, mesh, stream)
 
 
 _tensor_engine[0] = sys.modules[__name__]  # mnb.remote calls with mesh tensors come here

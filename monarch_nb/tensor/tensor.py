@@ -18,7 +18,7 @@ from ..protocol.pickling import ref_placeholder
 from ..protocol.wire import register_ref_type
 from ..remote import Ref
 from . import borrows
-from .propagate import needs_values_error
+from .agreed import agreed_shard
 
 
 class Tensor(torch.Tensor, Ref):
@@ -94,31 +94,32 @@ class Tensor(torch.Tensor, Ref):
     def __format__(self, spec: str) -> str:
         return self.__str__() if not spec else format(self.__str__(), spec)
 
-    # ---------------------------------------------------------------- values stay remote
+    # ------------------------------------------- values: the one every rank holds
 
     def item(self):
-        raise needs_values_error("t.item()")
+        """The number every rank holds (asked of each); ranks that differ: an error."""
+        return agreed_shard(self, "t.item()").item()
 
     def tolist(self):
-        raise needs_values_error("t.tolist()")
+        return agreed_shard(self, "t.tolist()").tolist()
 
     def numpy(self, *args, **kwargs):
-        raise needs_values_error("t.numpy()")
+        return agreed_shard(self, "t.numpy()").numpy(*args, **kwargs)
 
     def __bool__(self):
-        raise needs_values_error("bool(t)")
+        return bool(agreed_shard(self, "bool(t)"))
 
     def __float__(self):
-        raise needs_values_error("float(t)")
+        return float(agreed_shard(self, "float(t)"))
 
     def __int__(self):
-        raise needs_values_error("int(t)")
+        return int(agreed_shard(self, "int(t)"))
 
     def __index__(self):
-        raise needs_values_error("using a mesh tensor as an index")
+        return agreed_shard(self, "using a mesh tensor as an index").__index__()
 
     def __array__(self, *args, **kwargs):
-        raise needs_values_error("numpy.asarray(t)")
+        return agreed_shard(self, "numpy.asarray(t)").__array__(*args, **kwargs)
 
     # ---------------------------------------------------------------- collectives
 

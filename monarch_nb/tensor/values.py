@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..controller import AsyncResult
 from ..protocol import aten
-from ..remote import remote
+from ..remote import Ref, remote
 from .tensor import Tensor
 
 
@@ -63,3 +65,27 @@ def worker_tensor(mesh, name: str) -> Tensor:
     t = Tensor(layout, ref.id, mesh, ref.stream, ref.ident)
     ref._deleted = True  # t names the value now
     return t
+
+
+_getitem = remote(operator.getitem)
+
+
+def _tensor_of(ref: Ref, layout: tuple) -> Tensor:
+    t = Tensor(layout, ref.id, ref.mesh, ref.stream, ref.ident)
+    ref._deleted = True  # t names the value now
+    return t
+
+
+def outputs(ref: Ref, desc, mesh, stream):
+    """The mesh tensors naming the worker value ``ref`` of layout description ``desc``
+    (``protocol.aten.describe``): a tensor, a tuple or list of them, or ``ref`` itself."""
+    if desc[0] == "one":
+        return _tensor_of(ref, desc[1])
+    if desc[0] == "value":
+        return ref
+    outs = []
+    for i, layout in enumerate(desc[2]):
+        item = _getitem._send((ref, i), {}, mesh, stream)
+        outs.append(item if layout is None else _tensor_of(item, layout))
+    ref.delete()
+    return tuple(outs) if desc[1] == "tuple" else outs
