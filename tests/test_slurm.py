@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from kernel_helpers import Kernel, errors, stream
 from slurm_helpers import slurm_cluster
 from wait_helpers import wait_for
 
@@ -139,4 +142,68 @@ def test_ctrl_c_while_pending_cancels_the_job(cluster, job_env, capfd):
         mnb.slurm_mesh(nodes=2, ranks_per_node=1, extra=["--begin=now+1hour"], **job_env)
     t.join(60)
     assert "pending (BeginTime)" in "".join(seen)
+    wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
+
+
+def test_the_srun_line_connect_mesh_prints_runs_as_printed(cluster, job_env, capfd, monkeypatch):
+    """The host agents' srun line of ``connect_mesh`` (what ``%monarch_mesh
+    --connect`` prints), run exactly as printed inside an allocation of one node:
+    ``salloc -N 1 sh -c LINE``; its agent forks the 8 ranks (``--local-ranks 8``)."""
+    bin_dir = os.path.dirname(sys.executable)  # monarch-nb-host: the notebook's environment
+    monkeypatch.setenv("PATH", os.pathsep.join([bin_dir, os.environ["PATH"]]))
+    seen: list = []
+    salloc: list = []
+
+    def run_printed_line():
+        def line():
+            seen.append(capfd.readouterr().out)
+            for text in "".join(seen).splitlines():
+                if text.strip().startswith("srun --ntasks-per-node 1 monarch-nb-host"):
+                    return text.strip()
+
+        printed = wait_for(line, 60, "the printed srun line", interval=0.1)
+        salloc.append(subprocess.Popen(["salloc", "-N", "1", "sh", "-c", printed],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True, env=cluster.env()))  # fmt: skip
+
+    t = threading.Thread(target=run_printed_line, daemon=True)
+    t.start()
+    mesh = mnb.connect_mesh(world=8, name="printed", interface="0.0.0.0", timeout=120, **job_env)
+    try:
+        t.join(60)
+        seen_ranks = mnb.remote(where)(mesh=mesh).fetch(timeout=60)
+        assert [s[:2] for s in seen_ranks] == [(r, "n0") for r in range(8)]
+    finally:
+        mesh.shutdown()
+        for p in salloc:
+            p.wait(60)
+    wait_for(lambda: cluster.queue() == [], 30, "the allocation gone from squeue",
+             show=cluster.queue)  # fmt: skip
+
+
+@pytest.mark.kernel
+def test_the_magic_runs_a_mesh_on_slurm_and_cancels_it_at_shutdown(cluster, job_env, tmp_path):
+    """``%monarch_mesh --slurm nodes=2 ranks_per_node=1`` in a real kernel, a
+    ``%%monarch`` cell on both nodes, ``--shutdown``: nothing left in squeue; a bad
+    word is a UsageError naming it."""
+    kern = Kernel(tmp_path)
+    try:
+        kern.ok("%load_ext monarch_nb")
+        _, msgs = kern.run("%monarch_mesh --slurm nodes=2 ranks=1")
+        assert not errors(msgs)  # a UsageError: its text on stderr
+        assert stream(msgs, "stderr").startswith("UsageError: %monarch_mesh --slurm: unexpected")
+        assert "'ranks=1'" in stream(msgs, "stderr")
+        kern.ok(
+            f"%monarch_mesh --slurm nodes=2 ranks_per_node=1 time=5:00 --name s2 "
+            f"--advertise {job_env['advertise']} --connection-file {job_env['connection_file']} "
+            f"--dashboard none",
+            timeout=180,
+        )
+        assert len(cluster.queue()) == 1
+        msgs = kern.ok("%%monarch\nimport os\nprint(os.environ['SLURMD_NODENAME'])", timeout=60)
+        out = stream(msgs, "stdout")
+        assert "n0" in out and "n1" in out
+        kern.ok("%monarch_mesh --name s2 --shutdown", timeout=60)
+    finally:
+        kern.shutdown()
     wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
