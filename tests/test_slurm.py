@@ -207,3 +207,19 @@ def test_the_magic_runs_a_mesh_on_slurm_and_cancels_it_at_shutdown(cluster, job_
     finally:
         kern.shutdown()
     wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
+
+
+def test_the_time_limit_reached_mid_cell_fails_the_ranks_naming_it(cluster, job_env):
+    """A job of one minute (Slurm's least), a cell that outlasts it: Slurm ends
+    the agents and the cell fails naming the job and its time limit; another
+    mesh serves on."""
+    mesh = mnb.slurm_mesh(nodes=1, ranks_per_node=1, time="1", name="short", **job_env)
+    try:
+        busy = mesh.exec("import time\ntime.sleep(600)")
+        with pytest.raises(WorkerCrashed, match=f"Slurm job {mesh.slurm_job} reached its time"):
+            busy.fetch(timeout=240)  # Slurm checks time limits every 30 s or so
+    finally:
+        mesh.shutdown()
+    with mnb.slurm_mesh(nodes=1, ranks_per_node=1, **job_env) as other:
+        assert mnb.remote(where)(mesh=other).fetch(timeout=60)[0][0] == 0
+    wait_for(lambda: cluster.queue() == [], 30, "the jobs gone from squeue", show=cluster.queue)
