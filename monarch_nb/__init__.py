@@ -24,7 +24,7 @@ from .controller.errors import (
     WorkerCrashed,
     WorkerUnresponsive,
 )
-from .launch import connect_mesh, local_mesh
+from .launch import connect_mesh, local_mesh, slurm_mesh
 from .mesh import DeviceMesh, Stream, get_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
@@ -93,6 +93,7 @@ __all__ = [
     "WorkerCrashed",
     "WorkerUnresponsive",
     "connect_mesh",
+    "slurm_mesh",
     "current_coords",
     "current_rank",
     "current_size",

@@ -161,3 +161,62 @@ def connect_mesh(
     mesh.connection_file = launcher.connection_file
     context.register(mesh)
     return mesh
+
+
+def slurm_mesh(
+    nodes: int = 4,
+    ranks_per_node: int = 2,
+    partition: str | None = None,
+    time: str | None = "1:00:00",
+    account: str | None = None,
+    extra: tuple | list = (),
+    gpus: int | None = None,
+    name: str | None = None,
+    backend: str | None = None,
+    interface: str = "0.0.0.0",
+    advertise: str | None = None,
+    connection_file: str | None = None,
+    timeout: float = 600.0,
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    **dims: int,
+) -> DeviceMesh:
+    """A mesh of ``nodes`` x ``ranks_per_node`` ranks on Slurm: one host agent per
+    node, submitted with ``sbatch`` (``--nodes``, ``--ntasks-per-node 1``,
+    ``--cpus-per-task ranks_per_node``, ``--gpus-per-node gpus``, ``--time``,
+    ``--partition``, ``--account``, then ``extra``), or run with ``srun`` when
+    this process is inside an allocation (SLURM_JOB_ID set). While the job waits
+    a bar shows its id and state; Ctrl-C then cancels it. Slurm's own message is
+    the error when it refuses the job. ``restart()`` forks the ranks again in the
+    same job; ``shutdown()`` cancels it (scancel). ``dims`` default to
+    ``hosts=nodes, ranks=ranks_per_node``; the other arguments are
+    ``connect_mesh``'s (the connection file must be on a filesystem the nodes see)."""
+    from .controller.slurm import SlurmLauncher
+
+    dims = dims or {"hosts": nodes, "ranks": ranks_per_node}
+    _check_dims(dims)
+    _check_backend(backend)
+    name = context.new_name(name)
+    launcher = SlurmLauncher(
+        name, dims, nodes=nodes, ranks_per_node=ranks_per_node, gpus=gpus,
+        partition=partition, time_limit=time, account=account, extra=extra,
+        connection_file=connection_file, interface=interface,
+        agent_timeout=heartbeat_timeout,
+    )  # fmt: skip
+    world = 1
+    for v in dims.values():
+        world *= v
+    if world != nodes * ranks_per_node:
+        raise ValueError(
+            f"the dims {dims} hold {world} ranks, not nodes x ranks_per_node = "
+            f"{nodes * ranks_per_node}"
+        )
+    ctrl = Controller(
+        name, dims, backend, interface=interface, launcher=launcher, startup_timeout=timeout,
+        advertise=advertise, heartbeat_timeout=heartbeat_timeout,
+        liveness_timeout=heartbeat_timeout,
+    )  # fmt: skip
+    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
+    mesh.connection_file = launcher.connection_file
+    mesh.slurm_job = launcher.job.id if launcher.job is not None else None
+    context.register(mesh)
+    return mesh

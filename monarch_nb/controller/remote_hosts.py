@@ -107,6 +107,7 @@ class AgentChannel:
         self.peers = PeerTable()
         self.agents: dict[bytes, RemoteAgent] = {}
         self.refusals: list[str] = []  # why agents were refused (kept for a look later)
+        self.lost_note = None  # () -> str | None: more on a loss (the launcher's job ended)
         self._lock = threading.Lock()  # agents, the launch target, procs
         self._target: str | None = None  # the ranks' address, once a generation launched
         self._procs: dict = {}
@@ -360,7 +361,8 @@ class AgentChannel:
         with self._lock:
             if self.agents.pop(agent.identity, None) is None:
                 return
-        agent.lost = f"{agent.label}: {why}"
+        note = self.lost_note() if self.lost_note is not None else None
+        agent.lost = f"{agent.label}: {why}" + (f"; {note}" if note else "")
         agent.end_all(agent.lost)
         self._say(f"lost the host agent on {agent.lost}")
 

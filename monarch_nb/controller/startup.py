@@ -24,7 +24,13 @@ def start_generation(ctrl, secret: bytes, startup_timeout: float) -> None:
             ctrl.io.watch(p)
     progress = bar(total=ctrl.world, desc=f"starting mesh {ctrl.name!r}", unit="worker")
     deadline = time.monotonic() + startup_timeout
+    failure = getattr(workers.launcher, "startup_failure", lambda: None)
     while not workers.ready.wait(0.1) and time.monotonic() < deadline:
+        why = failure()  # a launcher's job that ended (Slurm) before its workers joined
+        if why is not None:
+            if progress is not None:
+                progress.close()
+            raise RuntimeError(why)
         if progress is not None and len(workers.identities) != progress.n:
             progress.update(len(workers.identities) - progress.n)
     if progress is not None:

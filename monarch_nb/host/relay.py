@@ -93,8 +93,10 @@ class Relay:
         try:
             self._send(
                 hm.Hello(
-                    socket.gethostname(), os.getpid(), __version__, self.local_ranks, self.node_rank
-                )
+                    # Slurm's name of the node, where srun started this agent
+                    os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                    os.getpid(), __version__, self.local_ranks, self.node_rank,
+                )  # fmt: skip
             )
             self._loop()
         finally:

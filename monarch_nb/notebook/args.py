@@ -66,12 +66,23 @@ def mesh_parser() -> Parser:
         action="store_true",
         help="wait for workers started by another launcher (torchrun, srun) instead of spawning",
     )
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="host agents as a Slurm job (sbatch, or srun in an allocation): "
+        "nodes=4 ranks_per_node=2 [gpus=G partition=P time=T account=A]",
+    )
     p.add_argument("--world", type=int, help="with --connect: how many workers join")
     p.add_argument("--connection-file", help="with --connect: where to write the connection file")
     p.add_argument(
         "--interface",
         default="127.0.0.1",
         help="with --connect: the address to bind (0.0.0.0 or an address for other hosts)",
+    )
+    p.add_argument(
+        "--advertise",
+        help="with --connect or --slurm: the address written for the workers "
+        "(default: this host's name)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="with --connect: seconds to wait")
     p.add_argument(

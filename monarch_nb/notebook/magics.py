@@ -91,6 +91,8 @@ class MonarchMagics(Magics):
             return None
         if a.connect:
             return self._connect(a)
+        if a.slurm:
+            return self._slurm(a)
         if not a.dims:
             if a.backend:
                 raise UsageError(
@@ -133,10 +135,31 @@ class MonarchMagics(Magics):
                 name=name,
                 backend=a.backend,
                 interface=a.interface,
+                advertise=a.advertise,
                 **dims,
             )
         except ValueError as e:
             raise UsageError(f"%monarch_mesh --connect: {e}") from None
+        self.hub.router(mesh._controller)
+        self.views.show(mesh, a.dashboard)
+        return None
+
+    def _slurm(self, a):
+        """``--slurm nodes=4 ranks_per_node=2``: host agents as a Slurm job."""
+        from .slurm_args import parse_slurm
+
+        kw = parse_slurm(a.dims or [])
+        name = a.name if a.name is not None else DEFAULT_NAME
+        old = mesh_mod.all_meshes().get(name)
+        if old is not None:
+            self._shutdown(old)
+        interface = "0.0.0.0" if a.interface == "127.0.0.1" else a.interface
+        try:
+            mesh = launch.slurm_mesh(name=name, backend=a.backend, interface=interface,
+                                     connection_file=a.connection_file, timeout=a.timeout,
+                                     advertise=a.advertise, **kw)  # fmt: skip
+        except ValueError as e:
+            raise UsageError(f"%monarch_mesh --slurm: {e}") from None
         self.hub.router(mesh._controller)
         self.views.show(mesh, a.dashboard)
         return None

@@ -1,0 +1,225 @@
+"""``mnb.slurm_mesh`` on a real Slurm: slurmctld and four slurmd, each node a
+network namespace (``slurm_helpers.slurm_cluster``), munge authenticating.
+
+The host agents are a real sbatch job (srun inside it starts one per node), the
+ranks real forked workers joined over the bridge, gloo between namespaces. One
+cluster for the module; skipped (with the reason) without Slurm, munge or root."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from kernel_helpers import Kernel, errors, stream
+from slurm_helpers import slurm_cluster
+from wait_helpers import wait_for
+
+import monarch_nb as mnb
+from monarch_nb.controller.errors import WorkerCrashed
+from monarch_nb.controller.slurm import SlurmError
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with slurm_cluster(nodes=4, subnet="10.213.31", cpus=2) as c:
+        yield c
+
+
+@pytest.fixture
+def job_env(cluster, monkeypatch, tmp_path):
+    """What sbatch passes on to the agents (its default --export=ALL): this
+    checkout and the tests on sys.path, gloo on the namespaces' eth0."""
+    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    return {"advertise": cluster.net.controller, "connection_file": str(tmp_path / "mesh.json")}
+
+
+def where():
+    import os
+
+    return int(os.environ["RANK"]), os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
+
+
+def test_quickstart_on_four_nodes_of_two_ranks(cluster, job_env):
+    mesh = mnb.slurm_mesh(nodes=4, ranks_per_node=2, time="10:00", name="slurm4", **job_env)
+    try:
+        job = mesh.slurm_job
+        assert cluster.queue() == [f"{job} RUNNING"]
+        seen = mnb.remote(where)(mesh=mesh).fetch(timeout=60)
+        assert [s[:2] for s in seen] == [(r, f"n{r // 2}") for r in range(8)]
+        assert {s[2] for s in seen} == {job}
+        # a collective across the four namespaces (gloo on eth0)
+        ones = mnb.remote(torch.ones)(2, mesh=mesh)
+        total = ones.reduce(("hosts", "ranks"), "sum").fetch(timeout=60)
+        assert [t.tolist() for t in total] == [[8.0, 8.0]] * 8
+        # the tensor engine
+        with mesh.activate():
+            a = torch.arange(6.0).reshape(2, 3)
+            s = (a @ a.T).reduce("hosts", "sum")
+        expect = torch.arange(6.0).reshape(2, 3)
+        assert torch.equal(mnb.inspect(s, hosts=3, ranks=1), 4 * (expect @ expect.T))
+        # restart: the same job's agents fork the ranks again
+        before = mesh._controller.worker_pids()
+        mesh.restart()
+        after = mesh._controller.worker_pids()
+        assert set(before.values()).isdisjoint(after.values())
+        assert [s[1:] for s in mnb.remote(where)(mesh=mesh).fetch(timeout=60)] == [
+            (f"n{r // 2}", job) for r in range(8)
+        ]
+        assert cluster.queue() == [f"{job} RUNNING"]
+        # a lost node fails its ranks, naming the node
+        busy = mesh.exec("import time\ntime.sleep(120)")
+        relay = next(
+            p for p in psutil.process_iter(["cmdline", "environ"])
+            if "monarch_nb.host" in " ".join(p.info["cmdline"] or [])
+            and (p.info["environ"] or {}).get("SLURMD_NODENAME") == "n2"
+            and (p.info["environ"] or {}).get("SLURM_JOB_ID") == job
+        )  # fmt: skip
+        relay.kill()
+        with pytest.raises(WorkerCrashed, match="host n2"):
+            busy.fetch(timeout=60)
+    finally:
+        mesh.shutdown()
+    wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
+
+
+def test_a_bad_partition_shows_slurms_own_message(cluster, job_env):
+    with pytest.raises(SlurmError, match="sbatch refused.*[Ii]nvalid partition"):
+        mnb.slurm_mesh(nodes=1, ranks_per_node=1, partition="nosuch", **job_env)
+    assert cluster.queue() == []
+
+
+@pytest.mark.parametrize(
+    "ask, error, said",
+    [
+        ({"nodes": 5, "ranks_per_node": 1}, RuntimeError,
+         r"cannot start: pending \(PartitionNodeLimit\): it asks more nodes than the partition"),
+        ({"nodes": 1, "ranks_per_node": 3}, SlurmError,
+         "(?s)sbatch refused.*CPU count per node can not be satisfied.*Requested node configuration"),
+    ],
+    ids=["more-nodes-than-the-partition", "more-ranks-than-cpus"],
+)  # fmt: skip
+def test_a_job_slurm_cannot_place_is_refused_with_its_reason(cluster, job_env, ask, error, said):
+    with pytest.raises(error, match=said):
+        mnb.slurm_mesh(**ask, **job_env)
+    wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
+    # the cluster serves on: a one-node mesh starts right after
+    with mnb.slurm_mesh(nodes=1, ranks_per_node=1, **job_env) as mesh:
+        assert mnb.remote(where)(mesh=mesh).fetch(timeout=60)[0][0] == 0
+
+
+def test_ctrl_c_while_pending_cancels_the_job(cluster, job_env, capfd):
+    """A job that cannot start for an hour (--begin): its state shows while it
+    waits, and a Ctrl-C (SIGINT) cancels it; nothing is left in squeue."""
+    seen: list = []
+
+    def interrupt():
+        def shown():
+            seen.append(capfd.readouterr().err)
+            return "pending (BeginTime)" in "".join(seen)
+
+        try:
+            wait_for(lambda: cluster.queue(), 60, "the job in squeue")
+            wait_for(shown, 60, "the pending job's state", interval=0.2)
+        finally:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    t = threading.Thread(target=interrupt, daemon=True)
+    t.start()
+    with pytest.raises(KeyboardInterrupt):
+        mnb.slurm_mesh(nodes=2, ranks_per_node=1, extra=["--begin=now+1hour"], **job_env)
+    t.join(60)
+    assert "pending (BeginTime)" in "".join(seen)
+    wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
+
+
+def test_the_srun_line_connect_mesh_prints_runs_as_printed(cluster, job_env, capfd, monkeypatch):
+    """The host agents' srun line of ``connect_mesh`` (what ``%monarch_mesh
+    --connect`` prints), run exactly as printed inside an allocation of one node:
+    ``salloc -N 1 sh -c LINE``; its agent forks the 8 ranks (``--local-ranks 8``)."""
+    bin_dir = os.path.dirname(sys.executable)  # monarch-nb-host: the notebook's environment
+    monkeypatch.setenv("PATH", os.pathsep.join([bin_dir, os.environ["PATH"]]))
+    seen: list = []
+    salloc: list = []
+
+    def run_printed_line():
+        def line():
+            seen.append(capfd.readouterr().out)
+            for text in "".join(seen).splitlines():
+                if text.strip().startswith("srun --ntasks-per-node 1 monarch-nb-host"):
+                    return text.strip()
+
+        printed = wait_for(line, 60, "the printed srun line", interval=0.1)
+        salloc.append(subprocess.Popen(["salloc", "-N", "1", "sh", "-c", printed],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True, env=cluster.env()))  # fmt: skip
+
+    t = threading.Thread(target=run_printed_line, daemon=True)
+    t.start()
+    mesh = mnb.connect_mesh(world=8, name="printed", interface="0.0.0.0", timeout=120, **job_env)
+    try:
+        t.join(60)
+        seen_ranks = mnb.remote(where)(mesh=mesh).fetch(timeout=60)
+        assert [s[:2] for s in seen_ranks] == [(r, "n0") for r in range(8)]
+    finally:
+        mesh.shutdown()
+        for p in salloc:
+            p.wait(60)
+    wait_for(lambda: cluster.queue() == [], 30, "the allocation gone from squeue",
+             show=cluster.queue)  # fmt: skip
+
+
+@pytest.mark.kernel
+def test_the_magic_runs_a_mesh_on_slurm_and_cancels_it_at_shutdown(cluster, job_env, tmp_path):
+    """``%monarch_mesh --slurm nodes=2 ranks_per_node=1`` in a real kernel, a
+    ``%%monarch`` cell on both nodes, ``--shutdown``: nothing left in squeue; a bad
+    word is a UsageError naming it."""
+    kern = Kernel(tmp_path)
+    try:
+        kern.ok("%load_ext monarch_nb")
+        _, msgs = kern.run("%monarch_mesh --slurm nodes=2 ranks=1")
+        assert not errors(msgs)  # a UsageError: its text on stderr
+        assert stream(msgs, "stderr").startswith("UsageError: %monarch_mesh --slurm: unexpected")
+        assert "'ranks=1'" in stream(msgs, "stderr")
+        kern.ok(
+            f"%monarch_mesh --slurm nodes=2 ranks_per_node=1 time=5:00 --name s2 "
+            f"--advertise {job_env['advertise']} --connection-file {job_env['connection_file']} "
+            f"--dashboard none",
+            timeout=180,
+        )
+        assert len(cluster.queue()) == 1
+        msgs = kern.ok("%%monarch\nimport os\nprint(os.environ['SLURMD_NODENAME'])", timeout=60)
+        out = stream(msgs, "stdout")
+        assert "n0" in out and "n1" in out
+        kern.ok("%monarch_mesh --name s2 --shutdown", timeout=60)
+    finally:
+        kern.shutdown()
+    wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
+
+
+def test_the_time_limit_reached_mid_cell_fails_the_ranks_naming_it(cluster, job_env):
+    """A job of one minute (Slurm's least), a cell that outlasts it: Slurm ends
+    the agents and the cell fails naming the job and its time limit; another
+    mesh serves on."""
+    mesh = mnb.slurm_mesh(nodes=1, ranks_per_node=1, time="1", name="short", **job_env)
+    try:
+        busy = mesh.exec("import time\ntime.sleep(600)")
+        with pytest.raises(WorkerCrashed, match=f"Slurm job {mesh.slurm_job} reached its time"):
+            busy.fetch(timeout=240)  # Slurm checks time limits every 30 s or so
+    finally:
+        mesh.shutdown()
+    with mnb.slurm_mesh(nodes=1, ranks_per_node=1, **job_env) as other:
+        assert mnb.remote(where)(mesh=other).fetch(timeout=60)[0][0] == 0
+    wait_for(lambda: cluster.queue() == [], 30, "the jobs gone from squeue", show=cluster.queue)
