@@ -26,6 +26,7 @@ from pathlib import Path
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+DOC_IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
 LAUNCH_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -303,15 +304,19 @@ class _Page:
     def stderr_outputs(self) -> list[str]:
         return [e.inner_text() for e in self.page.locator(STDERR).all()]
 
-    def shot(self, name: str, element=None) -> Path:
+    def shot(self, name: str, element=None, doc_image: str | None = None) -> Path:
         """A screenshot of the page (with ``element``, a selector's last match or a
-        locator, scrolled into view), and of that element alone as ``NAME-element.png``."""
+        locator, scrolled into view), and of that element alone as ``NAME-element.png``;
+        with ``MNB_TEST_DOC_IMAGES=1``, that element's picture also replaces
+        ``docs/images/DOC_IMAGE`` (the README's pictures: docs/setup.md)."""
         ARTIFACTS.mkdir(exist_ok=True)
         path = ARTIFACTS / f"{name}.png"
         if element is not None:
             el = self.page.locator(element).last if isinstance(element, str) else element
             el.scroll_into_view_if_needed()
             el.screenshot(path=str(ARTIFACTS / f"{name}-element.png"))
+            if doc_image and os.environ.get("MNB_TEST_DOC_IMAGES") == "1":
+                shutil.copyfile(ARTIFACTS / f"{name}-element.png", DOC_IMAGES / doc_image)
         self.page.screenshot(path=str(path))
         return path
 

@@ -129,7 +129,7 @@ def test_dashboard_shows_queues_errors_and_serves_the_debugger(page, server):
     assert "while True:" in lab.output_text(n)
     wait_dash(page, "mnb-dash-note", "interrupt sent")
     wait_dash(page, "mnb-dash-main", r"^(?![\s\S]*▶)")  # nothing runs any more
-    lab.shot("dashboard_interrupted", ".mnb-dashboard")
+    lab.shot("dashboard_interrupted", ".mnb-dashboard", doc_image="dashboard.png")
     stderr = lab.stderr_outputs()
     assert stderr and all("KeyboardInterrupt" in e for e in stderr), stderr
 

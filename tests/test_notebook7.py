@@ -130,7 +130,7 @@ def test_quickstart_in_notebook7(nb7_page, nb7_server, tmp_path):
     wait_cell_text(page, n, r"\(Pdb r1\)\s+p x\s+42\s")
     stdin = page.locator(".jp-Stdin-input").last  # the new prompt (the answered one stays)
     stdin.wait_for(timeout=T)
-    nb.shot("nb7_pdb", nb.cells().nth(n))
+    nb.shot("nb7_pdb", nb.cells().nth(n), doc_image="pdb.png")
     stdin.press_sequentially("c")
     stdin.press("Enter")
     wait_cell_text(page, n, r"\[rank 1\] after 42")
