@@ -34,6 +34,7 @@ def _results() -> dict:
     }
 
 
+@pytest.mark.unit
 def test_entries_keep_the_json_contract():
     for d in _results().values():
         assert KEYS <= set(d)
@@ -42,6 +43,7 @@ def test_entries_keep_the_json_contract():
     assert _results()["fetch"]["ratio"] == 0.5 and _results()["fetch"]["ok"] is False
 
 
+@pytest.mark.unit
 def test_table_rows_and_legend_of_every_column():
     table = format_table(_results())
     lines = table.splitlines()
@@ -55,6 +57,7 @@ def test_table_rows_and_legend_of_every_column():
     assert "baseline_is" in legend["baseline"]
 
 
+@pytest.mark.unit
 def test_the_rows_that_missed_and_the_exit_code():
     results = _results()
     assert missed(results) == ["fetch", "pdb"]

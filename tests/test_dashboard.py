@@ -76,6 +76,7 @@ def _cells(page: str) -> dict:
 # ------------------------------------------------------------------ drawing
 
 
+@pytest.mark.unit
 def test_queue_cells_are_coloured_by_state():
     running = {
         "ident": 9,
@@ -115,6 +116,7 @@ def test_queue_cells_are_coloured_by_state():
     assert _cells(render.main_html(st))[(1, "default")] == "idle"
 
 
+@pytest.mark.unit
 def test_heartbeat_turns_red_when_a_worker_stops_answering():
     st = _status({0: _worker(), 1: _worker(heartbeat_age=render.HEARTBEAT_STALE + 2.5)})
     health = render.health_html(st)
@@ -128,6 +130,7 @@ def test_heartbeat_turns_red_when_a_worker_stops_answering():
     assert "GPU mem" in health and "3.0 GB" in health and "87%" in health
 
 
+@pytest.mark.unit
 def test_errors_grouped_by_traceback_newest_first_and_expandable():
     tb_a = 'Traceback (most recent call last):\n  File "<x>", line 1\nValueError: bad'
     tb_b = "Traceback (most recent call last):\n  File \"<y>\", line 2\nKeyError: 'k'"
@@ -153,6 +156,7 @@ def test_errors_grouped_by_traceback_newest_first_and_expandable():
     assert render.errors_html(_status({0: _worker()})).count("<details") == 0
 
 
+@pytest.mark.unit
 def test_status_line_and_session_labels():
     st = _status({0: _worker(pid=11), 1: _worker(pid=12)})
     assert render.status_text(st) == "mesh 'm': dp=2, gloo, 2/2 alive (pids 11, 12)"
@@ -164,6 +168,7 @@ def test_status_line_and_session_labels():
     assert render.fold({0: "5\n", 1: "5\n", 2: "7\n"}) == "[ranks 0-1] 5\n[rank 2] 7"
 
 
+@pytest.mark.unit
 def test_waiting_cells_are_rewritten_into_awaited_calls():
     out = waiting.transform(["%%monarch --ranks 1\n", "x = 1\n", "x\n"])
     assert out == [

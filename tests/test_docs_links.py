@@ -10,6 +10,8 @@ from urllib.parse import unquote
 
 import pytest
 
+pytestmark = pytest.mark.unit  # in-process: no worker, kernel or browser
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {"node_modules", "build", "dist", "artifacts", "labextension", "__pycache__"}
 OUTSIDE = os.path.join("..", "shared")  # where the docs once lay, beside the repository

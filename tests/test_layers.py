@@ -24,6 +24,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 
 
+@pytest.mark.unit
 def test_import_contracts_hold():
     pytest.importorskip("importlinter")
     code = (
@@ -121,6 +122,7 @@ def test_import_monarch_nb_does_not_import_torch():
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr
 
 
+@pytest.mark.unit
 def test_the_dashboard_hook_is_the_packages_and_says_when_missing():
     class _Mesh:
         pass
@@ -136,6 +138,7 @@ def test_the_dashboard_hook_is_the_packages_and_says_when_missing():
     assert mnb.DeviceMesh.dashboard.__doc__  # the public method stays
 
 
+@pytest.mark.unit
 def test_remote_and_mesh_share_one_registry():
     from monarch_nb import mesh as mesh_mod
 
@@ -148,6 +151,7 @@ def test_remote_and_mesh_share_one_registry():
         mnb.get_mesh("nope")
 
 
+@pytest.mark.unit
 def test_no_module_is_over_400_lines():
     pkg = os.path.join(ROOT, "monarch_nb")
     long = {}

@@ -22,6 +22,8 @@ from monarch_nb.notebook.output import CELL_CAP, HOLD, CellSink
 from monarch_nb.notebook.results import render_failures, result_displays
 from monarch_nb.worker import display as wd
 
+pytestmark = pytest.mark.unit  # in-process: no worker, kernel or browser
+
 
 class FakePublisher:
     def __init__(self):

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from monarch_nb.notebook import sink as sink_mod
 from monarch_nb.notebook.live import LIVE_AFTER, TAIL_LINES, compact, finished, overwrite
 from monarch_nb.notebook.sink import CELL_CAP, HOLD, CellSink
+
+pytestmark = pytest.mark.unit  # in-process: no worker, kernel or browser
 
 
 class KernelPublisher:

@@ -4,7 +4,11 @@ walk of every command."""
 
 import random
 
+import pytest
+
 from monarch_nb.controller.sent import SentGroups
+
+pytestmark = pytest.mark.unit  # in-process: no worker, kernel or browser
 
 
 def walk(entries, rank: int, started: int, finished: int) -> tuple:

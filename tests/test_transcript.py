@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import nbformat
+import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from monarch_nb.headless import transcript
+
+pytestmark = pytest.mark.unit  # in-process: no worker, kernel or browser
 
 
 def _code(source: str, n: int, *outputs):

@@ -17,6 +17,8 @@ from monarch_nb.protocol.wire import (
     unpack_args,
 )
 
+pytestmark = pytest.mark.unit  # in-process: no worker, kernel or browser
+
 
 def test_roundtrip_and_signature():
     s = Signer(new_secret())

@@ -62,12 +62,6 @@ class Transfers:
             b.update(b.total - b.n)
             b.close()
 
-    def close_all(self) -> None:
-        with self._lock:
-            bars, self._bars = list(self._bars.values()), {}
-        for b in bars:
-            b.close()
-
 
 def wait_sent(done, nbytes: int, what: str) -> None:
     """Block until ZeroMQ has sent a big zero-copy message (``done``: the Future of

@@ -302,7 +302,3 @@ def recv_ready(sock):
         frame = _raw_recv(sock, 0, False)
         frames.append(frame)
     return frames
-
-
-def buffers_nbytes(frames: Sequence) -> int:
-    return sum(memoryview(f).nbytes for f in frames[2:])

@@ -122,6 +122,7 @@ def _grow(frames, i, extra):
 # ------------------------------------------------------------------ decoders
 
 
+@pytest.mark.unit
 @FUZZ
 @given(shaped_frames)
 def test_decoders_raise_only_bad_message_on_random_frames(frames):
@@ -133,6 +134,7 @@ def test_decoders_raise_only_bad_message_on_random_frames(frames):
         decode(frames, s)
 
 
+@pytest.mark.unit
 @FUZZ
 @given(data=st.data())
 def test_mutated_signed_frames_are_rejected_before_unpickling(data, tmp_path_factory):
@@ -146,6 +148,7 @@ def test_mutated_signed_frames_are_rejected_before_unpickling(data, tmp_path_fac
     assert not os.path.exists(marker)
 
 
+@pytest.mark.unit
 def test_the_unmutated_frames_would_run_code(tmp_path):
     """The control for the test above: decoding the intact frames does run ``mark``."""
     s = Signer(b"k" * 32)
