@@ -107,8 +107,7 @@ class Controller:
         self.address = f"tcp://{self._advertise}:{self.io.port}"  # what workers connect to
         self.replies = Replies(self)
         self.io.on_frames = self.replies.on_frames
-        if hasattr(self.workers.launcher, "attach"):  # agents on other hosts: this ROUTER
-            self.workers.launcher.attach(self.io)
+        self.workers.launcher.attach(self.io)  # agents on other hosts reach this ROUTER
         self.io.on_tick = self._tick
         self.cancels = Cancels(self)
         self.io.on_item = self.cancels.on_item

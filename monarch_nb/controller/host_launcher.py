@@ -21,6 +21,7 @@ from ..protocol import host_messages as hm
 from .agent_ranks import AgentRank, RankBook
 from .errors import describe_exit
 from .launcher import LocalLauncher, _visible_gpus, local_env, rank_env
+from .workers import Launcher
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -265,7 +266,7 @@ def import_time_env(env: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(prefixes) and k not in skip))
 
 
-class HostLauncher:
+class HostLauncher(Launcher):
     """Forks a mesh's ranks from ``agent`` (default: this process's warm one), one
     GPU each when GPUs are present."""
 

@@ -77,8 +77,7 @@ class HostLinks:
 
     def _join(self, msg: m.HostJoin, identity: bytes, header) -> HostLink | None:
         ctrl = self.ctrl
-        find = getattr(ctrl.workers.launcher, "host_ranks", None)
-        ranks = find(msg.host, msg.pid) if find is not None else None
+        ranks = ctrl.workers.launcher.host_ranks(msg.host, msg.pid)
         reason = None
         if msg.version != __version__:
             reason = f"host agent runs monarch_nb {msg.version}, this controller {__version__}"

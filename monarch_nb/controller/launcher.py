@@ -12,6 +12,8 @@ import subprocess
 import sys
 from collections import deque
 
+from .workers import Launcher
+
 
 def _visible_gpus() -> list[str]:
     torch = sys.modules.get("torch")
@@ -150,7 +152,7 @@ def rank_env(base: dict, rank: int, world: int, gpus: list[str]) -> dict:
     return env
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """Spawns ``world`` fresh ``python -m monarch_nb.worker`` processes on this host,
     one GPU each when GPUs are present (the path before host agents, kept for
     ``MONARCH_NB_SPAWN=popen`` and the benchmark's comparison)."""
@@ -192,7 +194,7 @@ class LocalLauncher:
         """Nothing to clean up: the controller stops its children itself."""
 
 
-class ExternalLauncher:
+class ExternalLauncher(Launcher):
     """Starts nothing: another launcher (torchrun, srun, mpirun, a pod per rank)
     runs ``monarch-nb-worker --connection-file F`` per rank, or
     ``monarch-nb-host --connection-file F --local-ranks N`` per host (a host
@@ -219,6 +221,9 @@ class ExternalLauncher:
         self.interface, self.agent_timeout = interface, agent_timeout
         self.agents = None  # the AgentChannel, from the first launch on
         self._io = None
+
+    def agent_channel(self):
+        return self.agents
 
     def attach(self, io) -> None:
         """The mesh's IO loop: host agents reach its ROUTER, the only port of the mesh."""

@@ -127,7 +127,7 @@ class Replies:
 
     def _agents(self):
         """The host agents' channel of this mesh (``connect_mesh``), or None."""
-        return getattr(self.ctrl.workers.launcher, "agents", None)
+        return self.ctrl.workers.launcher.agent_channel()
 
     def _handler_failed(self, msg, e: Exception) -> None:
         """A bug here must not become a silent wait: the request the message answers

@@ -15,6 +15,7 @@ import os
 import threading
 
 from .host_launcher import AgentRank, HostAgent, await_spawned
+from .workers import Launcher
 
 SLOTS = int(os.environ.get("MONARCH_NB_SIM_SLOTS", "1024"))  # simulated ranks, all meshes
 
@@ -22,7 +23,7 @@ _held: dict[int, tuple[str, int]] = {}  # id(launcher) -> (mesh name, ranks held
 _held_lock = threading.Lock()
 
 
-class SimLauncher:
+class SimLauncher(Launcher):
     """Light ranks of mesh ``name`` (``world`` of them), ``per_host`` per simulated host."""
 
     external = False  # the simulated hosts report each rank's end at once

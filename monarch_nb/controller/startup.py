@@ -24,7 +24,7 @@ def start_generation(ctrl, secret: bytes, startup_timeout: float) -> None:
             ctrl.io.watch(p)
     progress = bar(total=ctrl.world, desc=f"starting mesh {ctrl.name!r}", unit="worker")
     deadline = time.monotonic() + startup_timeout
-    failure = getattr(workers.launcher, "startup_failure", lambda: None)
+    failure = workers.launcher.startup_failure
     while not workers.ready.wait(0.1) and time.monotonic() < deadline:
         why = failure()  # a launcher's job that ended (Slurm) before its workers joined
         if why is not None:

@@ -12,23 +12,45 @@ import logging
 import signal
 import threading
 import time
-from typing import Protocol
 
 from .errors import WorkerCrashed
 
 logger = logging.getLogger("monarch_nb.controller")
 
 
-class Launcher(Protocol):
-    """Starts the workers of a mesh generation."""
+class Launcher:
+    """Starts the workers of a mesh generation. Every member the controller calls is
+    here, with what a launcher that has no such part does."""
 
-    external: bool  # True: not our children (no process to watch; they get pings)
+    external: bool = False  # True: not our children (no process to watch; they get pings)
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
         """Start ``world`` workers that join ``address`` with ``key``: rank -> process
         (``pid``, ``poll()``, ``wait(timeout)``, ``kill(sig)``, ``close()``,
         ``tail_text()``, and ``fd``/``read_output()`` when the controller reads its
         output pipe itself), or {}."""
+        raise NotImplementedError
+
+    def attach(self, io) -> None:
+        """The mesh's IO loop, before the first launch (host agents on other hosts
+        reach its ROUTER)."""
+
+    def agent_channel(self):
+        """The channel of host agents on other hosts (``remote_hosts.AgentChannel``),
+        or None."""
+        return None
+
+    def host_ranks(self, host: int, pid: int) -> range | None:
+        """The ranks host agent ``host`` (process ``pid``) serves, or None if it is
+        not one of this launcher's."""
+        return None
+
+    def startup_failure(self) -> str | None:
+        """Why the workers will never join (a job that ended before they did), or None."""
+        return None
+
+    def close(self) -> None:
+        """The mesh is gone for good: clean up (a connection file, a job)."""
 
 
 class WorkerSet:
@@ -136,12 +158,10 @@ class WorkerSet:
 
     def close(self) -> None:
         """The mesh is gone for good: the launcher cleans up (a connection file)."""
-        close = getattr(self.launcher, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception:
-                logger.exception("mesh %r: closing the launcher failed", self.name)
+        try:
+            self.launcher.close()
+        except Exception:
+            logger.exception("mesh %r: closing the launcher failed", self.name)
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}
