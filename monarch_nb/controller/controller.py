@@ -25,6 +25,7 @@ from concurrent.futures import Future
 
 from ..protocol import Signer, encode, new_secret
 from ..protocol import messages as m
+from ..protocol.constants import BIG_SEND
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer
 from ..protocol.ndslice import NDSlice
 from .async_result import AsyncResult
@@ -47,7 +48,6 @@ from .workers import WorkerSet
 
 logger = logging.getLogger("monarch_nb.controller")
 
-BIG_SEND = 1 << 20
 # seconds a worker may be silent before it is unresponsive (joined ones: presumed lost)
 HEARTBEAT_TIMEOUT = float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10"))
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 from ..protocol import messages as m
+from ..protocol.constants import INTERRUPT_WAIT
 from .errors import InterruptTimeout
-
-INTERRUPT_WAIT = 5.0  # seconds interrupted commands get to stop before their ranks count as stuck
 
 
 def running(state, streams=(), ranks=None) -> dict:

@@ -27,13 +27,13 @@ from concurrent.futures import Future
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..protocol.constants import RECV_HWM
 from ..protocol.wire import recv_ready, send_frames
 from .routing import Routes
 from .sigint import held_interrupt
 
 logger = logging.getLogger("monarch_nb.controller")
 
-RECV_HWM = 256  # messages queued per worker socket before ZeroMQ stops reading it
 TICK = 0.1  # seconds between process checks and housekeeping
 GRACE = 0.005  # seconds the IO thread leaves the socket to a caller that just drove it
 # ... and to one that just sent a request (and most likely waits for it now, driving)

@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 
-PROGRESS_BYTES = 64 << 20
+from ..protocol.constants import PROGRESS_BYTES
+
 DELAY = float(os.environ.get("MONARCH_NB_PROGRESS_DELAY", "0.5"))  # bars appear only after this
 
 logger = logging.getLogger("monarch_nb.progress")

@@ -28,6 +28,7 @@ import zmq
 
 from ..protocol import agent_link
 from ..protocol import host_messages as hm
+from ..protocol.constants import BEAT_S
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
 from ..protocol.wire import BadMessage, Signer
 from .agent_ranks import AgentRank, RankBook
@@ -36,7 +37,6 @@ from .remote_blocks import host_slot, place
 
 logger = logging.getLogger("monarch_nb.controller")
 
-BEAT_S = 1.0
 POLL_MS = 100
 GRACE_S = 0.5  # a closed connection may come back (a reconnect) within this
 QUIT_WAIT_S = 2.0  # at shutdown: how long the relays have to read their Quit and go

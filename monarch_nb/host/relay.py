@@ -35,11 +35,11 @@ import zmq
 from .._version import __version__
 from ..protocol import agent_link
 from ..protocol import host_messages as hm
+from ..protocol.constants import BEAT_S
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
 from ..protocol.wire import BadMessage, Signer
 from .relay_fanout import RelayHost
 
-BEAT_S = 1.0  # how often the relay says it is alive
 POLL_MS = 200
 GONE_S = (
     2.0  # a closed connection that is not back (and heard on) this soon: the controller is gone

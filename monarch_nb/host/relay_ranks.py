@@ -39,6 +39,7 @@ import zmq
 
 from ..protocol import BadMessage
 from ..protocol import messages as m
+from ..protocol.constants import RECV_HWM
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, unseal
 from ..protocol.wire import build, record_type, recv_ready, send_frames
 
@@ -46,7 +47,6 @@ logger = logging.getLogger("monarch_nb.host")
 
 DECODED_UP = (m.StoreRequest, m.Status, m.Progress, m.Health)
 MAX_STORE_WAITS = 4096  # store requests remembered for their replies at most
-RECV_HWM = 256  # per rank socket, as the controller's: a flood waits in the rank
 PREFIX = "mnb-relay-"
 YOUNG_S = 60.0  # a directory without a socket yet this young is still being made
 

@@ -17,12 +17,12 @@ from IPython.core.error import UsageError
 
 from ..controller import AsyncResult, MeshClosedError, RemoteError, WorkerCrashed, format_ranks
 from ..protocol import messages as m
+from ..protocol.constants import INTERRUPT_WAIT
 from ..protocol.wire import RefUseError
 from .debugger import NoStdin, Prompt, notice
 from .output import CellSink, OutputHub
 from .results import RemoteCellError, render_failures, result_displays
 
-INTERRUPT_WAIT = 5.0  # seconds to wait for interrupted ranks to report KeyboardInterrupt
 POLL = 0.25
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 
 from ..protocol import messages as m
+from ..protocol.constants import DEFAULT_STREAM
 from .borrow import Borrow
 from .cell import Cell, raw
 from .failure import describe
 
 logger = logging.getLogger("monarch_nb.worker")
-DEFAULT_STREAM = 0
 
 
 class CommHandlers:

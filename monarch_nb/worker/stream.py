@@ -15,6 +15,7 @@ from collections.abc import Callable
 import zmq
 
 from ..protocol import encode
+from ..protocol.constants import BIG_SEND, PROGRESS_BYTES
 from ..protocol.envelope import Sealer
 from ..protocol.messages import FetchResult, Output, RemoteFunctionFailed, TransferBegin
 from ..protocol.wire import send_frames
@@ -27,8 +28,6 @@ OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
 # controller's receive limit, a flood of output (a 1 GB print) waits for the
 # controller instead of piling up in either process's memory
 SEND_HWM = 256
-BIG_SEND = 1 << 20  # sends with more buffer bytes than this wait until ZeroMQ is done with them
-PROGRESS_BYTES = 64 << 20  # transfers larger than this get a progress bar
 TIMES_KEPT = 20_000  # (ident, what, start, end) of finished commands kept until reported
 
 _STOP = object()

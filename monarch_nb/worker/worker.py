@@ -20,6 +20,7 @@ import zmq
 
 from ..protocol import Signer, encode
 from ..protocol import messages as m
+from ..protocol.constants import DEFAULT_STREAM
 from ..protocol.pickling import resolve_function, unpack_args
 from . import breakpoints, capture, context, debugger, display
 from .cell import Cell, DependentOnError, MissingRef, get_value
@@ -31,8 +32,6 @@ from .forked import ChildOutputReader
 from .insight_handlers import InsightHandlers
 from .op_handlers import OpHandlers
 from .stream import Stream, interruptible_sleep
-
-DEFAULT_STREAM = 0
 
 
 class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers):
