@@ -28,8 +28,7 @@ from .launch import connect_mesh, local_mesh, slurm_mesh
 from .mesh import DeviceMesh, Stream, get_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
-from .remote import ProcessGroup, Ref, RemoteFunction, remote
-from .remote import _tensor_engine as _tensor_engine_slot
+from .remote import TENSOR_ENGINE, ProcessGroup, Ref, RemoteFunction, remote
 from .worker.context import current_coords, current_rank, current_size
 
 
@@ -40,7 +39,7 @@ def _dashboard(mesh, **kw):
     return Dashboard(mesh, **kw)
 
 
-context.set_dashboard(_dashboard)
+context.DASHBOARD.install(_dashboard)
 
 _TENSOR_NAMES = ("Tensor", "fetch_shard", "inspect", "no_mesh")
 
@@ -63,7 +62,7 @@ def _load_tensor_engine() -> None:
     from . import tensor  # noqa: F401 - registers itself with remote functions
 
 
-_tensor_engine_slot[1] = _load_tensor_engine
+TENSOR_ENGINE.install_loader(_load_tensor_engine)
 
 
 def __getattr__(name):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 # The controller's send() watches this object (its ``active`` trace observes every
 # command sent); the API reaches it only through this module.
 from .controller.trace import RecordingError, recording_trace  # noqa: F401
+from .protocol.hooks import Hook
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -25,7 +26,7 @@ _meshes: dict[str, DeviceMesh] = {}  # root meshes by name
 _default: list = [None]  # the most recently created mesh
 _names = itertools.count()
 _tls = threading.local()
-_dashboard: list = [None]  # the dashboard maker (mesh, **kw) -> widget; the package fills it
+DASHBOARD = Hook("dashboard", "(mesh, **kw) -> mesh.dashboard()'s widget, the package root's")
 
 
 class BaseMesh:
@@ -172,14 +173,7 @@ def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[Devi
 # ---------------------------------------------------------------- the dashboard hook
 
 
-def set_dashboard(make) -> None:
-    """``make(mesh, **kw)`` builds ``mesh.dashboard()``'s widget (the package root
-    installs ``monarch_nb.ui``'s; the API imports no widgets)."""
-    _dashboard[0] = make
-
-
 def dashboard(mesh: DeviceMesh, **kw):
-    make = _dashboard[0]
-    if make is None:
-        raise RuntimeError("no dashboard maker is installed (monarch_nb.ui is not available)")
-    return make(mesh, **kw)
+    """``mesh.dashboard()``: the widget of the DASHBOARD hook (the package root installs
+    ``monarch_nb.ui``'s; the API imports no widgets)."""
+    return DASHBOARD.require("no dashboard maker (monarch_nb.ui is not available)")(mesh, **kw)

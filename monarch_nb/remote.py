@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .context import BaseMesh, Stream, recording_trace, resolve_target
 from .controller import AsyncResult, hand_back_interrupts_of, keep_unraisable_hook
 from .protocol import messages as m
+from .protocol.hooks import Hook
 from .protocol.reduce_options import REDUCTIONS, check_combination
 from .protocol.wire import (
     RefUseError,
@@ -334,9 +335,8 @@ class RemoteFunction:
     def __call__(
         self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs
     ) -> Ref:
-        if self._propagate is not None and _tensor_engine[0] is None:
-            _tensor_engine[1]()  # loads the engine, which registers itself
-        engine = _tensor_engine[0]
+        # a propagator needs the engine: load it (it installs itself); else only a loaded one
+        engine = TENSOR_ENGINE.get() if self._propagate is not None else TENSOR_ENGINE.value
         if engine is not None and (self._propagate is not None or engine.takes(args, kwargs)):
             return engine.call(self, args, kwargs, mesh, stream)  # it resolves the target
         mesh, stream = resolve_target(mesh, stream)
@@ -373,10 +373,8 @@ class RemoteFunction:
 
 
 _PROPAGATE = ("cached", "inspect")
-# the tensor engine, once loaded (it registers itself): .takes(args, kwargs) says whether
-# a call has mesh tensors among its arguments, .call(...) makes it return mesh tensors;
-# and how to load it (the package sets that: this layer never imports the engine)
-_tensor_engine: list = [None, lambda: None]
+# the engine installs itself, the package root its loader: this layer never imports it
+TENSOR_ENGINE = Hook("tensor_engine", "the tensor engine: .takes(args, kwargs), .call(...)")
 
 
 def remote(fn=None, *, propagate=None):

@@ -127,14 +127,14 @@ def test_the_dashboard_hook_is_the_packages_and_says_when_missing():
     class _Mesh:
         pass
 
-    make = context._dashboard[0]
+    make = context.DASHBOARD.value
     assert make is not None and make.__module__ == "monarch_nb"
-    context.set_dashboard(None)
+    context.DASHBOARD.install(None)
     try:
-        with pytest.raises(RuntimeError, match="no dashboard maker"):
+        with pytest.raises(RuntimeError, match="no dashboard maker.*hook 'dashboard'"):
             context.dashboard(_Mesh())
     finally:
-        context.set_dashboard(make)
+        context.DASHBOARD.install(make)
     assert mnb.DeviceMesh.dashboard.__doc__  # the public method stays
 
 

@@ -314,4 +314,4 @@ __all__ = ["CellRun", "RemoteCellError", "render_failures"]
 
 def _panel_open() -> bool:
     dap = sys.modules.get(f"{__package__}.dap")  # loaded only where the adapter is
-    return dap is not None and dap.PANEL[0]
+    return dap is not None and dap.PANEL.attached

@@ -31,7 +31,13 @@ _STEPS = {"continue": "c", "next": "n", "stepIn": "s", "stepOut": "stepout"}
 _THREAD_CMDS = {"stackTrace", "pause", *_STEPS}
 
 
-PANEL = [False]  # JupyterLab's debugger is attached: its panel serves paused ranks
+class DebuggerPanel:
+    """Whether JupyterLab's debugger is attached (its panel then serves paused ranks)."""
+
+    attached = False
+
+
+PANEL = DebuggerPanel()
 
 
 class RemoteThreads:
@@ -338,7 +344,7 @@ class RemoteThreads:
         if command in ("initialize", "attach"):
             dap_debugpy.keep_workers_plain()
             dap_debugpy.keep_threads_running()
-            PANEL[0] = command == "attach" or PANEL[0]
+            PANEL.attached = command == "attach" or PANEL.attached
         if command == "threads":
             reply = reply or response(message, {"threads": []})
             reply.setdefault("body", {}).setdefault("threads", []).extend(self.threads())
@@ -347,7 +353,7 @@ class RemoteThreads:
             stopped.extend(t["id"] for t in self.threads())
         elif command == "disconnect":
             self.breakpoints.clear()
-            PANEL[0] = False
+            PANEL.attached = False
         return reply
 
     async def _source(self, message: dict, args: dict) -> dict:

@@ -26,6 +26,7 @@ from typing import Any
 
 import cloudpickle
 
+from .hooks import Hook
 from .messages import Args, Function
 
 
@@ -42,7 +43,7 @@ def register_ref_type(cls: type, get_id: Callable[[Any], int]) -> None:
 
 
 _special_types: dict[type, Callable[[Any], tuple]] = {}
-_group_resolver: list = [None]
+GROUP_RESOLVER = Hook("group_resolver", "a process group key -> its torch.distributed group, the worker's")
 
 
 def register_special_type(cls: type, reduce: Callable[[Any], tuple]) -> None:
@@ -51,16 +52,9 @@ def register_special_type(cls: type, reduce: Callable[[Any], tuple]) -> None:
     _special_types[cls] = reduce
 
 
-def set_group_resolver(fn: Callable[[int], Any]) -> None:
-    """Worker side: how a process group key becomes the torch.distributed group."""
-    _group_resolver[0] = fn
-
-
 def load_group(key: int):
     """Unpickling a process group handle on a worker yields the real group."""
-    if _group_resolver[0] is None:
-        raise RuntimeError("a process group can only be used inside worker code")
-    return _group_resolver[0](key)
+    return GROUP_RESOLVER.require("a process group can only be used inside worker code")(key)
 
 
 _tls = threading.local()

@@ -45,7 +45,6 @@ from .pickling import (  # noqa: F401
     register_ref_type,
     register_special_type,
     resolve_function,
-    set_group_resolver,
     unpack_args,
 )
 

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from ..context import recording_trace, resolve_target
 from ..protocol import aten
 from ..protocol.wire import function_ref
-from ..remote import _tensor_engine, remote
+from ..remote import TENSOR_ENGINE, remote
 from .mode import active_mesh
 from .plans import key_of
 from .propagate import fake_inputs, layout_of
@@ -136,4 +136,4 @@ def call(rf, args: tuple, kwargs: dict, mesh, stream):
     return outputs(ref, desc, mesh, stream)
 
 
-_tensor_engine[0] = sys.modules[__name__]  # mnb.remote calls with mesh tensors come here
+TENSOR_ENGINE.install(sys.modules[__name__])  # mnb.remote calls with mesh tensors come here

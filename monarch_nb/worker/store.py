@@ -26,13 +26,14 @@ import torch.distributed as dist
 from ..protocol import BadMessage, encode
 from ..protocol import messages as m
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, decode_each, open_from_controller
+from ..protocol.hooks import Hook
 from ..protocol.wire import recv_ready, send_frames
 
 logger = logging.getLogger("monarch_nb.worker")
 
 FILE = "file://"
 CONTROLLER_STORE = "controller://"
-_current: list = [None]
+CURRENT_STORE = Hook("current_store", "this worker's store, as its InitBackend opened it")
 
 
 class StoreTimeout(dist.DistStoreError):
@@ -57,13 +58,13 @@ def open_store(address: str, world: int, link, timeout: datetime.timedelta):
             f"unknown rendezvous address {address!r}: a controller of another "
             "monarch_nb version? (expected file:// or controller://)"
         )
-    _current[0] = store
+    CURRENT_STORE.install(store)
     return store
 
 
 def current_store():
     """This worker's store (as opened by its InitBackend), or None."""
-    return _current[0]
+    return CURRENT_STORE.value
 
 
 class _Channel:

@@ -131,11 +131,11 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers):
     @property
     def comms(self):
         if self._comms is None:
-            from ..protocol.pickling import set_group_resolver
+            from ..protocol.pickling import GROUP_RESOLVER
             from .collectives import Comms
 
             self._comms = Comms(self.rank, self.world)
-            set_group_resolver(lambda key: self._comms.group(key)[0])
+            GROUP_RESOLVER.install(lambda key: self._comms.group(key)[0])
         return self._comms
 
     def _cell(self, ref_id: int | None) -> Cell | None:
