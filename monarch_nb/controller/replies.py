@@ -9,10 +9,11 @@ import traceback
 
 import zmq
 
-from ..protocol import BadMessage, decode, encode
+from ..protocol import BadMessage, decode, encode, receivers
 from ..protocol import messages as m
 from ..protocol.agent_link import is_agent_header
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, VersionMismatch, unseal
+from ..protocol.receivers import handler_table
 from ..protocol.wire import small
 from .errors import IOThreadError, RemoteError
 from .hosts import HostLinks
@@ -26,13 +27,7 @@ class Replies:
     def __init__(self, ctrl):
         self.ctrl = ctrl
         self._version_refused: set[bytes] = set()
-        self._handlers = {
-            cls: getattr(self, cls.__name__)
-            for cls in vars(m).values()
-            if isinstance(cls, type)
-            and cls.__module__ == m.__name__
-            and hasattr(self, cls.__name__)
-        }
+        self._handlers = handler_table(self, receivers.CONTROLLER)  # fails here if one is missing
         self.hosts = HostLinks(ctrl, self)
 
     def on_frames(self, frames) -> None:

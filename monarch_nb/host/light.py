@@ -21,6 +21,7 @@ import traceback
 
 from ..protocol import encode
 from ..protocol import messages as m
+from ..protocol.receivers import WORKER, handler_table
 from ..protocol.wire import resolve_function, unpack_args
 
 PROGRESS_PERIOD = 0.1
@@ -67,6 +68,9 @@ class LightRank:
         self.note = ""  # why it ended, for the controller's tail
         self.next_progress = 0.0
         self.next_health = 0.0
+        self._handlers = handler_table(
+            self, WORKER, prefix="on_", refused=REFUSED, refuse=self._refuse_message
+        )
         self._send(
             m.WorkerReady(
                 rank,
@@ -85,14 +89,14 @@ class LightRank:
             self.channel.post(msg)
 
     def handle(self, msg) -> None:
-        name = type(msg).__name__
-        handler = getattr(self, "on_" + name, None)
-        if handler is not None:
-            handler(msg)
-        elif name in REFUSED:
-            self._refuse(msg, name)
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             self.peers.count("malformed")
+        else:
+            handler(msg)
+
+    def _refuse_message(self, msg) -> None:
+        self._refuse(msg, type(msg).__name__)
 
     def tick(self, now: float, rss: int, cpu: float) -> None:
         """Progress when it changed (not more often than PROGRESS_PERIOD), Health

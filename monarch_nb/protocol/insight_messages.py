@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .receivers import CONTROLLER, WORKER, sent_to
+
 _MESSAGES = "monarch_nb.protocol.messages"
 
 
+@sent_to(CONTROLLER)
 class Timings(NamedTuple):
     """Worker -> controller, with its progress: the commands finished since the last
     report, per stream ``(stream id, idents, whats, starts, ends)`` (tuples of equal
@@ -22,12 +25,14 @@ class Timings(NamedTuple):
     streams: tuple
 
 
+@sent_to(WORKER)
 class ReadClock(NamedTuple):
     """Answer at once: a FetchResult of the worker's wall clock (``time.time()``)."""
 
     ident: int
 
 
+@sent_to(WORKER)
 class ReadMemory(NamedTuple):
     """Answer at once: a FetchResult of the rank's memory (``worker/memory.py``); with
     ``snapshot``, the CUDA allocator's snapshot (``torch.cuda.memory._snapshot()``)."""
@@ -36,12 +41,14 @@ class ReadMemory(NamedTuple):
     snapshot: bool
 
 
+@sent_to(WORKER)
 class StartProfile(NamedTuple):
     """Start torch.profiler (every thread; CUDA activities where present) at once."""
 
     ident: int
 
 
+@sent_to(WORKER)
 class StopProfile(NamedTuple):
     """Stop the profiler started by StartProfile; answered at once by a FetchResult
     of its Chrome trace (JSON text) or why there is none."""

@@ -1,7 +1,8 @@
 """Every message that crosses the wire, as plain typed records.
 
-The worker dispatches each message to the handler named after its class (as
-the reference worker does); the controller does the same for replies. Ref,
+Each record declares who receives it (``@sent_to``, receivers.py); each receiver
+dispatches it to the handler named after its class (as the reference worker does),
+from a table it builds and checks when it starts. Ref,
 stream and mesh ids are ints the controller chooses; ``ident`` is its command
 counter (``Controller.next_ident``).
 """
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .fanout_messages import Folded, HostCommand, HostJoin, RankGap  # noqa: F401
 from .insight_messages import ReadClock, ReadMemory, StartProfile, StopProfile, Timings  # noqa: F401
 from .ndslice import NDSlice
+from .receivers import CONTROLLER, WORKER, sent_to
 from .recording_messages import CallRecording, DefineRecording, DeleteRecording  # noqa: F401
 from .store_messages import StoreReply, StoreRequest  # noqa: F401 - records of the store
 from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - their fields
@@ -19,18 +22,21 @@ from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - t
 # ---------------------------------------------------------------- controller -> worker
 
 
+@sent_to(WORKER)
 class CreateDeviceMesh(NamedTuple):
     result: int
     names: tuple
     ranks: NDSlice
 
 
+@sent_to(WORKER)
 class CreateStream(NamedTuple):
     result: int
     name: str
     default: bool
 
 
+@sent_to(WORKER)
 class CallFunction(NamedTuple):
     ident: int
     result: int
@@ -41,6 +47,7 @@ class CallFunction(NamedTuple):
     what: str
 
 
+@sent_to(WORKER)
 class DefineOp(NamedTuple):
     """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks an op's i-th Ref."""
 
@@ -51,6 +58,7 @@ class DefineOp(NamedTuple):
     what: str
 
 
+@sent_to(WORKER)
 class RunOps(NamedTuple):
     """Tensor ops, in order: each ``(ident, result, op, refs, stream, scalars)`` calls the
     op defined as ``op`` with ``refs`` in its first slots and ``scalars`` (lifted floats)
@@ -59,6 +67,7 @@ class RunOps(NamedTuple):
     ops: tuple
 
 
+@sent_to(WORKER)
 class RunCode(NamedTuple):
     """Execute source in the worker's persistent namespace; the value of a
     trailing expression (if any) is stored in ``result``."""
@@ -72,6 +81,7 @@ class RunCode(NamedTuple):
     what: str
 
 
+@sent_to(WORKER)
 class RunCell(NamedTuple):
     """Run a cell's ``source`` (``args``: names to bind first); its value's mimebundle
     and figures come back as a FetchResult (after its failure report, if any)."""
@@ -84,6 +94,7 @@ class RunCell(NamedTuple):
     what: str
 
 
+@sent_to(WORKER)
 class SetNames(NamedTuple):
     """Bind names in the worker's namespace (``mesh.push``)."""
 
@@ -92,6 +103,7 @@ class SetNames(NamedTuple):
     stream: int
 
 
+@sent_to(WORKER)
 class SendValue(NamedTuple):
     """Send ``function(*args)`` (identity when None) back as a FetchResult."""
 
@@ -101,6 +113,7 @@ class SendValue(NamedTuple):
     stream: int
 
 
+@sent_to(WORKER)
 class Pull(NamedTuple):
     """Send the value of ``name`` in the worker's namespace as a FetchResult."""
 
@@ -109,42 +122,50 @@ class Pull(NamedTuple):
     stream: int
 
 
+@sent_to(WORKER)
 class RequestStatus(NamedTuple):
     """Answer with Status once every stream has finished what came before."""
 
     ident: int
 
 
+@sent_to(WORKER)
 class RequestStacks(NamedTuple):
     """Answer at once: a FetchResult of {stream name: {"running": what, "stack": frames}}."""
 
     ident: int
 
 
+@sent_to(WORKER)
 class DeleteRefs(NamedTuple):
     refs: tuple
 
 
+@sent_to(WORKER)
 class CommandGroup(NamedTuple):
     commands: tuple
 
 
+@sent_to(WORKER)
 class Interrupt(NamedTuple):
     """Raise KeyboardInterrupt in what runs on these streams (empty: on every one)."""
 
     streams: tuple
 
 
+@sent_to(WORKER)
 class Cancel(NamedTuple):
     """Drop these commands before they start; interrupt them where they run."""
 
     idents: tuple
 
 
+@sent_to(WORKER)
 class Exit(NamedTuple):
     """Stop serving."""
 
 
+@sent_to(WORKER)
 class CreatePipe(NamedTuple):
     """Start a side process running ``function(pipe, *args)`` on each rank."""
 
@@ -154,6 +175,7 @@ class CreatePipe(NamedTuple):
     max_messages: int
 
 
+@sent_to(WORKER)
 class PipeRecv(NamedTuple):
     ident: int
     result: int
@@ -161,10 +183,12 @@ class PipeRecv(NamedTuple):
     stream: int
 
 
+@sent_to(WORKER)
 class ClosePipe(NamedTuple):
     pipe: int
 
 
+@sent_to(WORKER)
 class PostMortem(NamedTuple):
     """Open pdb at the frame of the stream's last failure."""
 
@@ -172,12 +196,14 @@ class PostMortem(NamedTuple):
     stream: int
 
 
+@sent_to(WORKER)
 class ReleaseFailures(NamedTuple):
     """Forget the failures kept for post-mortem (all streams when empty)."""
 
     streams: tuple
 
 
+@sent_to(WORKER, CONTROLLER)
 class DebuggerMessage(NamedTuple):
     """Debugger traffic for one paused stream, in either direction."""
 
@@ -186,6 +212,7 @@ class DebuggerMessage(NamedTuple):
     action: Any
 
 
+@sent_to(WORKER)
 class InitBackend(NamedTuple):
     """Join the default process group through ``store`` (``file:///path`` locally, else
     ``controller://G``, generation G); answered by a FetchResult of ``ident``: None or why not."""
@@ -195,16 +222,19 @@ class InitBackend(NamedTuple):
     ident: int = 0
 
 
+@sent_to(WORKER)
 class Ping(NamedTuple):
     """The controller is alive (sent to workers that are not its children)."""
 
 
+@sent_to(WORKER)
 class Refused(NamedTuple):
     """The controller does not take this worker (late, duplicate, wrong world or version)."""
 
     reason: str
 
 
+@sent_to(WORKER)
 class CreateProcessGroup(NamedTuple):
     """Create one process group per member list (every world rank takes part)."""
 
@@ -212,6 +242,7 @@ class CreateProcessGroup(NamedTuple):
     groups: tuple
 
 
+@sent_to(WORKER)
 class Reduce(NamedTuple):
     ident: int
     result: int
@@ -226,6 +257,7 @@ class Reduce(NamedTuple):
     what: str
 
 
+@sent_to(WORKER)
 class SendTensor(NamedTuple):
     """Copy ``source`` rank by rank: ``pairs`` of (from global rank, to global rank)."""
 
@@ -237,6 +269,7 @@ class SendTensor(NamedTuple):
     stream: int
 
 
+@sent_to(WORKER)
 class BorrowCreate(NamedTuple):
     borrow: int
     source: int
@@ -245,54 +278,21 @@ class BorrowCreate(NamedTuple):
     result: int
 
 
+@sent_to(WORKER)
 class BorrowFirstUse(NamedTuple):
     borrow: int
 
 
+@sent_to(WORKER)
 class BorrowDrop(NamedTuple):
     borrow: int
     result: int
 
 
-# ---------------------------------------------------------------- host fan-out
-
-
-class HostCommand(NamedTuple):
-    """Controller -> host agent: the next ``count`` messages on the host's socket are
-    for each of ``targets`` (ranks the host serves), in the order they come."""
-
-    targets: tuple
-    count: int
-
-
-class HostJoin(NamedTuple):
-    """Host agent -> controller, the first message on a host's socket: it serves the
-    ranks of ``host`` (the mesh's host index, sealed as ``envelope.host_peer(host)``)."""
-
-    host: int
-    pid: int
-    name: str
-    version: str
-
-
-class Folded(NamedTuple):
-    """Host agent -> controller: messages of type ``kind`` from several of its ranks,
-    one group per distinct content: ``((ranks, fields without the rank), ...)``."""
-
-    kind: str
-    groups: tuple
-
-
-class RankGap(NamedTuple):
-    """Relay -> controller: ``missed`` messages of a socket of ``rank`` never reached it."""
-
-    rank: int
-    missed: int
-
-
 # ---------------------------------------------------------------- worker -> controller
 
 
+@sent_to(CONTROLLER)
 class WorkerReady(NamedTuple):
     rank: int
     world: int
@@ -302,6 +302,7 @@ class WorkerReady(NamedTuple):
     versions: dict
 
 
+@sent_to(CONTROLLER)
 class FetchResult(NamedTuple):
     """``error`` is None, a RemoteFailure, or DependentOn(original ident)."""
 
@@ -311,6 +312,7 @@ class FetchResult(NamedTuple):
     error: Any
 
 
+@sent_to(CONTROLLER)
 class RemoteFunctionFailed(NamedTuple):
     """Sent exactly once per failing command and rank."""
 
@@ -320,6 +322,7 @@ class RemoteFunctionFailed(NamedTuple):
     failure: RemoteFailure
 
 
+@sent_to(CONTROLLER)
 class Status(NamedTuple):
     """``stream`` of ``rank`` finished everything sent before RequestStatus ``ident``."""
 
@@ -329,6 +332,7 @@ class Status(NamedTuple):
     progress: tuple  # (last started, last finished, commands done) of that stream
 
 
+@sent_to(CONTROLLER)
 class Progress(NamedTuple):
     """Per stream id: (last started ident, last finished ident, commands done)."""
 
@@ -336,6 +340,7 @@ class Progress(NamedTuple):
     streams: dict
 
 
+@sent_to(CONTROLLER)
 class Output(NamedTuple):
     """stdout/stderr text written while ``ident`` ran (None: outside commands)."""
 
@@ -346,6 +351,7 @@ class Output(NamedTuple):
     text: str
 
 
+@sent_to(CONTROLLER)
 class Stalled(NamedTuple):
     """A stream has run one command for longer than the stall threshold: where it is."""
 
@@ -357,6 +363,7 @@ class Stalled(NamedTuple):
     stack: str  # its Python frames, the worker's own hidden
 
 
+@sent_to(CONTROLLER)
 class Health(NamedTuple):
     rank: int
     pid: int
@@ -368,6 +375,7 @@ class Health(NamedTuple):
     rejections: dict | None = None  # kind -> messages this worker dropped (envelope.KINDS)
 
 
+@sent_to(CONTROLLER)
 class TransferBegin(NamedTuple):
     """A large FetchResult follows: ``nbytes`` of buffers (for a progress bar)."""
 
@@ -376,6 +384,7 @@ class TransferBegin(NamedTuple):
     nbytes: int
 
 
+@sent_to(CONTROLLER)
 class InternalException(NamedTuple):
     """The worker's own machinery failed: the mesh is broken until restarted."""
 

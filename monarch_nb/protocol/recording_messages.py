@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .receivers import WORKER, sent_to
+
 _MESSAGES = "monarch_nb.protocol.messages"
 
 
+@sent_to(WORKER)
 class DefineRecording(NamedTuple):
     """Commands captured by ``mnb.compile`` (those that concern the receiving rank): a
     command message, or a tensor op as its RunOps entry ``(ident, result, op, refs,
@@ -25,6 +28,7 @@ class DefineRecording(NamedTuple):
     floats_at: tuple
 
 
+@sent_to(WORKER)
 class CallRecording(NamedTuple):
     """Replay: ``inputs`` (recorded id, actual id) pairs, ``results`` (recorded, new);
     ``floats``: this call's lifted floats (empty: the recorded ones)."""
@@ -36,6 +40,7 @@ class CallRecording(NamedTuple):
     floats: tuple
 
 
+@sent_to(WORKER)
 class DeleteRecording(NamedTuple):
     """A recording that will not be called again: free it."""
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .receivers import CONTROLLER, STORE_CLIENT, sent_to
+
 _MESSAGES = "monarch_nb.protocol.messages"
 
 
+@sent_to(CONTROLLER)
 class StoreRequest(NamedTuple):
     """One operation on the controller's torch.distributed store of ``generation``
     (worker -> controller, on the asking thread's own socket): ``op`` is a Store
@@ -27,6 +30,7 @@ class StoreRequest(NamedTuple):
     timeout: float
 
 
+@sent_to(STORE_CLIENT)
 class StoreReply(NamedTuple):
     """The answer to StoreRequest ``request``: its ``value``, or ``error`` (text)."""
 

@@ -22,6 +22,7 @@ from ..protocol import Signer, encode
 from ..protocol import messages as m
 from ..protocol.constants import DEFAULT_STREAM
 from ..protocol.pickling import resolve_function, unpack_args
+from ..protocol.receivers import WORKER, handler_table
 from . import breakpoints, capture, context, debugger, display
 from .cell import Cell, DependentOnError, MissingRef, get_value
 from .code import run_source
@@ -65,13 +66,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers):
             self.namespace["torch"] = sys.modules["torch"]
         self.cuda = _cuda_available()
         self._exiting = False
-        self._handlers = {
-            cls: getattr(self, cls.__name__)
-            for cls in vars(m).values()
-            if isinstance(cls, type)
-            and hasattr(self, cls.__name__)
-            and cls.__module__ == m.__name__
-        }
+        self._handlers = handler_table(self, WORKER)  # fails here if one is missing
         self.borrows: dict[int, tuple] = {}  # borrow id -> (Borrow, result cell)
         self.recordings: dict[int, object] = {}
         self.ops: dict[int, object] = {}  # DefineOp's templates
