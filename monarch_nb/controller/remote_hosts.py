@@ -34,6 +34,7 @@ from ..protocol.receivers import AGENT_CHANNEL, handler_table
 from ..protocol.wire import BadMessage, Signer
 from .agent_ranks import AgentRank, RankBook
 from .errors import describe_exit
+from .io_items import Raw
 from .remote_blocks import host_slot, place
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -129,12 +130,12 @@ class AgentChannel:
         self._thread.start()
 
     def deliver(self, frames, fd) -> None:
-        """An envelope of an agent link (IO thread): read on this channel's thread."""
+        """An envelope of an agent link (the lease holder): read on this channel's thread."""
         self._inbox.put((frames, fd))
         self._wake()
 
     def disconnected(self, fd) -> None:
-        """A connection of the mesh's ROUTER closed (IO thread)."""
+        """A connection of the mesh's ROUTER closed (the lease holder)."""
         self._inbox.put((None, fd))
         self._wake()
 
@@ -256,7 +257,7 @@ class AgentChannel:
 
     def _send(self, identity: bytes, msg) -> None:
         frames = agent_link.seal(self.sealer, self.signer, msg, identity)
-        self._io.submit(("raw", identity, frames))  # in order: this thread seals, one queue
+        self._io.submit(Raw(identity, frames))  # in order: this thread seals, one queue
 
     def _on_disconnect(self, fd) -> None:
         now = time.monotonic()
