@@ -13,7 +13,7 @@ import threading
 
 from ..protocol import host_messages as hm
 from ..protocol.receivers import AGENT_RANKS, handler_table
-from .launcher import OutputTail
+from .output_tail import OutputTail
 
 
 class AgentRank:
