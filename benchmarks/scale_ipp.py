@@ -2,10 +2,10 @@
 ipyparallel's broadcast view on N engines, alternated in one run.
 
 ipyparallel runs in its side venv (``scripts/peer_ipyparallel_venv.sh``;
-``$MONARCH_NB_IPP_VENV``, default ``~/.cache/monarch_nb/peer-ipyparallel``) as
+``$MNB_IPP_VENV``, default ``~/.cache/monarch_nb/peer-ipyparallel``) as
 ``benchmarks/peer_ipyparallel.py --serve --engines N``, a subprocess that measures on command.
 Ours is ``local_mesh(host=N // 32 or 1, gpu=min(N, 32), simulate=True)``: the same N, light
-ranks in simulated host processes. N is 32 (``--quick``) or 64 (``$MONARCH_NB_IPP_ENGINES``
+ranks in simulated host processes. N is 32 (``--quick``) or 64 (``$MNB_IPP_ENGINES``
 sets it): an ipyparallel engine is a full IPython kernel process (~37 MiB, ~0.35 s of CPU to
 start, measured each run), so 1,024 of them would not fit this machine's memory; the row's
 note gives the numbers.
@@ -36,15 +36,15 @@ FULL = 1024  # the world of broadcast_1024
 
 
 def engines(quick: bool) -> int:
-    """N: ``$MONARCH_NB_IPP_ENGINES`` (1 to 32, or a multiple of 32: whole simulated hosts),
+    """N: ``$MNB_IPP_ENGINES`` (1 to 32, or a multiple of 32: whole simulated hosts),
     else 32 with ``--quick`` and 64 without."""
-    text = os.environ.get("MONARCH_NB_IPP_ENGINES", "").strip()
+    text = os.environ.get("MNB_IPP_ENGINES", "").strip()
     if not text:
         return 32 if quick else 64
     n = int(text) if text.isdigit() else 0
     if n < 1 or (n > 32 and n % 32):
         raise ValueError(
-            f"MONARCH_NB_IPP_ENGINES={text!r}: expected a whole number from 1 to 32 or a "
+            f"MNB_IPP_ENGINES={text!r}: expected a whole number from 1 to 32 or a "
             f"multiple of 32 (the simulated mesh's hosts hold 32 ranks each)"
         )
     return n
@@ -52,7 +52,7 @@ def engines(quick: bool) -> int:
 
 def peer_python() -> Path:
     """The side venv's python (it may not exist)."""
-    venv = os.environ.get("MONARCH_NB_IPP_VENV") or "~/.cache/monarch_nb/peer-ipyparallel"
+    venv = os.environ.get("MNB_IPP_VENV") or "~/.cache/monarch_nb/peer-ipyparallel"
     return Path(venv).expanduser() / "bin" / "python"
 
 

@@ -1,6 +1,6 @@
 """monarch_nb's tensor engine against Monarch's own (torchmonarch 0.7), on dp=2 CPU, in one run.
 
-Monarch runs in its side venv (``scripts/peer_monarch_venv.sh``; ``$MONARCH_NB_PEER_VENV``,
+Monarch runs in its side venv (``scripts/peer_monarch_venv.sh``; ``$MNB_PEER_VENV``,
 default ``~/.cache/monarch_nb/peer-monarch``) as ``benchmarks/peer_monarch.py --serve``, a
 subprocess that measures on command; each measurement alternates with ours (``interleaved``),
 both meshes up at once. The same work on both sides, on a 16-float tensor:
@@ -34,7 +34,7 @@ NOT_INSTALLED = "peer not installed: run scripts/peer_monarch_venv.sh"
 
 def peer_python() -> Path:
     """The side venv's python (it may not exist)."""
-    venv = os.environ.get("MONARCH_NB_PEER_VENV") or "~/.cache/monarch_nb/peer-monarch"
+    venv = os.environ.get("MNB_PEER_VENV") or "~/.cache/monarch_nb/peer-monarch"
     return Path(venv).expanduser() / "bin" / "python"
 
 

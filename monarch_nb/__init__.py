@@ -13,7 +13,7 @@ In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 import contextlib
 import sys
 
-from . import context
+from . import config, context
 from ._version import __version__ as __version__
 from .controller.async_result import AsyncResult
 from .controller.errors import (
@@ -79,6 +79,7 @@ __all__ = [
     "DeviceMesh",
     "RecordingError",
     "compile",
+    "config",
     "InterruptTimeout",
     "IOThreadError",
     "MeshClosedError",

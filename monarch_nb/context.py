@@ -14,10 +14,12 @@ import itertools
 import threading
 from typing import TYPE_CHECKING
 
+from . import config
+
 # The controller's send() watches this object (its ``active`` trace observes every
 # command sent); the API reaches it only through this module.
 from .controller.trace import RecordingError, recording_trace  # noqa: F401
-from .protocol.hooks import Hook
+from .hooks import Hook
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -148,6 +150,9 @@ def get_mesh(name: str | None = None) -> DeviceMesh:
 def all_meshes() -> dict:
     """The root meshes by name."""
     return dict(_meshes)
+
+
+config.LIVE_MESHES.install(lambda: sorted(_meshes))  # %config refuses restart settings then
 
 
 def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[DeviceMesh, Stream]:

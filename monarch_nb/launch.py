@@ -3,8 +3,8 @@ workers another launcher started. Both register the mesh by name (``context.py``
 
 from __future__ import annotations
 
-from . import context
-from .controller import HEARTBEAT_TIMEOUT, Controller
+from . import config, context
+from .controller import Controller
 from .controller.host_launcher import warm_local_agent
 from .mesh import DeviceMesh
 from .protocol.ndslice import NDSlice
@@ -40,7 +40,7 @@ def local_mesh(
     name: str | None = None,
     backend: str | None = None,
     interface: str = "127.0.0.1",
-    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    heartbeat_timeout: float | None = None,
     liveness_timeout: float | None = None,
     simulate: bool | int = False,
     **dims: int,
@@ -104,8 +104,8 @@ def connect_mesh(
     backend: str | None = None,
     interface: str = "127.0.0.1",
     advertise: str | None = None,
-    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
-    liveness_timeout: float | None = HEARTBEAT_TIMEOUT,
+    heartbeat_timeout: float | None = None,
+    liveness_timeout: float | str | None = "heartbeat",
     **dims: int,
 ) -> DeviceMesh:
     """Wait for ``world`` workers started by another launcher (torchrun, srun, ...)
@@ -143,9 +143,11 @@ def connect_mesh(
     if product != world:
         raise ValueError(f"the dims {dims} hold {product} ranks, not world={world}")
     name = context.new_name(name)
+    settings = config.snapshot(heartbeat_timeout=heartbeat_timeout)
     launcher = ExternalLauncher(
-        name, dims, connection_file, interface=interface, agent_timeout=heartbeat_timeout
-    )
+        name, dims, connection_file, interface=interface,
+        agent_timeout=settings["heartbeat_timeout"],
+    )  # fmt: skip
     ctrl = Controller(
         name,
         dims,
@@ -154,8 +156,8 @@ def connect_mesh(
         launcher=launcher,
         startup_timeout=timeout,
         advertise=advertise,
-        heartbeat_timeout=heartbeat_timeout,
         liveness_timeout=liveness_timeout,
+        settings=settings,
     )
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     mesh.connection_file = launcher.connection_file
@@ -177,7 +179,7 @@ def slurm_mesh(
     advertise: str | None = None,
     connection_file: str | None = None,
     timeout: float = 600.0,
-    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    heartbeat_timeout: float | None = None,
     **dims: int,
 ) -> DeviceMesh:
     """A mesh of ``nodes`` x ``ranks_per_node`` ranks on Slurm: one host agent per
@@ -196,11 +198,12 @@ def slurm_mesh(
     _check_dims(dims)
     _check_backend(backend)
     name = context.new_name(name)
+    settings = config.snapshot(heartbeat_timeout=heartbeat_timeout)
     launcher = SlurmLauncher(
         name, dims, nodes=nodes, ranks_per_node=ranks_per_node, gpus=gpus,
         partition=partition, time_limit=time, account=account, extra=extra,
         connection_file=connection_file, interface=interface,
-        agent_timeout=heartbeat_timeout,
+        agent_timeout=settings["heartbeat_timeout"],
     )  # fmt: skip
     world = 1
     for v in dims.values():
@@ -212,8 +215,7 @@ def slurm_mesh(
         )
     ctrl = Controller(
         name, dims, backend, interface=interface, launcher=launcher, startup_timeout=timeout,
-        advertise=advertise, heartbeat_timeout=heartbeat_timeout,
-        liveness_timeout=heartbeat_timeout,
+        advertise=advertise, liveness_timeout="heartbeat", settings=settings,
     )  # fmt: skip
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
     mesh.connection_file = launcher.connection_file

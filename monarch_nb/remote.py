@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from .context import BaseMesh, Stream, recording_trace, resolve_target
 from .controller import AsyncResult, hand_back_interrupts_of, keep_unraisable_hook
+from .hooks import Hook
 from .protocol import messages as m
-from .protocol.hooks import Hook
 from .protocol.reduce_options import REDUCTIONS, check_combination
 from .protocol.wire import (
     RefUseError,

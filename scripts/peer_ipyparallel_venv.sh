@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Creates (or completes) the side venv holding ipyparallel, for the `broadcast_vs_ipyparallel`
 # benchmark row (benchmarks/scale_ipp.py). Idempotent: a step already done is skipped.
-# Lives outside the repo: $MONARCH_NB_IPP_VENV, default ~/.cache/monarch_nb/peer-ipyparallel.
+# Lives outside the repo: $MNB_IPP_VENV, default ~/.cache/monarch_nb/peer-ipyparallel.
 # No torch: the engines run a no-op. Optional: PYTHON (default python3),
 # IPYPARALLEL (the requirement, default ipyparallel==9.2.0). Not run by CI.
 # Prints the venv's path on its last line.
 set -euo pipefail
 
-VENV="${MONARCH_NB_IPP_VENV:-$HOME/.cache/monarch_nb/peer-ipyparallel}"
+VENV="${MNB_IPP_VENV:-$HOME/.cache/monarch_nb/peer-ipyparallel}"
 PY="${PYTHON:-python3}"
 REQ="${IPYPARALLEL:-ipyparallel==9.2.0}"
 

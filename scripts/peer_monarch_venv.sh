@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or completes) the side venv holding Monarch's own tensor engine, torchmonarch 0.7.0,
 # for the `tensor_vs_monarch` benchmark rows. Idempotent: a step already done is skipped.
-# Lives outside the repo: $MONARCH_NB_PEER_VENV, default ~/.cache/monarch_nb/peer-monarch.
+# Lives outside the repo: $MNB_PEER_VENV, default ~/.cache/monarch_nb/peer-monarch.
 # torch 2.13.0's CPU wheel goes in first, torchmonarch with --no-deps, then its other
 # requirements with torch pinned beside them, so nothing can pull a CUDA torch or nvidia-*.
 # Optional: PYTHON (default python3.11; the wheel is cp311), TORCHMONARCH_WHEEL (a wheel already
@@ -9,7 +9,7 @@
 # Prints the venv's path on its last line.
 set -euo pipefail
 
-VENV="${MONARCH_NB_PEER_VENV:-$HOME/.cache/monarch_nb/peer-monarch}"
+VENV="${MNB_PEER_VENV:-$HOME/.cache/monarch_nb/peer-monarch}"
 PY="${PYTHON:-python3.11}"
 TORCH="torch==2.13.0+cpu" # "+cpu": where that wheel is not on offer pip fails, never takes CUDA's
 # torchmonarch 0.7.0's Requires-Dist, less its extras (torch is not among them)

@@ -51,7 +51,7 @@ def test_peer_script_rejects_a_bad_argument_naming_it(args, message):
 
 
 def test_row_is_skipped_not_missed_without_the_side_venv(monkeypatch, tmp_path):
-    monkeypatch.setenv("MONARCH_NB_IPP_VENV", str(tmp_path / "absent"))
+    monkeypatch.setenv("MNB_IPP_VENV", str(tmp_path / "absent"))
     results = {e.name: e.to_dict() for e in bench_broadcast_vs_ipyparallel(quick=True)}
     assert list(results) == [ROW]
     assert results[ROW]["ok"] is None
@@ -73,7 +73,7 @@ def test_the_row_runs_with_the_scale_benchmarks_and_reports_skipped(tmp_path):
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={**os.environ, "MONARCH_NB_IPP_VENV": str(tmp_path / "absent")},
+        env={**os.environ, "MNB_IPP_VENV": str(tmp_path / "absent")},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{ROW}: skipped: peer not installed" in proc.stdout
@@ -83,16 +83,16 @@ def test_the_row_runs_with_the_scale_benchmarks_and_reports_skipped(tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "40", "-32", "lots"])
 def test_a_bad_engine_count_is_named(monkeypatch, value):
-    monkeypatch.setenv("MONARCH_NB_IPP_ENGINES", value)
-    with pytest.raises(ValueError, match=f"MONARCH_NB_IPP_ENGINES='{value}': expected a whole"):
+    monkeypatch.setenv("MNB_IPP_ENGINES", value)
+    with pytest.raises(ValueError, match=f"MNB_IPP_ENGINES='{value}': expected a whole"):
         engines(quick=True)
-    monkeypatch.setenv("MONARCH_NB_IPP_ENGINES", "96")
+    monkeypatch.setenv("MNB_IPP_ENGINES", "96")
     assert engines(quick=True) == 96
 
 
 def test_a_peer_without_ipyparallel_fails_the_benchmark_naming_it(monkeypatch, tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").symlink_to(sys.executable)
-    monkeypatch.setenv("MONARCH_NB_IPP_VENV", str(tmp_path))
+    monkeypatch.setenv("MNB_IPP_VENV", str(tmp_path))
     with pytest.raises(RuntimeError, match="ipyparallel is not importable here: No module"):
         bench_broadcast_vs_ipyparallel(quick=True)

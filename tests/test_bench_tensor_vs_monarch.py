@@ -40,7 +40,7 @@ def test_peer_script_rejects_a_bad_argument():
 
 
 def test_rows_are_skipped_not_missed_without_the_side_venv(monkeypatch, tmp_path):
-    monkeypatch.setenv("MONARCH_NB_PEER_VENV", str(tmp_path / "absent"))
+    monkeypatch.setenv("MNB_PEER_VENV", str(tmp_path / "absent"))
     results = {e.name: e.to_dict() for e in bench_tensor_vs_monarch(quick=True)}
     assert tuple(results) == ROWS
     for d in results.values():
@@ -56,6 +56,6 @@ def test_rows_are_skipped_not_missed_without_the_side_venv(monkeypatch, tmp_path
 def test_a_peer_that_cannot_import_monarch_fails_the_benchmark_naming_it(monkeypatch, tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").symlink_to(sys.executable)
-    monkeypatch.setenv("MONARCH_NB_PEER_VENV", str(tmp_path))
+    monkeypatch.setenv("MNB_PEER_VENV", str(tmp_path))
     with pytest.raises(RuntimeError, match="torchmonarch is not importable here: No module"):
         bench_tensor_vs_monarch(quick=True)

@@ -71,9 +71,9 @@ def _rank_info():
 
 
 def _stall_after():
-    from monarch_nb.worker import connection
+    from monarch_nb.config import process_settings
 
-    return connection.STALL_AFTER
+    return process_settings()["stall_seconds"]
 
 
 def test_a_setting_read_at_import_that_changed_starts_a_fresh_agent(monkeypatch):
@@ -268,7 +268,7 @@ def test_a_mesh_larger_than_the_agents_slots_is_refused_and_the_agent_serves_on(
 
 def test_an_unknown_spawn_method_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("MONARCH_NB_SPAWN", "fork-server")
-    with pytest.raises(ValueError, match="MONARCH_NB_SPAWN='fork-server': expected 'agent'"):
+    with pytest.raises(ValueError, match="MONARCH_NB_SPAWN='fork-server': one of agent, popen"):
         mnb.local_mesh(dp=1, name="unknown-spawn")
     assert "unknown-spawn" not in mnb.mesh.all_meshes()
 

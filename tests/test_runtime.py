@@ -382,9 +382,7 @@ def test_stall_monitor_logs_a_long_command(tmp_path, monkeypatch):
 
 
 def test_progress_bars_for_startup_and_large_transfers(capfd, monkeypatch):
-    import monarch_nb.controller.progress as progress
-
-    monkeypatch.setattr(progress, "DELAY", 0.0)
+    monkeypatch.setenv("MONARCH_NB_PROGRESS_DELAY", "0")
     with mnb.local_mesh(dp=1, name="bars") as m1:
         big = mnb.remote(torch.ones)(20 * 2**20, mesh=m1)  # 80 MB: over the 64 MB threshold
         assert big.fetch(rank=0).shape == (20 * 2**20,)

@@ -1,7 +1,7 @@
 """The controller side: Controller (socket + IO thread + futures), MeshState, launchers."""
 
 from .async_result import AsyncResult
-from .controller import HEARTBEAT_TIMEOUT, Controller
+from .controller import Controller
 from .errors import (
     InterruptTimeout,
     IOThreadError,
@@ -17,7 +17,6 @@ from .sigint import hand_back_interrupts_of, keep_unraisable_hook
 from .state import MeshState
 
 __all__ = [
-    "HEARTBEAT_TIMEOUT",
     "AsyncResult",
     "Controller",
     "ExternalLauncher",

@@ -19,12 +19,12 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 
+from .. import config
 from ..protocol import Signer, encode, new_secret
 from ..protocol import messages as m
 from ..protocol.constants import BIG_SEND
@@ -33,7 +33,7 @@ from ..protocol.ndslice import NDSlice
 from .async_result import AsyncResult
 from .cancels import Cancels
 from .debugger import DebugSessions
-from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again, sequence_gap
+from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again
 from .failures import FailureLog
 from .host_launcher import default_launcher
 from .interrupts import Interrupts
@@ -52,8 +52,6 @@ from .workers import WorkerSet
 
 logger = logging.getLogger("monarch_nb.controller")
 
-# seconds a worker may be silent before it is unresponsive (joined ones: presumed lost)
-HEARTBEAT_TIMEOUT = float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10"))
 
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -77,31 +75,37 @@ class Controller:
         launcher=None,
         startup_timeout: float = 180.0,
         advertise: str | None = None,
-        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        heartbeat_timeout: float | None = None,
         liveness_timeout: float | None = None,
+        settings: dict | None = None,
     ):
+        """``settings``: ``config.snapshot()``'s (default: taken now, with
+        ``heartbeat_timeout`` if given), read once: the launcher and workers get them."""
         self.name = name
         self.dims = dict(dims)
         self.world = math.prod(self.dims.values())
-        self.state = MeshState(name, self.dims, backend)
+        self.settings = settings = settings or config.snapshot(heartbeat_timeout=heartbeat_timeout)
+        self.state = MeshState(name, self.dims, backend, settings["timeline_size"])
         self.state.count_requests = lambda: len(self.table)
         self.liveness = Liveness(
-            name, self.state, self.break_mesh, heartbeat_timeout, liveness_timeout
+            name, self.state, self.break_mesh, settings["heartbeat_timeout"], liveness_timeout
         )
         self._secret = new_secret()
-        self.signer = Signer(self._secret)
-        # protocol v2: what arrives is checked against the peers' sockets (kept across
-        # restarts); what leaves is sealed per destination by the lease holder
+        self.signer = Signer(self._secret, full=settings["sign_full"])
+        # protocol v2: arrivals are checked against the peers' sockets (kept across
+        # restarts); the lease holder seals what leaves per destination
         self.peers = PeerTable(self.state.rejections)
         self.sealer = Sealer(self.signer, CONTROLLER)
-        self.workers = WorkerSet(name, self.world, launcher or default_launcher(), self.state)
+        launcher = launcher or default_launcher(settings["spawn"])
+        launcher.configure(config.process_env(settings))
+        self.workers = WorkerSet(name, self.world, launcher, self.state)
         self._startup_timeout = startup_timeout
         self._ids = itertools.count(1)  # ref, stream and mesh ids (0 is the root mesh)
         self._idents = itertools.count(1)  # command idents
         self._lifecycle = threading.Lock()
         self._lifecycle_groups = threading.Lock()
         self._advertise = advertise or advertised_host(interface)
-        self.rendezvous = Rendezvous(self._advertise)
+        self.rendezvous = Rendezvous(self._advertise, settings["rendezvous"])
         self.replies = Replies(self)
         self.cancels = Cancels(self)
         self.io = IOLoop(name, interface, self.workers.identities, self._io_callbacks())
@@ -278,10 +282,6 @@ class Controller:
         """KeyboardInterrupt in the running commands of ``streams`` on ``ranks``."""
         self.interrupts.interrupt(streams, ranks)
 
-    def on_gap(self, rank: int, missed: int) -> None:
-        """``missed`` messages of ``rank`` never arrived: its waiting requests fail."""
-        self.table.fail_rank(rank, sequence_gap(self.name, rank, missed))
-
     def break_mesh(self, err: BaseException) -> None:
         """The mesh cannot go on (the lease holder): fail every request with ``err``. A rank
         lost (``WorkerCrashed``, ``WorkerUnresponsive``) breaks it for the calls that
@@ -302,7 +302,7 @@ class Controller:
 
     def _io_callbacks(self) -> IOCallbacks:
         signer = self.signer
-        return IOCallbacks(
+        return IOCallbacks(  # what the IO loop calls, on the lease holder's thread
             on_frames=self.replies.on_frames,
             on_tick=self._tick,
             on_request=lambda req: self.table.add(req),  # the generation's table

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 
+from .. import config
 from ..protocol import host_messages as hm
 from ..protocol.receivers import AGENT_LINK, handler_table
 from .agent_ranks import AgentRank, RankBook
@@ -62,7 +63,7 @@ class HostAgent(RankBook):
         self.error: str | None = None
         self.popen: subprocess.Popen | None = None
         self.owner = os.getpid()  # a forked copy of this process starts its own agent
-        env = local_env(1)
+        env = local_env(1, {})
         self.env_key = import_time_env(env)
         self.retired = False
         env["OMP_NUM_THREADS"] = "1"  # the agent computes nothing; each rank sets its own
@@ -233,7 +234,7 @@ def local_agent(wait: bool = True) -> HostAgent:
     with _agent_lock:
         agent = _agent
         ours = agent is not None and agent.owner == os.getpid() and agent.alive
-        if not (ours and agent.env_key == import_time_env(local_env(1))):
+        if not (ours and agent.env_key == import_time_env(local_env(1, {}))):
             if ours:
                 agent.retire()
             agent = _agent = HostAgent(wait=False)
@@ -251,7 +252,7 @@ def local_agent(wait: bool = True) -> HostAgent:
 def warm_local_agent() -> None:
     """Start the agent now, in the background, when local meshes use it: its torch
     import overlaps the caller's own start-up (a failure shows at the mesh's launch)."""
-    if os.environ.get("MONARCH_NB_SPAWN", "agent").strip().lower() in ("", "agent"):
+    if config.setting("spawn") == "agent":
         try:
             local_agent(wait=False)
         except Exception:
@@ -287,7 +288,7 @@ class HostLauncher(Launcher):
         agent = self.agent or local_agent()
         agent.wait_ready()  # at once when warm; says why when it died
         gpus = _visible_gpus()
-        base = local_env(world)
+        base = local_env(world, self.settings_env)
         ranks = {
             r: agent.spawn(r, world, address, key, rank_env(base, r, world, gpus))
             for r in range(world)
@@ -315,12 +316,11 @@ def await_spawned(ranks: dict, world: int, agent_of, what: str) -> None:
         )
 
 
-def default_launcher():
-    """The launcher of a local mesh: HostLauncher, or with ``MONARCH_NB_SPAWN=popen``
+def default_launcher(spawn: str = "agent"):
+    """The launcher of a local mesh: HostLauncher, or with the setting ``spawn="popen"``
     the LocalLauncher (a fresh ``python -m monarch_nb.worker`` per rank)."""
-    how = os.environ.get("MONARCH_NB_SPAWN", "agent").strip().lower()
-    if how == "popen":
+    if spawn == "popen":
         return LocalLauncher()
-    if how not in ("", "agent"):
-        raise ValueError(f"MONARCH_NB_SPAWN={how!r}: expected 'agent' (the default) or 'popen'")
+    if spawn != "agent":
+        raise ValueError(f"spawn={spawn!r}: expected 'agent' (the default) or 'popen'")
     return HostLauncher()

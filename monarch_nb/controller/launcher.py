@@ -92,10 +92,11 @@ class LocalProcess:
                 pass
 
 
-def local_env(world: int) -> dict:
+def local_env(world: int, settings_env: dict) -> dict:
     """The environment of a local mesh's workers, less their rank: the controller's,
-    with its sys.path as PYTHONPATH and the settings below."""
-    base = dict(os.environ)
+    with the mesh's settings (``settings_env``), its sys.path as PYTHONPATH and the
+    settings below."""
+    base = {**os.environ, **settings_env}
     base.pop("MONARCH_NB_KEY", None)
     # the workers import what the controller imports, from the same places
     paths = [p if p else os.getcwd() for p in sys.path]
@@ -134,7 +135,7 @@ class LocalLauncher(Launcher):
 
     def launch(self, address: str, key: bytes, world: int) -> dict[int, LocalProcess]:
         gpus = _visible_gpus()
-        base = local_env(world)
+        base = local_env(world, self.settings_env)
         procs = {}
         for rank in range(world):
             env = rank_env(base, rank, world, gpus)

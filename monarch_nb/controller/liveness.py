@@ -20,6 +20,9 @@ logger = logging.getLogger("monarch_nb.controller")
 
 class Liveness:
     def __init__(self, mesh: str, state, lose, heartbeat_timeout: float, liveness_timeout):
+        """``liveness_timeout``: seconds, None (never) or "heartbeat" (the same)."""
+        if liveness_timeout == "heartbeat":
+            liveness_timeout = heartbeat_timeout
         if not heartbeat_timeout > 0:
             raise ValueError(f"heartbeat_timeout must be > 0 s, got {heartbeat_timeout!r}")
         if liveness_timeout is not None and not liveness_timeout > 0:

@@ -9,12 +9,10 @@ chunks for finer steps would cost a copy of every byte.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
+from .. import config
 from ..protocol.constants import PROGRESS_BYTES
-
-DELAY = float(os.environ.get("MONARCH_NB_PROGRESS_DELAY", "0.5"))  # bars appear only after this
 
 logger = logging.getLogger("monarch_nb.progress")
 
@@ -24,13 +22,13 @@ def bar(**kwargs):
 
     In a notebook the finished bar (a widget) goes away; on a terminal or in a log
     it stays as one finished line, so what is printed next starts on a line of its
-    own. A bar never drawn (done within ``DELAY``) prints nothing."""
+    own. A bar never drawn (done within the setting ``progress_delay``) prints nothing."""
     try:
         from tqdm.auto import tqdm
 
         # every update redraws (ours are few: a worker joined, a transfer ended), so a
         # closed bar shows its last state: a notebook widget keeps its last redraw's text
-        return tqdm(delay=DELAY, leave=not _widget(tqdm), mininterval=0, miniters=1, **kwargs)
+        return tqdm(delay=config.setting("progress_delay"), leave=not _widget(tqdm), mininterval=0, miniters=1, **kwargs)
     except Exception:
         logger.debug("no progress bar", exc_info=True)
         return None

@@ -26,6 +26,7 @@ import time
 
 import zmq
 
+from .. import config
 from ..protocol import agent_link
 from ..protocol import host_messages as hm
 from ..protocol.constants import BEAT_S
@@ -47,10 +48,7 @@ QUIT_WAIT_S = 2.0  # at shutdown: how long the relays have to read their Quit an
 def fanout() -> bool:
     """Whether relays carry their ranks' traffic (``MONARCH_NB_RELAY_FANOUT``, read
     at each launch: ``0`` makes every rank connect to the mesh's ROUTER itself)."""
-    value = os.environ.get("MONARCH_NB_RELAY_FANOUT", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"MONARCH_NB_RELAY_FANOUT must be 0 or 1, got {value!r}")
-    return value == "1"
+    return config.setting("relay_fanout")
 
 
 class RemoteAgent(RankBook):

@@ -23,12 +23,12 @@ KINDS = ("file", "controller")
 class Rendezvous:
     """The rendezvous of one mesh; ``store`` serves the ``controller`` kind."""
 
-    def __init__(self, advertise: str, kind: str | None = None):
-        kind = kind or os.environ.get("MONARCH_NB_RENDEZVOUS") or None
-        if kind is None:
+    def __init__(self, advertise: str, kind: str = "auto"):
+        """``kind``: the setting ``rendezvous`` (``auto``: file on loopback)."""
+        if kind == "auto":
             kind = "file" if advertise in _LOOPBACK else "controller"
         if kind not in KINDS:
-            raise ValueError(f"MONARCH_NB_RENDEZVOUS must be one of {KINDS}, got {kind!r}")
+            raise ValueError(f"rendezvous must be one of auto, {', '.join(KINDS)}; got {kind!r}")
         self.kind = kind
         self._dir: str | None = None
         self.store = StoreServer()

@@ -16,7 +16,7 @@ from ..protocol.agent_link import is_agent_header
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, VersionMismatch, unseal
 from ..protocol.receivers import handler_table
 from ..protocol.wire import small
-from .errors import IOThreadError, RemoteError
+from .errors import IOThreadError, RemoteError, sequence_gap
 from .hosts import HostLinks
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -58,12 +58,12 @@ class Replies:
                 self._drop("gap", f"{missed} message(s) of host {header.rank} never arrived")
                 link = self.hosts.links.get(identity)
                 for r in link.ranks if link is not None else ():
-                    ctrl.on_gap(r, missed)
+                    self.on_gap(r, missed)
             self.hosts.on_envelope(identity, header, parts)
             return
         if missed:
             self._drop("gap", f"{missed} message(s) of rank {header.rank} never arrived")
-            ctrl.on_gap(header.rank, missed)
+            self.on_gap(header.rank, missed)
         for p in parts:
             try:
                 msg = decode(p, ctrl.signer)
@@ -71,6 +71,10 @@ class Replies:
                 self._drop(e.kind, str(e))
                 continue
             self._dispatch(msg, identity, header, joined=missed is not None)
+
+    def on_gap(self, rank: int, missed: int) -> None:
+        """``missed`` messages of ``rank`` never arrived: its waiting requests fail."""
+        self.ctrl.table.fail_rank(rank, sequence_gap(self.ctrl.name, rank, missed))
 
     def _dispatch(self, msg, identity: bytes, header, joined: bool) -> None:
         handler = self._handlers.get(type(msg))
@@ -198,7 +202,7 @@ class Replies:
     def RankGap(self, msg: m.RankGap) -> None:
         """A sequence gap a relay saw on one of its rank's sockets: as one seen here."""
         self._drop("gap", f"{msg.missed} message(s) of rank {msg.rank} never reached its relay")
-        self.ctrl.on_gap(msg.rank, msg.missed)
+        self.on_gap(msg.rank, msg.missed)
 
     def Health(self, msg: m.Health) -> None:
         self.ctrl.state.health(

@@ -5,7 +5,7 @@ Each simulated host is its own agent process (``monarch-nb-host --simulate K``,
 no torch) holding K light ranks; every rank still has its own signed ZeroMQ
 connection to the controller. The mesh's hosts start at its first launch, stay
 for its restarts (a host that died is replaced) and end with the mesh. This
-process holds at most ``SLOTS`` simulated ranks in all meshes together: a mesh
+process holds at most ``sim_slots`` (a setting) simulated ranks in all meshes together: a mesh
 that would go beyond is refused before anything starts.
 """
 
@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 import threading
 
+from .. import config
 from .host_launcher import AgentRank, HostAgent, await_spawned
 from .workers import Launcher
-
-SLOTS = int(os.environ.get("MONARCH_NB_SIM_SLOTS", "1024"))  # simulated ranks, all meshes
 
 _held: dict[int, tuple[str, int]] = {}  # id(launcher) -> (mesh name, ranks held)
 _held_lock = threading.Lock()
@@ -39,11 +38,12 @@ class SimLauncher(Launcher):
         with _held_lock:
             others = [(n, k) for n, k in _held.values()]
             used = sum(k for _, k in others)
-            if used + world > SLOTS:
+            slots = config.setting("sim_slots")
+            if used + world > slots:
                 held = ", ".join(f"{n!r}: {k}" for n, k in others) or "none"
                 raise ValueError(
                     f"a simulated mesh of {world} ranks does not fit: this process has "
-                    f"{SLOTS} simulated rank slots (MONARCH_NB_SIM_SLOTS), {used} held by "
+                    f"{slots} simulated rank slots (MONARCH_NB_SIM_SLOTS), {used} held by "
                     f"other meshes ({held}); shut one down or ask for fewer ranks"
                 )
             _held[id(self)] = (name, world)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..protocol.envelope import KINDS
 from .errors import describe_exit
 from .sent import SentGroups
-from .timeline import Timeline
+from .timeline import DEFAULT_SIZE, Timeline
 
 _ZERO = (0, 0, 0)  # a stream's progress before its first report
 
@@ -43,7 +43,7 @@ class WorkerState:
 
 
 class MeshState:
-    def __init__(self, name: str, dims: dict, backend: str):
+    def __init__(self, name: str, dims: dict, backend: str, timeline_size: int = DEFAULT_SIZE):
         self.name = name
         self.dims = dict(dims)
         self.backend = backend
@@ -60,7 +60,7 @@ class MeshState:
         self.internal_errors: list[dict] = []
         self.generation = 0
         self.count_requests = lambda: 0  # entries in the controller's request table, now
-        self.timeline = Timeline()  # every command's start and end (mesh.timeline())
+        self.timeline = Timeline(timeline_size)  # every command's start and end (mesh.timeline())
 
     @property
     def bad_messages(self) -> int:

@@ -10,13 +10,12 @@ command; reading converts the times to the controller's clock with the offsets
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 from array import array
 from collections import deque
 
-DEFAULT_SIZE = int(os.environ.get("MONARCH_NB_TIMELINE_SIZE", "100000"))
+DEFAULT_SIZE = 100_000  # the setting timeline_size's default
 STRAGGLER_FACTOR = 1.5
 STRAGGLER_MIN_SECONDS = 0.001  # a command shorter than this is noise, never a straggler
 

@@ -31,6 +31,12 @@ class Launcher:
         output pipe itself), or {}."""
         raise NotImplementedError
 
+    settings_env: dict = {}  # the mesh's settings, as its processes' variables
+
+    def configure(self, settings_env: dict) -> None:
+        """The mesh's settings (``config.process_env``): the ranks it starts get them."""
+        self.settings_env = settings_env
+
     def attach(self, io) -> None:
         """The mesh's IO loop, before the first launch (host agents on other hosts
         reach its ROUTER)."""

@@ -16,6 +16,8 @@ import os
 import socket
 import sys
 
+from ..config import process_settings
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
@@ -63,8 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10")),
-        help="with --connect: exit (ranks and all) when the controller has been silent this long (s)",
+        default=None,
+        help="with --connect: exit (ranks and all) when the controller has been silent this "
+        "long (s; default: the setting heartbeat_timeout)",
     )
     p.add_argument("--parent-pid", type=int, help="exit when this process (the controller) is gone")
     # the relay's child: --local-ranks is this host's ranks, one per GPU (the local agent's
@@ -152,6 +155,8 @@ def _relay(p: argparse.ArgumentParser, a) -> int:
     node_rank = a.node_rank if a.node_rank is not None else env_node_rank()
     if node_rank is not None and node_rank < 0:
         p.error(f"--node-rank must be at least 0 (got {node_rank})")
+    if a.heartbeat_timeout is None:
+        a.heartbeat_timeout = process_settings()["heartbeat_timeout"]
     if a.heartbeat_timeout <= 0:
         p.error(f"--heartbeat-timeout must be positive (got {a.heartbeat_timeout})")
     return Relay(address, key, a.local_ranks, node_rank, a.heartbeat_timeout).serve()

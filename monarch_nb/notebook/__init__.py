@@ -11,6 +11,7 @@ of JupyterLab's debugger).
 
 from __future__ import annotations
 
+from .. import config
 from .results import RemoteCellError
 
 _loaded: dict = {}
@@ -21,6 +22,10 @@ def load_ipython_extension(ipython) -> None:
 
     if id(ipython) in _loaded:
         return
+    settings = config.settings()  # %config MonarchNB.heartbeat_timeout = 30
+    settings.update_config(ipython.config)
+    if settings not in ipython.configurables:
+        ipython.configurables.append(settings)
     magics = MonarchMagics(ipython)
     ipython.register_magics(magics)
     ipython.register_magics(DebugMagics(ipython, magics._mesh))

@@ -26,7 +26,7 @@ from typing import Any
 
 import cloudpickle
 
-from .hooks import Hook
+from ..hooks import Hook
 from .messages import Args, Function
 
 

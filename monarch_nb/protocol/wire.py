@@ -11,7 +11,7 @@ A message travels as the frames ``[signature, pickle, *buffers]``:
   covered. The pickle, the only part that can make a receiver execute
   anything, is always covered whole. Full coverage of a large tensor would
   cost as much as sending it (SHA-256 runs at about 1 GB/s here, the same as
-  loopback ZeroMQ); set ``MONARCH_NB_SIGN_FULL=1`` to cover every byte.
+  loopback ZeroMQ); the setting ``sign_full`` (``MONARCH_NB_SIGN_FULL=1``) covers every byte.
 
 It is computed by the thread that builds the message (the caller's), so big
 payloads are never hashed by an IO thread. A frame set whose signature does
@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import zmq
 import zmq.backend
 
+from ..config import process_settings
 from . import messages, values
 from .messages import FetchResult, RemoteFailure
 
@@ -51,7 +52,6 @@ from .pickling import (  # noqa: F401
 SIG_LEN = 32
 FULL_COVER = 1 << 20
 EDGE = 64 << 10
-SIGN_FULL = os.environ.get("MONARCH_NB_SIGN_FULL", "") not in ("", "0")
 
 
 class BadMessage(Exception):
@@ -70,12 +70,16 @@ def new_secret() -> bytes:
 class Signer:
     """HMAC-SHA256 over a message's frames with one mesh's secret."""
 
-    __slots__ = ("_key", "_inner", "_outer")
+    __slots__ = ("_key", "_inner", "_outer", "_full")
 
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, full: bool | None = None):
+        """``full``: sign every byte of large buffers (the setting ``sign_full``; None:
+        this process's). Every process of a mesh must agree: its controller hands
+        its value to the ranks it starts."""
         if len(key) < 16:
             raise ValueError("the mesh secret must be at least 16 bytes")
         self._key = key
+        self._full = process_settings()["sign_full"] if full is None else bool(full)
         # HMAC (RFC 2104) with the padded keys hashed once: each message then costs
         # two copies of a SHA-256 state (4x cheaper than hmac.digest, which sets up
         # OpenSSL's HMAC afresh for every call)
@@ -102,7 +106,7 @@ class Signer:
             mv = memoryview(b).cast("B")
             n = mv.nbytes
             h.update(n.to_bytes(8, "little"))
-            if n <= FULL_COVER or SIGN_FULL:
+            if n <= FULL_COVER or self._full:
                 h.update(mv)
             else:
                 h.update(mv[:EDGE])

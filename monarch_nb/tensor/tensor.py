@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..context import recording_trace
-from ..protocol.hooks import Hook
+from ..hooks import Hook
 from ..protocol.pickling import ref_placeholder
 from ..protocol.wire import register_ref_type
 from ..remote import Ref

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from ..config import process_settings
+
 
 def _env_int(*names: str) -> int | None:
     for n in names:
@@ -47,8 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "10")),
-        help="exit when the controller has not been heard of for this long (s; joined workers)",
+        default=None,
+        help="exit when the controller has not been heard of for this long (s; joined "
+        "workers; default: the setting heartbeat_timeout)",
     )
     a = p.parse_args(argv)
     key_hex = ""
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     if not key_hex:
         p.error("no mesh secret: use --key-file, --key-stdin or MONARCH_NB_KEY")
 
+    if a.heartbeat_timeout is None:
+        a.heartbeat_timeout = process_settings()["heartbeat_timeout"]
     heartbeat = None if a.parent_pid else a.heartbeat_timeout
     run_worker(
         a.connect, bytes.fromhex(key_hex), rank, world, local_rank or 0, a.parent_pid, heartbeat
@@ -110,7 +115,7 @@ def run_worker(
         logging.Formatter(f"[monarch worker {rank}] %(levelname)s %(name)s: %(message)s")
     )
     own.addHandler(handler)
-    own.setLevel(os.environ.get("MONARCH_NB_LOG", "WARNING").upper())
+    own.setLevel(process_settings()["log"])
     own.propagate = False
     # headless: matplotlib renders with Agg; %%monarch cells send figures home
     os.environ["MPLBACKEND"] = "module://monarch_nb.worker.mpl_backend"

@@ -17,7 +17,6 @@ all_reduce of the shape its group agreed on last time runs alongside its data
 from __future__ import annotations
 
 import datetime
-import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -25,6 +24,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from ..config import process_settings
 from .cell import DependentOnError
 
 HEADER_DIMS = 8
@@ -49,7 +49,7 @@ _NO_SLOT = object()
 
 
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("MONARCH_NB_COLLECTIVE_TIMEOUT", "300")))
+    return datetime.timedelta(seconds=process_settings()["collective_timeout"])
 
 
 class Comms:

@@ -15,6 +15,7 @@ import traceback
 import zmq
 from zmq.backend import zmq_poll
 
+from ..config import process_settings
 from ..protocol import BadMessage, encode
 from ..protocol import messages as m
 from ..protocol.envelope import (
@@ -37,7 +38,6 @@ OUTPUT_AGE = 0.05  # flush output buffered longer than this
 PROGRESS_PERIOD = 0.1
 HEALTH_PERIOD = 1.0
 LOST_CONNECTION_GRACE = 3.0  # a dropped connection not back within this ends a joined worker
-STALL_AFTER = float(os.environ.get("MONARCH_NB_STALL_SECONDS", "30"))
 
 
 class Connection:
@@ -222,12 +222,12 @@ class Connection:
                 self._lost_at = None
 
     def _check_stalls(self) -> None:
-        """Once a command runs longer than STALL_AFTER: log where its stream is and
-        tell the controller (the dashboard shows it)."""
-        now = time.time()
+        """Once a command runs longer than the setting ``stall_seconds``: log where its
+        stream is and tell the controller (the dashboard shows it)."""
+        now, stall = time.time(), process_settings()["stall_seconds"]
         for s in list(self.streams.values()):
             running = s.running
-            if running is None or now - running[2] < STALL_AFTER or s.stall_logged == running[0]:
+            if running is None or now - running[2] < stall or s.stall_logged == running[0]:
                 continue
             s.stall_logged = running[0]
             frame = sys._current_frames().get(s.thread_id or -1)

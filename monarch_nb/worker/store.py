@@ -23,10 +23,10 @@ import time
 
 import torch.distributed as dist
 
+from ..hooks import Hook
 from ..protocol import BadMessage, encode
 from ..protocol import messages as m
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, decode_each, open_from_controller
-from ..protocol.hooks import Hook
 from ..protocol.wire import recv_ready, send_frames
 
 logger = logging.getLogger("monarch_nb.worker")

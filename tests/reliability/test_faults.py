@@ -1,4 +1,4 @@
-"""Faults, each repeated (MONARCH_NB_FAULT_REPEAT times, 3 by default): a worker
+"""Faults, each repeated (MNB_FAULT_REPEAT times, 3 by default): a worker
 SIGKILLed during a command, during a collective, while paused in pdb; ranks stuck
 outside Python code (a collective a peer never joins, a peer frozen mid-collective,
 a long native call) escalate after a bound, named, and restart frees them; Ctrl-C
@@ -27,7 +27,7 @@ import monarch_nb as mnb
 import monarch_nb.controller.interrupts as interrupts_mod
 from monarch_nb.protocol import messages as m
 
-REPEAT = int(os.environ.get("MONARCH_NB_FAULT_REPEAT", "3"))
+REPEAT = int(os.environ.get("MNB_FAULT_REPEAT", "3"))
 CRASH_BOUND = 5.0  # docs/api.md promises <= 2 s; the bound leaves room on a busy 2-core machine
 ESCALATE = 1.5  # seconds an interrupted rank gets before it counts as stuck
 ORPHAN_BOUND = 5.0

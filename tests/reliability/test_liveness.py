@@ -75,7 +75,7 @@ def test_past_the_liveness_timeout_pending_calls_fail_naming_the_worker():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(heartbeat_timeout=0), "heartbeat_timeout must be > 0 s, got 0"),
+        (dict(heartbeat_timeout=0), "heartbeat_timeout=0: a number > 0"),
         (dict(liveness_timeout=-1), "liveness_timeout must be > 0 s or None, got -1"),
     ],
 )
