@@ -5,7 +5,8 @@ Modules: ``magics`` (the magics and their arguments' meaning), ``args``
 output to the right cell: folding, coalescing), ``publish`` (IOPub messages
 under a chosen cell, the ticker thread), ``results`` (values, figures and
 failures as displays), ``push`` (notebook names a cell takes along),
-``display`` (the mesh status view), ``dap`` (paused worker sessions as threads
+``display`` (the mesh status view), ``completing`` (Tab and Shift-Tab on a
+rank), ``auto`` (``%monarch_auto``), ``dap`` (paused worker sessions as threads
 of JupyterLab's debugger).
 """
 
@@ -17,6 +18,8 @@ _loaded: dict = {}
 
 
 def load_ipython_extension(ipython) -> None:
+    from . import completing
+    from .auto import AutoMagics
     from .magics import DebugMagics, MonarchMagics
 
     if id(ipython) in _loaded:
@@ -24,6 +27,8 @@ def load_ipython_extension(ipython) -> None:
     magics = MonarchMagics(ipython)
     ipython.register_magics(magics)
     ipython.register_magics(DebugMagics(ipython, magics._mesh))
+    ipython.register_magics(AutoMagics(ipython, magics._mesh))
+    completing.install(ipython, getattr(ipython, "kernel", None))  # Tab on the ranks
     if magics.publisher.in_kernel:
         from .. import launch
         from . import waiting
@@ -45,9 +50,11 @@ def load_ipython_extension(ipython) -> None:
 def unload_ipython_extension(ipython) -> None:
     magics = _loaded.pop(id(ipython), None)
     if magics is not None:
-        from . import waiting
+        from . import auto, completing, waiting
 
         waiting.uninstall(ipython)
+        auto.turn_off(ipython)
+        completing.uninstall(ipython, getattr(ipython, "kernel", None))
         magics.close()
 
 
