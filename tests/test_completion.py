@@ -75,6 +75,19 @@ def _answers(mesh) -> bool:
         return False
 
 
+def test_a_simulated_rank_refuses_by_name_and_serves_on():
+    sim = mnb.local_mesh(host=1, gpu=2, simulate=True, name="completion-sim")
+    try:
+        with pytest.raises(mnb.RemoteError, match="simulated light rank: it has no IPython shell"):
+            sim.complete("x")
+        with pytest.raises(mnb.RemoteError, match="simulated light rank"):
+            sim.inspect_code("x", rank=1)
+        sim.exec("y = 1")
+        assert sim.pull("y") == [1, 1]
+    finally:
+        sim.shutdown()
+
+
 # ------------------------------------------------------------------ kernel tier
 
 
@@ -222,7 +235,7 @@ def test_auto_mode_runs_every_cell_on_the_mesh_until_off(k):
         msgs = k.ok("%monarch_auto")  # a %monarch magic runs in the kernel
         assert "auto mode on" in stream(msgs)
     finally:
-        msgs = k.ok("%monarch_auto off")
+        msgs = k.ok("# a comment first\n%monarch_auto off")
     assert "auto mode off" in stream(msgs)
     assert k.value("'auto_value' in globals()") is False
     assert complete(k, "auto_val")["matches"] == []

@@ -23,9 +23,16 @@ class AutoTransformer:
         self.args = args
 
     def __call__(self, lines: list[str]) -> list[str]:
-        if not lines or lines[0].lstrip().startswith(("%monarch", "%%monarch")):
+        if not lines or stays_in_kernel(lines):
             return lines
         return [f"%%monarch {self.args}".rstrip() + "\n", *lines]
+
+
+def stays_in_kernel(lines: list[str]) -> bool:
+    """Is the cell's first line of code (after comments) a ``%monarch...`` magic, or
+    the cell a ``%%monarch`` cell?"""
+    first = next((s for s in (ln.strip() for ln in lines) if s and s[0] != "#"), "")
+    return lines[0].startswith("%%monarch") or first.startswith("%monarch")
 
 
 def line_of(shell) -> str | None:

@@ -39,8 +39,7 @@ def target(shell, code: str, cursor_pos: int):
         line = header[len(HEADER) :]
     else:
         line = auto.line_of(shell)
-        first = code.lstrip().split("\n", 1)[0]
-        if line is None or first.startswith(("%monarch", "%%monarch")):
+        if line is None or auto.stays_in_kernel(code.lstrip().splitlines(True) or [""]):
             return None  # not on the mesh: the kernel's own cell
         start = 0
     mesh, rank = _resolve(line)
