@@ -11,7 +11,8 @@ TIMEOUT = 1.0  # seconds a rank has to answer (the notebook falls back to the ke
 
 
 class MeshShell:
-    """DeviceMesh's completion and inspection (it sets ``_controller``, ``ranks``)."""
+    """DeviceMesh's completion and inspection (it has ``_controller``, ``targets``,
+    ``_global_rank``)."""
 
     def complete(
         self,
@@ -26,7 +27,7 @@ class MeshShell:
         ``metadata``). Raises TimeoutError after ``timeout`` s, RemoteError when the
         rank's completer failed."""
         pos = _cursor(code, cursor_pos)
-        return self._ask_shell(lambda i: m.Complete(i, code, pos), rank, "complete", timeout)
+        return self._ask_shell(lambda i: m.Complete(i, code, pos), rank, "mesh.complete", timeout)
 
     def inspect_code(
         self,
@@ -43,19 +44,16 @@ class MeshShell:
         if detail_level not in (0, 1):
             raise ValueError(f"inspect_code: detail_level is 0 or 1, got {detail_level!r}")
         return self._ask_shell(
-            lambda i: m.Inspect(i, code, pos, detail_level), rank, "inspect", timeout
+            lambda i: m.Inspect(i, code, pos, detail_level), rank, "mesh.inspect_code", timeout
         )
 
     def _ask_shell(self, make, rank: int | None, what: str, timeout: float) -> dict:
-        ranks = list(self.ranks)
-        if rank is None:
-            rank = ranks[0]
-        elif rank not in ranks:
-            raise ValueError(f"{what}: rank {rank!r} is not in this mesh (ranks {ranks})")
+        rank = self.targets[0] if rank is None else self._global_rank(rank)
         ctrl = self._controller
         ctrl.check_usable([rank])
         msg = make(ctrl.next_ident())
-        return ctrl.request(msg, [rank], what, single=True, timeout=timeout).result()
+        asked = f"{what} on rank {rank}"
+        return ctrl.request(msg, [rank], asked, single=True, timeout=timeout).result()
 
 
 def _cursor(code: str, cursor_pos: int | None) -> int:
