@@ -9,8 +9,6 @@ there, the kernel's fallback), and ``%monarch_auto``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from kernel_helpers import errors_text, mesh_kernel, plain, stream, text
 from wait_helpers import wait_for
@@ -151,12 +149,12 @@ def test_tab_asks_the_cells_first_rank(k, args):
 @pytest.mark.kernel
 def test_paths_complete_in_the_ranks_working_directory(k, tmp_path):
     (tmp_path / "only_here_dir").mkdir()
-    k.ok(f"%%monarch --ranks 0\nos.chdir({str(tmp_path)!r})")
+    k.ok(f"%%monarch --ranks 0\nwas_in = os.getcwd()\nos.chdir({str(tmp_path)!r})")
     try:
         code = "%%monarch\nopen('only_her"
         assert applied(code, complete(k, code)) == ["%%monarch\nopen('only_here_dir/"]
     finally:
-        k.ok(f"%%monarch --ranks 0\nos.chdir({os.getcwd()!r})")
+        k.ok("%%monarch --ranks 0\nos.chdir(was_in)")
 
 
 @pytest.mark.kernel

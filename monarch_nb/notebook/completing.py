@@ -14,6 +14,8 @@ completer and inspector answer (``last_fallback`` says why).
 
 from __future__ import annotations
 
+import inspect
+
 from IPython.core.completer import SimpleCompletion, context_matcher
 from IPython.core.error import UsageError
 
@@ -142,13 +144,14 @@ def install(shell, kernel=None) -> None:
         return
     original = kernel.do_inspect
 
-    def do_inspect(code, cursor_pos, detail_level=0, omit_sections=()):
+    async def do_inspect(code, cursor_pos, detail_level=0, omit_sections=()):
         try:
             reply = _ask(shell, code, cursor_pos, "inspect", detail_level=detail_level)
         except Exception:
             reply = None
         if reply is None or not reply.get("found"):
-            return original(code, cursor_pos, detail_level, omit_sections)
+            reply = original(code, cursor_pos, detail_level, omit_sections)
+            return (await reply) if inspect.isawaitable(reply) else reply
         reply.pop("_start")
         if not getattr(shell, "enable_html_pager", True):
             reply["data"].pop("text/html", None)
