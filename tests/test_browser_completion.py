@@ -1,5 +1,6 @@
 """Browser tier: Tab and Shift-Tab in a ``%%monarch`` cell of JupyterLab come from
-rank 0, while a cell runs on the ranks (issue 27 item 4). Screenshots: artifacts/."""
+rank 0, while a cell runs on the ranks (issue 27 item 4); the status item shows
+auto mode (item 6). Screenshots: artifacts/."""
 
 from __future__ import annotations
 
@@ -62,3 +63,36 @@ def test_tab_and_shift_tab_in_a_monarch_cell_come_from_rank_0(page, server):
     assert "worker_fn(a, b=2)" in shown and "Docstring on the workers." in shown, shown
     lab.shot("completion_tooltip", ".jp-Tooltip")
     assert lab.stderr_outputs() == []
+
+
+def test_the_status_item_shows_auto_mode(page, server):
+    lab = Lab(
+        server,
+        page,
+        "auto",
+        [
+            "%load_ext monarch_nb",
+            "%monarch_mesh dp=2 --dashboard none",
+            "%monarch_auto on --ranks 1",
+        ],
+    )
+    lab.open()
+    lab.run_all()
+    item = page.locator("#jp-main-statusbar .mnb-lab-status")
+    item.locator(".mnb-lab-auto", has_text="auto").wait_for(timeout=T)
+    title = item.get_attribute("title")
+    assert "auto mode: every cell runs as %%monarch --ranks 1" in title, title
+    lab.shot("auto_status", "#jp-main-statusbar .mnb-lab-status")
+    lab.wait_idle(T)
+    n = lab.add_cell("rank")
+    lab.run_cell(n)
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.jp-Notebook .jp-Cell')[{n}]"
+        ".innerText.includes('[rank 1] 1')",
+        timeout=T,
+    )
+    lab.wait_idle(T)
+    n = lab.add_cell("%monarch_auto off")
+    lab.run_cell(n)
+    item.locator(".mnb-lab-auto").wait_for(state="detached", timeout=T)
+    assert "auto mode" not in item.get_attribute("title")

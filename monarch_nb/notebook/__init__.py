@@ -19,7 +19,7 @@ _loaded: dict = {}
 
 def load_ipython_extension(ipython) -> None:
     from . import completing
-    from .auto import AutoMagics
+    from .auto import AutoMagics, line_of
     from .magics import DebugMagics, MonarchMagics
 
     if id(ipython) in _loaded:
@@ -38,7 +38,8 @@ def load_ipython_extension(ipython) -> None:
         waiting.install(ipython)  # waiting %%monarch cells keep the widgets live
         from .lab import LabChannel
 
-        magics.lab = LabChannel(magics.views)  # the JupyterLab extension's comm
+        # the JupyterLab extension's comm (its status item shows auto mode)
+        magics.lab = LabChannel(magics.views, auto_of=lambda: line_of(ipython))
         from . import dap
 
         adapter = dap.install(getattr(ipython, "kernel", None))  # JupyterLab's debugger
