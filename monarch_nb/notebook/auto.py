@@ -2,9 +2,10 @@
 like ipyparallel's ``%autopx``, every cell runs on the mesh until it is turned off.
 
 An IPython cleanup transformer writes a ``%%monarch ARGS`` line above each cell,
-magics and ``!cmd`` included (they run on the ranks). A cell whose first line is a
-``%monarch...`` magic (``%monarch_auto off``, ``%monarch_mesh --restart``,
-``%monarch_debug``) or already a ``%%monarch`` cell is left to the kernel, so
+magics and ``!cmd`` included (they run on the ranks). A cell whose first line of
+code (after comments) is a ``%monarch...`` magic (``%monarch_auto off``,
+``%monarch_mesh --restart``, ``%monarch_debug``) or already a ``%%monarch`` cell is
+left to the kernel, so
 ``%monarch_auto off`` always reaches it, whatever became of the mesh.
 """
 
@@ -18,6 +19,9 @@ from .args import HelpShown, cell_parser, parse_ranks
 
 class AutoTransformer:
     """The cleanup transformer of one shell in auto mode; ``args``: the header's."""
+
+    # IPython's check_complete (a console's Enter) skips it: it judges the cell as typed
+    has_side_effects = True
 
     def __init__(self, args: str):
         self.args = args
