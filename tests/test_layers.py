@@ -164,3 +164,57 @@ def test_no_module_is_over_400_lines():
                 if n > 400:
                     long[os.path.relpath(path, ROOT)] = n
     assert not long, f"modules over 400 lines (split them by job): {long}"
+
+
+@pytest.mark.unit
+def test_no_import_circle_lazy_imports_included():
+    """No module reaches itself through imports, those inside functions included
+    (type-only ones are annotations): each layer and each folder reads one way."""
+    import grimp
+
+    graph = grimp.build_graph("monarch_nb", cache_dir=None, exclude_type_checking_imports=True)
+    circles = [c for c in _cycles(graph) if len(c) > 1]
+    assert not circles, (
+        f"import circles (break them; a Hook where a lower part calls up): {circles}"
+    )
+
+
+def _cycles(graph) -> list[list[str]]:
+    """Tarjan's strongly connected components of the import graph, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.find_modules_directly_imported_by(w)))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    out.append(sorted(comp))
+    return out

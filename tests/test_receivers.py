@@ -54,6 +54,27 @@ def test_each_receiver_class_handles_all_it_receives():
     assert m.DebuggerMessage in received_by(receivers.CONTROLLER)
 
 
+def test_the_host_agents_records_and_their_receivers():
+    from monarch_nb.controller.agent_ranks import RankBook
+    from monarch_nb.controller.host_launcher import HostAgent
+    from monarch_nb.controller.remote_hosts import AgentChannel
+    from monarch_nb.host.agent import Agent
+    from monarch_nb.host.relay import Relay
+    from monarch_nb.host.sim_agent import SimAgent
+    from monarch_nb.protocol import host_messages as hm
+
+    assert all(getattr(c, "receivers", ()) for c in hm.TYPES.values())
+    for cls, receiver, prefix in (
+        (Agent, receivers.AGENT, "_on_"),
+        (SimAgent, receivers.AGENT, "_on_"),
+        (Relay, receivers.AGENT_RELAY, "_on_"),
+        (HostAgent, receivers.AGENT_LINK, ""),
+        (AgentChannel, receivers.AGENT_CHANNEL, "_on_"),
+        (RankBook, receivers.AGENT_RANKS, "_rank_"),
+    ):
+        assert set(handler_table(cls, receiver, prefix)) == set(received_by(receiver)), cls
+
+
 def test_a_missing_handler_fails_at_start_naming_the_messages():
     class HalfWorker:
         def RunOps(self, msg):

@@ -14,6 +14,7 @@ from wait_helpers import file_appears, wait_for, wait_running
 from worker_probes import env_sizes
 
 import monarch_nb as mnb
+from monarch_nb.controller.io_items import Send
 from monarch_nb.protocol import Signer, encode, new_secret
 from monarch_nb.protocol import messages as m
 
@@ -230,7 +231,7 @@ def test_wrong_key_message_is_not_executed(mesh, tmp_path):
         ctrl.next_ident(), ctrl.next_id(), f"open({str(marker)!r}, 'w')", "<x>", 0, 0, "x"
     )
     frames = encode(evil, Signer(new_secret()))
-    ctrl.io.submit(("msg", [0], frames, None))
+    ctrl.io.submit(Send([0], frames))
     assert mnb.remote(add)(1, 1, mesh=mesh).fetch(rank=0) == 2  # the worker keeps serving
     bad = wait_for(
         lambda: mesh.status()["ranks"][0]["bad_messages"] - before, 10, "the worker's count"

@@ -12,7 +12,8 @@ import sys
 import threading
 
 from ..protocol import host_messages as hm
-from .launcher import OutputTail
+from ..protocol.receivers import AGENT_RANKS, handler_table
+from .output_tail import OutputTail
 
 
 class AgentRank:
@@ -68,6 +69,7 @@ class RankBook:
     failed_spawn_code: int | None = None  # a failed fork's returncode (None: not a crash)
 
     def _init_ranks(self) -> None:
+        self._rank_handlers = handler_table(self, AGENT_RANKS, prefix="_rank_")
         self.ranks: dict[int, AgentRank] = {}
         self._slots = itertools.count(1)
         self._lock = threading.Lock()  # ranks (never held across IO)
@@ -91,20 +93,24 @@ class RankBook:
             if r is not None and isinstance(msg, (hm.Exited, hm.SpawnFailed)):
                 del self.ranks[msg.slot]
             idle = not self.ranks
-        if r is None:
-            return idle
-        if isinstance(msg, hm.Output):
-            r.tail.feed(hm.output_bytes(msg))
-        elif isinstance(msg, hm.Spawned):
-            r.pid = msg.pid
-            r.spawned.set()
-        elif isinstance(msg, hm.Exited):
-            r.end(msg.code, self.exit_note(r))
-        elif isinstance(msg, hm.SpawnFailed):
-            r.spawn_error = msg.error
-            failed = self.failed_spawn_code is not None
-            r.end(self.failed_spawn_code, self.spawn_note(r, msg.error) if failed else "")
+        if r is not None:
+            self._rank_handlers[type(msg)](r, msg)
         return idle
+
+    def _rank_Output(self, r: AgentRank, msg: hm.Output) -> None:
+        r.tail.feed(hm.output_bytes(msg))
+
+    def _rank_Spawned(self, r: AgentRank, msg: hm.Spawned) -> None:
+        r.pid = msg.pid
+        r.spawned.set()
+
+    def _rank_Exited(self, r: AgentRank, msg: hm.Exited) -> None:
+        r.end(msg.code, self.exit_note(r))
+
+    def _rank_SpawnFailed(self, r: AgentRank, msg: hm.SpawnFailed) -> None:
+        r.spawn_error = msg.error
+        failed = self.failed_spawn_code is not None
+        r.end(self.failed_spawn_code, self.spawn_note(r, msg.error) if failed else "")
 
     def spawn(
         self,

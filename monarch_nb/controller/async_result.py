@@ -92,7 +92,7 @@ class AsyncResult:
             raise TimeoutError(f"{self.what}: not done within {timeout:g} s") from None
 
     def add_done_callback(self, fn) -> None:
-        """Call ``fn(self)`` when done (on the IO thread, or at once if done)."""
+        """Call ``fn(self)`` when done (on the lease holder's thread, or at once if done)."""
         self._future.add_done_callback(lambda _f: fn(self))
 
     def wait(self, timeout: float | None = None) -> bool:

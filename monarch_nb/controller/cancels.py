@@ -14,14 +14,10 @@ class Cancels:
         self._ctrl = ctrl
         self.cancelled: dict[int, None] = {}  # idents the user cancelled (an ordered set)
 
-    def on_item(self, item) -> None:
-        """The lease holder's part of a request handed over: register it, or drop it."""
-        kind = item[0]
-        if kind == "req":
-            self._ctrl.table.add(item[1])
-        elif kind == "cancel":
-            self._ctrl.table.pop(item[1].ident)
-            self.cancel_remote(item[1])
+    def on_cancel(self, req) -> None:
+        """The lease holder's part of a cancel handed over: drop ``req``, cancel remotely."""
+        self._ctrl.table.pop(req.ident)
+        self.cancel_remote(req)
 
     def cancel_remote(self, req) -> None:
         """Send ``Cancel`` for ``req``'s commands to its live ranks: each stream drops

@@ -15,7 +15,7 @@ def measure_offsets(ctrl, ranks, offsets: dict, rounds: int = 3) -> dict:
     """Update ``offsets`` (rank -> (worker clock - controller clock, round trip s)) with
     ``rounds`` readings of every rank in ``ranks``; returns it. A ReadClock also makes
     each worker send the commands it finished first, so a timeline read after it holds
-    them. The IO thread's handling of the Timings is over once the replies are in."""
+    them. The lease holder's handling of the Timings is over once the replies are in."""
     for _ in range(rounds):
         t0 = time.time()
         readings = ctrl.request(

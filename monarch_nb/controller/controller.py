@@ -7,16 +7,18 @@
 - ``Replies`` (replies.py): the handlers of what workers send;
 - ``Rendezvous``, ``Liveness``, ``FailureLog``, ``DebugSessions`` and ``MeshState``.
 
-User threads pickle and sign on their own thread and hand frames over (tensor
-ops: their fields, packed by the lease holder); a request is registered and sent
-in one step by the lease holder and comes back as an ``AsyncResult``.
+User threads pickle and sign on their own thread and hand frames over (``io_items``;
+tensor ops: their fields, packed by the lease holder); a request is registered and
+sent in one step by the lease holder and comes back as an ``AsyncResult``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -35,6 +37,8 @@ from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again, s
 from .failures import FailureLog
 from .host_launcher import default_launcher
 from .interrupts import Interrupts
+from .io_items import CancelRequest, Delete, IOCallbacks, Send, SendRequest
+from .io_items import op as io_op
 from .io_loop import IOLoop
 from .liveness import Liveness
 from .progress import Transfers, wait_sent
@@ -57,10 +61,8 @@ _live: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _shutdown_all() -> None:
     for c in list(_live):
-        try:
+        with contextlib.suppress(Exception):
             c.shutdown(timeout=2.0)
-        except Exception:
-            pass
 
 
 class Controller:
@@ -80,9 +82,7 @@ class Controller:
     ):
         self.name = name
         self.dims = dict(dims)
-        self.world = 1
-        for s in self.dims.values():
-            self.world *= s
+        self.world = math.prod(self.dims.values())
         self.state = MeshState(name, self.dims, backend)
         self.state.count_requests = lambda: len(self.table)
         self.liveness = Liveness(
@@ -102,22 +102,12 @@ class Controller:
         self._lifecycle_groups = threading.Lock()
         self._advertise = advertise or advertised_host(interface)
         self.rendezvous = Rendezvous(self._advertise)
-        self.io = IOLoop(name, interface, self.workers.identities)
+        self.replies = Replies(self)
+        self.cancels = Cancels(self)
+        self.io = IOLoop(name, interface, self.workers.identities, self._io_callbacks())
         self.bind_address = f"tcp://{interface}:{self.io.port}"
         self.address = f"tcp://{self._advertise}:{self.io.port}"  # what workers connect to
-        self.replies = Replies(self)
-        self.io.on_frames = self.replies.on_frames
         self.workers.launcher.attach(self.io)  # agents on other hosts reach this ROUTER
-        self.io.on_tick = self._tick
-        self.cancels = Cancels(self)
-        self.io.on_item = self.cancels.on_item
-        self.io.on_process_output_end = lambda p: self._check_process(p, wait=0.5)
-        self.io.encode_deletes = lambda ids: (
-            None if self._closed else encode(m.DeleteRefs(ids), self.signer)
-        )
-        self.io.routes.encode_ops = lambda ops: encode(m.RunOps(ops), self.signer)
-        self.io.routes.seal = self.sealer.seal
-        self.io.routes.encode_host_command = lambda t, n: encode(m.HostCommand(t, n), self.signer)
         self.on_output = print_output
         self.debugger = DebugSessions(self)
         self.interrupts = Interrupts(self)
@@ -126,7 +116,7 @@ class Controller:
         self.io.start()
         _live.add(self)
         try:
-            self._start_workers()
+            start_generation(self, self._secret, self._startup_timeout)
         except BaseException:
             self.shutdown(timeout=1.0)
             raise
@@ -148,9 +138,6 @@ class Controller:
         self._groups: dict = {}  # (NDSlice, reduced dim indices, stream) -> process group key
         self.rendezvous.new_generation()
         self.peers.new_generation()
-
-    def _start_workers(self) -> None:
-        start_generation(self, self._secret, self._startup_timeout)
 
     @property
     def root_slice(self) -> NDSlice:
@@ -224,10 +211,10 @@ class Controller:
             return
         nbytes = sum(memoryview(f).nbytes for f in frames[2:]) if len(frames) > 2 else 0
         if nbytes <= BIG_SEND:
-            self.io.submit(("msg", targets, frames, None))
+            self.io.submit(Send(targets, frames))
             return
         done: Future = Future()
-        self.io.submit(("msg", targets, frames, done))
+        self.io.submit(Send(targets, frames, done))
         # the caller may mutate its tensor once this returns: wait until ZeroMQ is done
         wait_sent(done, nbytes, what or type(msg).__name__)
 
@@ -263,12 +250,12 @@ class Controller:
         req = Request(msg.ident, expected, order, single, what, source, timeout, idents, ranks)
         req.failed_by = failed_by
         frames = self._frames(msg, ranks, stream, label)
-        self.io.submit(("req", req, ranks, frames, None))
+        self.io.submit(SendRequest(req, ranks, frames))
         return AsyncResult(self, req)
 
     def cancel_request(self, req: Request) -> None:
         """Drop ``req`` from the table and cancel its commands where they are."""
-        self.io.submit(("cancel", req))
+        self.io.submit(CancelRequest(req))
 
     def delete_ref(self, ref_id: int) -> None:
         """Free a worker-side value (called from Ref.__del__, any thread): sent with
@@ -276,14 +263,14 @@ class Controller:
         if recording_trace.anyone is not None and recording_trace.active.holds_delete(ref_id):
             return
         if not self._closed:
-            self.io.submit_quiet(("del", ref_id))
+            self.io.submit_quiet(Delete(ref_id))
 
     def send_op(self, fields: tuple, ranks, what: str) -> None:
         """A tensor op (a RunOps entry) to ``ranks`` (checked usable by the caller)."""
         if recording_trace.anyone is not None and recording_trace.active.observe(fields, ranks, what):
             return
         self.state.record_sent(fields[0], fields[4], ranks, what)
-        self.io.submit(("op", ranks, fields))
+        self.io.submit(io_op(ranks, fields))
 
     # ------------------------------------------------------------ interrupts and failures
 
@@ -296,7 +283,7 @@ class Controller:
         self.table.fail_rank(rank, sequence_gap(self.name, rank, missed))
 
     def break_mesh(self, err: BaseException) -> None:
-        """The mesh cannot go on (IO thread): fail every request with ``err``. A rank
+        """The mesh cannot go on (the lease holder): fail every request with ``err``. A rank
         lost (``WorkerCrashed``, ``WorkerUnresponsive``) breaks it for the calls that
         involve that rank; a sub-mesh of the other ranks goes on serving."""
         first = self._broken is None
@@ -311,7 +298,21 @@ class Controller:
             logger.log(logging.INFO if waiting else logging.ERROR, "%s", str(err).splitlines()[0])
         self.debugger.clear()
 
-    # ------------------------------------------------------------ IO thread
+    # ------------------------------------------------------------ the lease holder
+
+    def _io_callbacks(self) -> IOCallbacks:
+        signer = self.signer
+        return IOCallbacks(
+            on_frames=self.replies.on_frames,
+            on_tick=self._tick,
+            on_request=lambda req: self.table.add(req),  # the generation's table
+            on_cancel=self.cancels.on_cancel,
+            on_process_output_end=lambda p: self._check_process(p, wait=0.5),
+            encode_deletes=lambda ids: None if self._closed else encode(m.DeleteRefs(ids), signer),
+            encode_ops=lambda ops: encode(m.RunOps(ops), signer),
+            encode_host_command=lambda t, n: encode(m.HostCommand(t, n), signer),
+            seal=self.sealer.seal,
+        )
 
     def _tick(self) -> None:
         closing = self._closing or self._closed
@@ -364,7 +365,7 @@ class Controller:
             # must not see the new generation's state (and fail its start-up)
             self.io.call(self._begin_generation).result(timeout=30)
         try:
-            self._start_workers()
+            start_generation(self, self._secret, self._startup_timeout)
         except BaseException as e:
             # broken with the reason until the next restart, never usable-looking
             why = e

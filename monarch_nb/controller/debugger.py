@@ -1,6 +1,6 @@
 """Debugger sessions of paused worker streams, as the controller sees them.
 
-The IO thread feeds ``on_message`` with DebuggerMessages from workers; user
+The lease holder feeds ``on_message`` with DebuggerMessages from workers; user
 threads (the notebook's inline prompt, ``%monarch_debug``, the dashboard's
 debugger panel, JupyterLab's debugger through notebook/dap.py, tests) list
 sessions, send lines and wait for the output up to the next prompt, or ask
@@ -48,13 +48,13 @@ class DebugSessions:
         self._ctrl = controller
         self._cond = threading.Condition()
         self._sessions: dict[tuple, Session] = {}
-        self.listeners: list = []  # callables(event, session) on pause / resume (IO thread)
+        self.listeners: list = []  # callables(event, session) on pause / resume (lease holder)
         self._requested: set[int] = set()  # idents of post-mortems asked for, not yet over
         self._rids = itertools.count(1)
         self._answers: dict[int, tuple] = {}  # rid -> (ok, body) of structured requests
         self._abandoned: set[int] = set()  # rids whose asker gave up: their answers are dropped
 
-    # -------------------------------------------------------------- IO thread
+    # -------------------------------------------------------------- the lease holder
 
     def on_message(self, msg: m.DebuggerMessage) -> None:
         kind, payload = msg.action

@@ -324,7 +324,7 @@ class InterruptTimeout(TimeoutError):
 
 
 class IOThreadError(RuntimeError):
-    """The controller's IO thread failed handling a reply: the request it answers
+    """The controller failed handling a reply: the request it answers
     fails with that traceback instead of waiting forever."""
 
 

@@ -18,6 +18,7 @@ import sys
 import threading
 
 from ..protocol import host_messages as hm
+from ..protocol.receivers import AGENT_LINK, handler_table
 from .agent_ranks import AgentRank, RankBook
 from .errors import describe_exit
 from .launcher import LocalLauncher, _visible_gpus, local_env, rank_env
@@ -51,6 +52,7 @@ class HostAgent(RankBook):
         self.simulate, self.host_name = simulate, host_name
         self.label = f"simulated host {host_name}" if simulate else "the host agent"
         self._init_ranks()  # slot -> rank not ended yet
+        self._handlers = handler_table(self, AGENT_LINK)
         # whole lines on the agent's stdin; apart from _lock: a write blocked on a full
         # pipe must not stop the reader thread, which the agent may be waiting on
         self._write_lock = threading.Lock()
@@ -131,16 +133,22 @@ class HostAgent(RankBook):
         self._gone(self.popen.wait())
 
     def _on(self, msg) -> None:
-        if isinstance(msg, hm.AgentReady):
-            self.info = msg
-            self._ready.set()
-            return
-        if isinstance(msg, (hm.HostMessageError, hm.Refused)):
-            print(f"monarch_nb: host agent {self.pid}: {msg}", file=sys.stderr)
-            return
+        handler = self._handlers.get(type(msg), self.Refused)  # else: a line of no record
+        handler(msg)
+
+    def AgentReady(self, msg: hm.AgentReady) -> None:
+        self.info = msg
+        self._ready.set()
+
+    def Refused(self, msg) -> None:
+        print(f"monarch_nb: host agent {self.pid}: {msg}", file=sys.stderr)
+
+    def _rank_record(self, msg) -> None:
         if self.on_rank(msg) and self.retired:
             # not from this thread: a write may wait for the agent, which may wait for us
             threading.Thread(target=self._quit, name="monarch-host-retire", daemon=True).start()
+
+    Spawned = SpawnFailed = Output = Exited = _rank_record
 
     def _gone(self, code: int) -> None:
         """The agent exited: its ranks died with it (their parent-death signal)."""

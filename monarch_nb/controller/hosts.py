@@ -41,7 +41,7 @@ class HostLink:
 
 
 class HostLinks:
-    """The joined hosts of a mesh, and the handling of what they send (IO thread)."""
+    """The joined hosts of a mesh, and the handling of what they send (the lease holder)."""
 
     def __init__(self, ctrl, replies):
         self.ctrl, self.replies = ctrl, replies

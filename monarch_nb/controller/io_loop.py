@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol.constants import RECV_HWM
 from ..protocol.wire import recv_ready, send_frames
+from .io_items import Call, CancelRequest, Delete, IOCallbacks, Op, Raw, Send, SendRequest
 from .routing import Routes
 from .sigint import held_interrupt
 
@@ -47,20 +48,13 @@ MAX_DRAIN = 65536  # messages one drain sends at most
 class IOLoop:
     """The socket of one mesh and its thread.
 
-    Items handed over with ``submit``:
-    ``("msg", ranks, frames, done)``: send ``frames`` to ``ranks``; ``done`` (a Future
-    or None) gets the ZeroMQ tracker of a big zero-copy send;
-    ``("call", fn, future)``: run ``fn`` here;
-    ``("del", ref_id)``: a freed value, announced after the batch it came with;
-    ``("op", ranks, fields)``: a tensor op, sent in one RunOps with the ops next to it;
-    ``("raw", identity, frames)``: frames sealed already, to one socket (the agents' channel);
-    ``("req", request, ranks, frames, done)``: ``on_item`` registers the request,
-    then its frames leave as a "msg" does.
-    Anything else goes to ``on_item`` too (the request table's cancels).
+    Items handed over with ``submit`` are the records of ``io_items``; what the loop
+    calls is given with ``callbacks`` (``io_items.IOCallbacks``).
     """
 
-    def __init__(self, name: str, interface: str, identities: dict):
+    def __init__(self, name: str, interface: str, identities: dict, callbacks: IOCallbacks):
         self.name = name
+        self.callbacks = callbacks
         self.identities = identities  # rank -> socket identity, filled by the worker set
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -73,7 +67,13 @@ class IOLoop:
         # drops the rest's SYNs, which TCP resends only after 1 s
         self._router.setsockopt(zmq.BACKLOG, 1024)
         self.port = self._router.bind_to_random_port(f"tcp://{interface}")
-        self.routes = Routes(self._router, identities)  # how a rank's message leaves
+        self.routes = Routes(  # how a rank's message leaves
+            self._router,
+            identities,
+            callbacks.seal,
+            callbacks.encode_host_command,
+            callbacks.encode_ops,
+        )
         self._outq: deque = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -91,14 +91,9 @@ class IOLoop:
         # connections that close (the agents' channel learns of a relay gone from it)
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller.register(self._monitor, zmq.POLLIN)
-        self.on_disconnect = lambda fd: None
+        self.on_disconnect = lambda fd: None  # the launcher's (Launcher.attach)
         self._registered: set[int] = set()
         self._next_tick = 0.0
-        self.on_frames = lambda frames: None
-        self.on_tick = lambda: None
-        self.on_item = lambda item: None
-        self.on_process_output_end = lambda proc: None
-        self.encode_deletes = lambda ids: None  # -> frames of a DeleteRefs, or None
         self.thread = threading.Thread(target=self._run, name=f"monarch-io-{name}", daemon=True)
 
     def start(self) -> None:
@@ -119,14 +114,15 @@ class IOLoop:
         self._outq.append(item)
         if len(self._outq) > MAX_QUEUED and not self.on_io_thread:
             self._help_drain()  # a producer faster than the socket: back-pressure
-        if item[0] == "req" and self._lease.acquire(blocking=False):
+        request = type(item) is SendRequest
+        if request and self._lease.acquire(blocking=False):
             try:
                 if not self.sockets_closed:
                     held_interrupt(self._drain)
                     return
             finally:
                 self._release_by_caller(SENT_GRACE)
-        elif item[0] != "req":
+        elif not request:
             now = time.monotonic()
             if now < self._callers_until:
                 return  # a caller drove just now: its next request (or the IO thread) sends it
@@ -195,7 +191,7 @@ class IOLoop:
     def call(self, fn) -> Future:
         """Run ``fn`` on the IO thread."""
         fut: Future = Future()
-        self._outq.append(("call", fn, fut))
+        self._outq.append(Call(fn, fut))
         self._io_needed.set()
         self._wake()
         return fut
@@ -275,11 +271,11 @@ class IOLoop:
                 self._poller.unregister(fd)
                 self._registered.discard(fd)
                 del self._watched[fd]
-                self.on_process_output_end(proc)
+                self.callbacks.on_process_output_end(proc)
         now = time.monotonic()
         if now >= self._next_tick:
             self._next_tick = now + TICK
-            self.on_tick()
+            self.callbacks.on_tick()
 
     def stop(self, join: float = 5.0) -> None:
         """End the loop; its sockets close on its way out (or here once it is gone)."""
@@ -327,47 +323,49 @@ class IOLoop:
                 item = q.popleft()
             except IndexError:
                 break
-            kind = item[0]
-            if kind == "msg" or kind == "req":
-                if kind == "req":  # a request: registered, then sent, in one step
+            kind = type(item)
+            if kind is Op:  # a tensor op's fields: encoded with its neighbours
+                self.routes.add_op(batches, item[0], item[1])
+            elif kind is Send or kind is SendRequest:
+                if kind is SendRequest:  # registered, then sent, in one step
                     try:
-                        self.on_item(item)
+                        self.callbacks.on_request(item.request)
                     except Exception:
                         logger.exception("mesh %r: registering a request failed", self.name)
                         continue
-                    item = item[1:]
-                _, ranks, frames, done = item
+                    ranks, frames, done = item.ranks, item.frames, None
+                else:
+                    ranks, frames, done = item
                 if done is None and len(frames) == 2:
                     self.routes.add(batches, ranks, frames)
                 else:
                     self.routes.flush(batches)
                     self.routes.route(ranks, frames, done)
-            elif kind == "raw":  # frames sealed already (the agents' channel), to one socket
-                self.routes.flush(batches)
-                send_frames(self._router, [item[1], *item[2]])
-            elif kind == "op":  # a tensor op's fields: encoded with its neighbours
-                self.routes.add_op(batches, item[1], item[2])
-            elif kind == "del":
+            elif kind is Delete:
                 # sent after the batch: a deleted Ref cannot be named by a later command
-                deletes.append(item[1])
-            elif kind == "call":
+                deletes.append(item.ref_id)
+            elif kind is Raw:
+                self.routes.flush(batches)
+                send_frames(self._router, [item.identity, *item.frames])
+            elif kind is Call:
                 if not self.on_io_thread:  # it runs on the IO thread only, in order
                     q.appendleft(item)
                     self._io_needed.set()
                     break
                 self.routes.flush(batches)
-                fn, fut = item[1], item[2]
                 try:
-                    fut.set_result(fn())
+                    item.future.set_result(item.fn())
                 except BaseException as e:
-                    fut.set_exception(e)
-            else:
+                    item.future.set_exception(e)
+            elif kind is CancelRequest:
                 try:
-                    self.on_item(item)
+                    self.callbacks.on_cancel(item.request)
                 except Exception:
-                    logger.exception("mesh %r: IO thread error on %s", self.name, kind)
+                    logger.exception("mesh %r: cancelling a request failed", self.name)
+            else:
+                logger.error("mesh %r: not an IO item: %r", self.name, item)
         if deletes and self.identities:
-            frames = self.encode_deletes(tuple(deletes))
+            frames = self.callbacks.encode_deletes(tuple(deletes))
             if frames is not None:
                 self.routes.add(batches, tuple(self.identities), frames)
         self.routes.flush(batches)
@@ -387,4 +385,4 @@ class IOLoop:
             frames = recv_ready(router)
             if frames is None:
                 return
-            self.on_frames(frames)
+            self.callbacks.on_frames(frames)

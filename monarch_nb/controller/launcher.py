@@ -10,8 +10,8 @@ import socket
 import stat
 import subprocess
 import sys
-from collections import deque
 
+from .output_tail import OutputTail
 from .workers import Launcher
 
 
@@ -29,33 +29,6 @@ def _visible_gpus() -> list[str]:
     if visible:
         return [d.strip() for d in visible.split(",") if d.strip()][:n]
     return [str(i) for i in range(n)]
-
-
-class OutputTail:
-    """The last lines a worker wrote to its stdout/stderr (the crash message shows them)."""
-
-    TAIL_LINES = 60
-
-    def __init__(self):
-        self.lines: deque[str] = deque(maxlen=self.TAIL_LINES)
-        self._partial = b""
-
-    def feed(self, data: bytes) -> None:
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
-            self.lines.append(line.decode("utf-8", "replace"))
-        if len(self._partial) > 8192:
-            self.end()
-
-    def end(self) -> None:
-        """The output ended: keep a last line without its newline."""
-        if self._partial:
-            self.lines.append(self._partial.decode("utf-8", "replace"))
-            self._partial = b""
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
 
 
 class LocalProcess:

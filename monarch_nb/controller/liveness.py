@@ -32,7 +32,7 @@ class Liveness:
         self.listeners: list = []  # callables(event, info): "unresponsive" / "recovered"
 
     def check(self) -> None:
-        """On the IO thread, every tick."""
+        """Every tick, on the lease holder's thread."""
         wall = time.time()
         for rank, w in list(self.state.workers.items()):
             if not (w.alive and w.last_seen):

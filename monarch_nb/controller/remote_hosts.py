@@ -1,18 +1,18 @@
-"""Host agents on other hosts (``monarch-nb-host --connect``): the channel a
-joined mesh binds for them, and the controller's record of each.
+"""Host agents on other hosts (``monarch-nb-host --connect``): the channel a joined
+mesh binds for them, and the controller's record of each.
 
-The channel is a ROUTER of its own (beside the mesh's, on the same interface)
-with a thread that owns it. Every record is sealed with the mesh key
+The channel is a ROUTER of its own (beside the mesh's, on the same interface) with a
+thread that owns it. Every record is sealed with the mesh key
 (``protocol/agent_link.py``): what does not verify is dropped unread and never
-answered. A relay says Hello with the ranks its agent offers and the host slot
-it claims; it gets a block of ranks (the slot's, or the next free one), and once
-the mesh launches and the agent is ready, a Spawn per rank. With the fan-out (the
+answered. A relay says Hello with the ranks its agent offers and the host slot it
+claims; it gets a block of ranks (the slot's, or the next free one), and once the
+mesh launches and the agent is ready, a Spawn per rank. With the fan-out (the
 default; ``MONARCH_NB_RELAY_FANOUT=0`` turns it off) the Spawn names the agent's
 host slot, and the relay joins the mesh's ROUTER as that host
 (``launcher.host_ranks``: ``host_ranks`` here) and carries its ranks' traffic;
-otherwise each rank joins the mesh's ROUTER itself. The agent's reports (Spawned, Output, Exited) go
-to the same ``AgentRank`` records as the local agent's. A relay whose
-connection closes (its process died) or that is silent for the heartbeat
+otherwise each rank joins the mesh's ROUTER itself. The agent's reports (Spawned,
+Output, Exited) go to the same ``AgentRank`` records as the local agent's. A relay
+whose connection closes (its process died) or that is silent for the heartbeat
 timeout is lost, and its ranks with it, the host named.
 """
 
@@ -30,9 +30,11 @@ from ..protocol import agent_link
 from ..protocol import host_messages as hm
 from ..protocol.constants import BEAT_S
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
+from ..protocol.receivers import AGENT_CHANNEL, handler_table
 from ..protocol.wire import BadMessage, Signer
 from .agent_ranks import AgentRank, RankBook
 from .errors import describe_exit
+from .io_items import Raw
 from .remote_blocks import host_slot, place
 
 logger = logging.getLogger("monarch_nb.controller")
@@ -106,6 +108,7 @@ class AgentChannel:
         self.sealer = Sealer(self.signer, CONTROLLER)
         self.peers = PeerTable()
         self.agents: dict[bytes, RemoteAgent] = {}
+        self._handlers = handler_table(self, AGENT_CHANNEL, prefix="_on_")
         self.refusals: list[str] = []  # why agents were refused (kept for a look later)
         self.lost_note = None  # () -> str | None: more on a loss (the launcher's job ended)
         self._lock = threading.Lock()  # agents, the launch target, procs
@@ -127,12 +130,12 @@ class AgentChannel:
         self._thread.start()
 
     def deliver(self, frames, fd) -> None:
-        """An envelope of an agent link (IO thread): read on this channel's thread."""
+        """An envelope of an agent link (the lease holder): read on this channel's thread."""
         self._inbox.put((frames, fd))
         self._wake()
 
     def disconnected(self, fd) -> None:
-        """A connection of the mesh's ROUTER closed (IO thread)."""
+        """A connection of the mesh's ROUTER closed (the lease holder)."""
         self._inbox.put((None, fd))
         self._wake()
 
@@ -254,7 +257,7 @@ class AgentChannel:
 
     def _send(self, identity: bytes, msg) -> None:
         frames = agent_link.seal(self.sealer, self.signer, msg, identity)
-        self._io.submit(("raw", identity, frames))  # in order: this thread seals, one queue
+        self._io.submit(Raw(identity, frames))  # in order: this thread seals, one queue
 
     def _on_disconnect(self, fd) -> None:
         now = time.monotonic()
@@ -287,7 +290,7 @@ class AgentChannel:
             return
         agent = self.agents.get(identity)
         if agent is None:
-            if isinstance(msg, hm.Hello):
+            if type(msg) is hm.Hello:
                 self._hello(identity, h, msg, fd)
             else:
                 self.peers.count("rank")
@@ -295,26 +298,32 @@ class AgentChannel:
         agent.last_heard = time.monotonic()
         if fd is not None:
             agent.fd = fd
-        if isinstance(msg, hm.Beat):
-            return
-        if isinstance(msg, hm.AgentReady):
-            with self._lock:
-                agent.info = msg
-                # a generation that had these ranks (from a host since lost) is past
-                # its start: the next restart forks them
-                had = any(agent.first + i in self._procs for i in range(agent.count))
-                if self._target is not None and not had:
-                    self._spawn_block(agent)
-        elif isinstance(msg, hm.AgentGone):
-            how = describe_exit(msg.code)
-            how = f"was {how}" if msg.code < 0 else f"exited ({how})"
-            why = f"its host agent {how}"
-            self._lose(agent, f"{why}: {agent.error}" if agent.error else why)
-        elif isinstance(msg, (hm.Refused, hm.HostMessageError)):
-            agent.error = getattr(msg, "error", str(msg))
-            self._say(f"the host agent on {agent.label} says: {agent.error}")
-        else:
-            agent.on_rank(msg)
+        self._handlers.get(type(msg), self._on_Hello)(agent, msg)
+
+    def _on_Hello(self, agent: RemoteAgent, msg: hm.Hello) -> None:
+        self.peers.count("malformed")  # again on a joined socket, or a record agents never send
+
+    _on_Beat = staticmethod(lambda agent, msg: None)  # it was heard: all a beat says
+
+    def _on_AgentReady(self, agent: RemoteAgent, msg: hm.AgentReady) -> None:
+        with self._lock:
+            agent.info = msg
+            # a generation that had these ranks (a host since lost) is past its start
+            had = any(agent.first + i in self._procs for i in range(agent.count))
+            if self._target is not None and not had:
+                self._spawn_block(agent)
+
+    def _on_AgentGone(self, agent: RemoteAgent, msg: hm.AgentGone) -> None:
+        how = describe_exit(msg.code)
+        why = f"its host agent {f'was {how}' if msg.code < 0 else f'exited ({how})'}"
+        self._lose(agent, f"{why}: {agent.error}" if agent.error else why)
+
+    def _on_Refused(self, agent: RemoteAgent, msg: hm.Refused) -> None:
+        agent.error = msg.error
+        self._say(f"the host agent on {agent.label} says: {agent.error}")
+
+    # a rank's records: (agent, msg) -> the agent's book of its ranks
+    _on_Spawned = _on_SpawnFailed = _on_Output = _on_Exited = staticmethod(RankBook.on_rank)
 
     def _spawn_block(self, agent: RemoteAgent) -> None:
         """Ask ``agent`` for its ranks of the launched generation (``_lock`` held)."""

@@ -1,4 +1,5 @@
-"""What the workers send, handled on the IO thread: one handler per message type,
+"""What the workers send, handled by the lease holder (the IO thread, or a caller
+driving the socket while it waits): one handler per message type,
 named after it (as the worker names its handlers after the commands)."""
 
 from __future__ import annotations

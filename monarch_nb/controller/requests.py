@@ -1,6 +1,6 @@
 """The request table: every reply a caller waits for, with its lifetime.
 
-Only the IO thread reads or changes the table: a request is registered there
+Only the lease holder reads or changes the table: a request is registered there
 just before its message leaves (one step, so no reply can come first), and it
 leaves the table when it completes, fails, passes its deadline, is cancelled,
 or its mesh restarts or shuts down. Nothing stays behind.
@@ -92,7 +92,7 @@ def check_timeout(timeout, what: str = "timeout") -> float | None:
 
 
 class RequestTable:
-    """ident -> Request, on the IO thread."""
+    """ident -> Request, read and changed by the lease holder."""
 
     def __init__(self, failures: FailureLog):
         self._failures = failures

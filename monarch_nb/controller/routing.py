@@ -21,13 +21,13 @@ class Routes:
     """The routes of one mesh's ROUTER: ``identities`` (rank -> socket identity,
     filled by the worker set) and ``hosts`` (the identities that are host sockets)."""
 
-    def __init__(self, router, identities: dict):
+    def __init__(self, router, identities: dict, seal, encode_host_command, encode_ops):
         self.router = router
         self.identities = identities
         self.hosts: set[bytes] = set()
-        self.seal = lambda inner, count, identity: inner  # the envelope per destination
-        self.encode_host_command = lambda targets, count: None  # -> its frames
-        self.encode_ops = lambda ops: None  # -> the frames of one RunOps of ``ops``
+        self.seal = seal  # (frames, count, identity) -> the envelope per destination
+        self.encode_host_command = encode_host_command  # (targets, count) -> its frames
+        self.encode_ops = encode_ops  # ops -> the frames of one RunOps of ``ops``
         self._ops: list = []  # tensor ops handed over, not encoded yet ...
         self._ops_ranks = None  # ... and their ranks
         self._runs: dict = {}  # host identity -> [targets, [messages], targets, ...]

@@ -1,6 +1,6 @@
 """MeshState: the one model of what every worker and stream is doing.
 
-The IO thread updates it from what workers report; user threads record what
+The lease holder updates it from what workers report; user threads record what
 they send. ``snapshot()`` is ``mesh.status()``, and everything the notebook
 shows is drawn from it.
 """

@@ -2,7 +2,7 @@
 ring on the controller (``mesh.timeline()``).
 
 Workers report what their streams finished (``Timings``, with their progress, at
-most 10 times a second) in their own wall clock. The IO thread keeps each report
+most 10 times a second) in their own wall clock. The lease holder keeps each report
 as it came, one batch, so that recording costs one append per report, not per
 command; reading converts the times to the controller's clock with the offsets
 ``clocks.py`` measured, and marks the stragglers.
@@ -63,7 +63,7 @@ def stragglers(records: list, factor: float = STRAGGLER_FACTOR, floor: float = 0
 
 
 class Timeline:
-    """The last ``size`` command records of a mesh (the IO thread adds, callers read)."""
+    """The last ``size`` command records of a mesh (the lease holder adds, callers read)."""
 
     def __init__(self, size: int = DEFAULT_SIZE):
         self._lock = threading.Lock()

@@ -103,10 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["MPLBACKEND"] = "module://monarch_nb.worker.mpl_backend"
     import torch  # noqa: F401
 
-    from ..worker import display, worker  # noqa: F401
+    from ..worker import cell_runner, worker  # noqa: F401
     from .agent import Agent
 
-    display.preload()  # IPython's shell: a rank's first cell skips its import (~50 ms)
+    cell_runner.preload()  # IPython's shell: a rank's first cell skips its import (~50 ms)
 
     gpus = torch.cuda.device_count() if a.one_per_gpu and torch.cuda.is_available() else 0
     if 0 < gpus < a.local_ranks:

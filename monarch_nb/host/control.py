@@ -7,9 +7,11 @@ the same pipe; what a Spawn or a Kill does is each agent's own (``_spawn``,
 
 from __future__ import annotations
 
+import functools
 import os
 
 from ..protocol import host_messages as hm
+from ..protocol.receivers import AGENT, handler_table
 
 
 class ControlChannel:
@@ -39,16 +41,26 @@ class ControlChannel:
             self.running = False  # the controller closed its end: it is gone
             return
         for msg in self.reader.feed(data):
-            if isinstance(msg, hm.HostMessageError):
+            handler = self._handlers.get(type(msg))
+            if handler is not None:
+                handler(msg)
+            elif isinstance(msg, hm.HostMessageError):
                 self.send(hm.Refused(str(msg)))
-            elif isinstance(msg, hm.Spawn):
-                self._spawn(msg)
-            elif isinstance(msg, hm.Kill):
-                self._kill(msg.slot, msg.sig)
-            elif isinstance(msg, hm.Quit):
-                self.running = False
             else:
                 self.send(hm.Refused(f"{type(msg).__name__} is not a command for an agent"))
+
+    @functools.cached_property
+    def _handlers(self) -> dict:
+        return handler_table(self, AGENT, prefix="_on_")
+
+    def _on_Spawn(self, msg: hm.Spawn) -> None:
+        self._spawn(msg)
+
+    def _on_Kill(self, msg: hm.Kill) -> None:
+        self._kill(msg.slot, msg.sig)
+
+    def _on_Quit(self, msg: hm.Quit) -> None:
+        self.running = False
 
     def _spawn(self, msg: hm.Spawn) -> None:
         raise NotImplementedError

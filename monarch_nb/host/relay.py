@@ -37,6 +37,7 @@ from ..protocol import agent_link
 from ..protocol import host_messages as hm
 from ..protocol.constants import BEAT_S
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
+from ..protocol.receivers import AGENT_RELAY, handler_table
 from ..protocol.wire import BadMessage, Signer
 from .relay_fanout import RelayHost
 
@@ -64,6 +65,7 @@ class Relay:
         self.sealer = Sealer(self.signer, agent_link.AGENT)
         self.peers = PeerTable()
         self.peers.allow(CONTROLLER)
+        self._handlers = handler_table(self, AGENT_RELAY, prefix="_on_")
         self.reader = hm.LineReader()
         self.running = True
         self.code = 0
@@ -212,21 +214,35 @@ class Relay:
             self.peers.count(e.kind)
             return False
         self.heard = True
-        if isinstance(msg, hm.Refused):
-            self.log(f"the controller refused this host agent: {msg.error}")
-            self._stop(2)
-        elif isinstance(msg, hm.Welcome):
-            last = msg.first + msg.count - 1
-            self.block = (msg.first, msg.count)
-            self.log(f"joined: ranks {msg.first}-{last} of {msg.world} run here")
-            self._start_agent()
-        elif isinstance(msg, hm.Spawn):
-            self._to_agent(self._here(msg))
-        elif isinstance(msg, (hm.Kill, hm.Quit)):
-            self._to_agent(msg)
-            if isinstance(msg, hm.Quit):
-                self._stop(0)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.peers.count("malformed")  # a record the controller never sends a relay
+        else:
+            handler(msg)
         return True
+
+    def _on_Refused(self, msg: hm.Refused) -> None:
+        self.log(f"the controller refused this host agent: {msg.error}")
+        self._stop(2)
+
+    def _on_Welcome(self, msg: hm.Welcome) -> None:
+        last = msg.first + msg.count - 1
+        self.block = (msg.first, msg.count)
+        self.log(f"joined: ranks {msg.first}-{last} of {msg.world} run here")
+        self._start_agent()
+
+    def _on_Spawn(self, msg: hm.Spawn) -> None:
+        self._to_agent(self._here(msg))
+
+    def _on_Kill(self, msg: hm.Kill) -> None:
+        self._to_agent(msg)
+
+    def _on_Quit(self, msg: hm.Quit) -> None:
+        self._to_agent(msg)
+        self._stop(0)
+
+    def _on_Beat(self, msg: hm.Beat) -> None:  # heard: all it says
+        pass
 
     def _start_agent(self) -> None:
         if self.agent is not None:

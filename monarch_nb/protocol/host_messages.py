@@ -12,9 +12,12 @@ import base64
 import json
 from typing import NamedTuple
 
+from .receivers import AGENT, AGENT_CHANNEL, AGENT_LINK, AGENT_RANKS, AGENT_RELAY, sent_to
+
 # ---------------------------------------------------------------- controller -> agent
 
 
+@sent_to(AGENT, AGENT_RELAY)
 class Spawn(NamedTuple):
     """Fork one rank: it joins ``address`` with ``key_hex`` as ``rank`` of ``world``,
     with exactly ``env`` as its environment, ``sys_path`` as its sys.path and
@@ -32,6 +35,7 @@ class Spawn(NamedTuple):
     host: int = -1  # the mesh's index of this host (a simulated host's channel joins as it)
 
 
+@sent_to(AGENT, AGENT_RELAY)
 class Kill(NamedTuple):
     """Send ``sig`` to the rank of ``slot`` (its process group)."""
 
@@ -39,6 +43,7 @@ class Kill(NamedTuple):
     sig: int
 
 
+@sent_to(AGENT, AGENT_RELAY)
 class Quit(NamedTuple):
     """Kill every rank and exit."""
 
@@ -46,6 +51,7 @@ class Quit(NamedTuple):
 # ---------------------------------------------------------------- agent -> controller
 
 
+@sent_to(AGENT_LINK, AGENT_CHANNEL)
 class AgentReady(NamedTuple):
     """The agent has imported what ranks need and takes Spawns."""
 
@@ -55,11 +61,13 @@ class AgentReady(NamedTuple):
     local_ranks: int
 
 
+@sent_to(AGENT_LINK, AGENT_CHANNEL, AGENT_RANKS)
 class Spawned(NamedTuple):
     slot: int
     pid: int
 
 
+@sent_to(AGENT_LINK, AGENT_CHANNEL, AGENT_RANKS)
 class SpawnFailed(NamedTuple):
     """The fork of ``slot`` did not happen: ``error`` says why."""
 
@@ -67,6 +75,7 @@ class SpawnFailed(NamedTuple):
     error: str
 
 
+@sent_to(AGENT_LINK, AGENT_CHANNEL, AGENT_RANKS)
 class Output(NamedTuple):
     """Bytes the rank of ``slot`` wrote to its stdout/stderr (base64)."""
 
@@ -74,6 +83,7 @@ class Output(NamedTuple):
     data: str
 
 
+@sent_to(AGENT_LINK, AGENT_CHANNEL, AGENT_RANKS)
 class Exited(NamedTuple):
     """The rank of ``slot`` ended: ``code`` as Popen's returncode (-N: signal N).
     Sent after the output it wrote before it ended."""
@@ -83,6 +93,7 @@ class Exited(NamedTuple):
     code: int
 
 
+@sent_to(AGENT_LINK, AGENT_CHANNEL, AGENT_RELAY)
 class Refused(NamedTuple):
     """The agent could not read a line it was sent (or, from a controller to a
     relay, why the agent is not taken)."""
@@ -94,6 +105,7 @@ class Refused(NamedTuple):
 # (``monarch-nb-host --connect``: the relay's own records; they never reach the agent)
 
 
+@sent_to(AGENT_CHANNEL)
 class Hello(NamedTuple):
     """A relay joins: its host, pid and release, the ranks its agent offers and
     the host slot it claims (``node_rank``; None: the next free block)."""
@@ -105,6 +117,7 @@ class Hello(NamedTuple):
     node_rank: int | None
 
 
+@sent_to(AGENT_RELAY)
 class Welcome(NamedTuple):
     """The controller took the agent: ranks ``first`` .. ``first + count - 1`` of ``world``."""
 
@@ -113,10 +126,12 @@ class Welcome(NamedTuple):
     world: int
 
 
+@sent_to(AGENT_CHANNEL, AGENT_RELAY)
 class Beat(NamedTuple):
     """A heartbeat, both ways: a side silent for its heartbeat timeout is gone."""
 
 
+@sent_to(AGENT_CHANNEL)
 class AgentGone(NamedTuple):
     """The relay's agent ended (``code`` as Popen's returncode): its ranks died with it."""
 

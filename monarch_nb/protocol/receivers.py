@@ -12,6 +12,12 @@ CONTROLLER = "controller"  # the controller's replies (controller/replies.py)
 HOST_LINKS = "host links"  # the controller's end of a fanning-out host (controller/hosts.py)
 RELAY = "relay"  # a host agent's fan-out of the controller's messages (host/fanout.py)
 STORE_CLIENT = "store client"  # a worker's store channel (worker/store.py)
+# the host agents' JSON lines (host_messages.py)
+AGENT = "host agent"  # an agent's commands (host/control.py)
+AGENT_RELAY = "agent relay"  # a remote agent's relay, from the controller (host/relay.py)
+AGENT_LINK = "agent link"  # the controller's end of this host's agent (host_launcher.py)
+AGENT_CHANNEL = "agent channel"  # the controller's end of remote agents (remote_hosts.py)
+AGENT_RANKS = "agent ranks"  # a rank's records, kept by the controller (agent_ranks.py)
 
 _BY_RECEIVER: dict[str, list[type]] = {}
 

@@ -8,6 +8,7 @@ and the ref ids), which every worker set learns once per generation.
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 
 import torch
@@ -21,7 +22,7 @@ from ..remote import check_refs
 from . import borrows, from_data
 from .plans import RUN_OP, Plan, key_of, lifts_floats, lookup, next_op_id, plan
 from .propagate import DataDependentError, layout_of, op_name
-from .tensor import Tensor
+from .tensor import DISPATCH, Tensor
 
 _GETITEM = function_ref(operator.getitem)
 _ALIAS = function_ref(alias_after)
@@ -247,7 +248,7 @@ def _output(spec, base, ref_id: int, ident: int, mesh, stream, tensors: list):
         if t._borrow is None and t.stream.id == stream.id:
             t._rebind(ref_id, ident)
             if t._aliases is not None:
-                _rename_aliases(t, mesh, stream)
+                rename_aliases(t, mesh, stream)
         else:
             mesh._controller.delete_ref(ref_id)
         return t
@@ -275,7 +276,7 @@ def _join(view: Tensor, base: Tensor) -> None:
     view._aliases = group
 
 
-def _rename_aliases(t: Tensor, mesh, stream) -> None:
+def rename_aliases(t: Tensor, mesh, stream) -> None:
     """After an in-place op on ``t``, every live tensor sharing its storage names
     its value anew, after that op: a failure of the op reaches their readers too
     (as the reference's ``mutates`` marks every alias)."""
@@ -353,3 +354,5 @@ class _Holder:
 
 
 register_ref_type(_Holder, operator.attrgetter("id"))
+
+DISPATCH.install(sys.modules[__name__])  # mesh tensors' __torch_dispatch__ comes here

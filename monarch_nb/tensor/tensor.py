@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from ..context import recording_trace
+from ..protocol.hooks import Hook
 from ..protocol.pickling import ref_placeholder
 from ..protocol.wire import register_ref_type
 from ..remote import Ref
@@ -50,7 +51,7 @@ class Tensor(torch.Tensor, Ref):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.dispatch(func, args, kwargs or {})
+        return DISPATCH.value.dispatch(func, args, kwargs or {})
 
     def __reduce_ex__(self, protocol):
         # pickled (call arguments), a mesh tensor is a reference to its shard
@@ -145,7 +146,7 @@ class Tensor(torch.Tensor, Ref):
             )
             if not inside:
                 return whole.to_mesh(mesh)
-            return _dispatch.dispatch(torch.ops.aten.alias.default, (whole,), {}, mesh)
+            return DISPATCH.value.dispatch(torch.ops.aten.alias.default, (whole,), {}, mesh)
         ref = Ref.reduce(self, dims, reduction, scatter, inplace, out)
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
         sizes = [self.mesh.dims[d] for d in dict.fromkeys(dims)]
@@ -163,7 +164,7 @@ class Tensor(torch.Tensor, Ref):
                 target._rebind(ref.id, ref.ident)
                 ref._deleted = True  # the target names it now
                 if target._aliases is not None:  # its views and base: after the reduce
-                    _dispatch._rename_aliases(target, target.mesh, target.stream)
+                    DISPATCH.value.rename_aliases(target, target.mesh, target.stream)
                 return target
             return ref
         return _from_ref(ref, shape, self.dtype, self.device)
@@ -207,4 +208,5 @@ def _from_ref(ref: Ref, shape: tuple, dtype, device) -> Tensor:
 
 register_ref_type(Tensor, Ref._wire_id)
 
-from . import dispatch as _dispatch  # noqa: E402 - dispatch builds Tensors
+# dispatch.py builds Tensors; it installs itself here when it loads (tensor/__init__)
+DISPATCH = Hook("tensor_dispatch", "the mesh tensor's op dispatch: .dispatch, .rename_aliases")

@@ -228,29 +228,6 @@ def exchange_headers(pg, members: tuple, value, backend: str | None, out=_NO_SLO
     return headers, outs
 
 
-# ------------------------------------------------------------------ reductions
-
-
-def run_reduce(msg, comms: Comms, value, out):
-    """A Reduce message's collective on this rank (``value`` and ``out`` may be
-    DependentOnErrors)."""
-    from .reductions import reduce
-
-    pg, members = comms.group(msg.key)
-    return reduce(
-        value,
-        out,
-        pg,
-        members,
-        msg.reduction,
-        msg.scatter,
-        msg.inplace,
-        msg.dim_sizes,
-        comms.backend,
-        comms.agreed.setdefault(msg.key, {}),
-    )
-
-
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single
 _gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -36,14 +36,14 @@ class CommHandlers:
         self.comms.create_groups(msg.key, msg.groups)
 
     def Reduce(self, msg: m.Reduce) -> None:
-        from . import collectives
+        from . import reductions  # torch.distributed: loaded with the first collective
 
         src, out = self._cell(msg.source), self._cell(msg.out)
         result = self.env[msg.result] = Cell()
         comms = self.comms
 
         def work():
-            return collectives.run_reduce(msg, comms, raw(src), None if out is None else raw(out))
+            return reductions.run_reduce(msg, comms, raw(src), None if out is None else raw(out))
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
 

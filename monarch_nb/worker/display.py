@@ -1,17 +1,8 @@
-"""Worker side of ``%%monarch``: run a cell, then hand its value and figures home.
+"""What a worker cell shows: its ``display()`` bundles (``publish``, ``clear_output``),
+the mimebundle of a value (``mimebundle``) and the matplotlib figures it drew,
+collected per cell on the thread that runs it (``cell_runner.py`` runs cells).
 
-``run_cell`` runs on a stream (the ``RunCell`` command, ``mesh.run_cell``): it
-binds the names pushed from the notebook, executes the cell in the persistent
-namespace as IPython would (``ipython_shell``: magics, ``!cmd``, ``obj?``), and
-keeps what the notebook will show (what the cell ``display()``ed, a mimebundle of
-the last expression's value, the matplotlib figures the cell drew) under the
-command's key until ``take_result``, which the same command's reply runs right
-behind it on the stream. A failing cell still reports through the normal failure
-path (RemoteFunctionFailed) first; the reply then carries only its displays and
-figures.
-
-IPython is imported by the first cell (``ipython_shell``), never by this module;
-matplotlib is touched only when user code has imported it already.
+Never imports IPython; matplotlib is touched only when user code imported it already.
 """
 
 from __future__ import annotations
@@ -22,18 +13,13 @@ import pprint
 import sys
 import threading
 
-from . import breakpoints, context
-
 MAX_TEXT = 200_000  # characters of one text repr kept; the rest is dropped with a notice
 MAX_FIGURES = 20  # figures sent per cell and rank
 MAX_DISPLAYS = 100  # display() bundles sent per cell and rank; later ones are dropped
 
-_results: dict = {}  # key -> {"data": bundle or None, "figures": [...], "displays": [...]}
-_auto: dict = {}  # name -> the object last bound automatically under that name
 # while a cell runs on this thread: .figures, .displays (bundles in order) and
 # .display_ids (transient display_id -> index in .displays)
 _collecting = threading.local()
-_ipython = None  # the ipython_shell module once a cell loaded it; False: no IPython here
 
 _MIME_METHODS = (
     ("_repr_html_", "text/html"),
@@ -46,66 +32,13 @@ _MIME_METHODS = (
 )
 
 
-def run_cell(
-    source: str, filename: str, key: int, names: dict | None = None, auto: dict | None = None
-) -> None:
-    """Execute a ``%%monarch`` cell in the worker's namespace (see module doc).
-
-    ``names`` are bound first; ``auto`` (notebook functions and classes the cell
-    reads) too, except over a worker variable that worker code defined."""
-    ns = context.namespace
-    figures: list = []
-    displays: list = []
+def begin_collecting(figures: list, displays: list) -> None:
+    """A cell starts on this thread: what it ``display()``s and draws goes to these."""
     _collecting.figures, _collecting.displays, _collecting.display_ids = figures, displays, {}
-    value = None
-    try:
-        for name, obj in (auto or {}).items():
-            if name not in ns or ns[name] is _auto.get(name, _auto):
-                ns[name] = _auto[name] = obj
-        if names:
-            ns.update(names)
-        value = _run(source, filename, ns)
-    finally:
-        _collecting.figures = _collecting.displays = _collecting.display_ids = None
-        figures.extend(_take_open_figures(skip=_figure_of(value)))
-        _results[key] = {"data": None, "figures": figures[:MAX_FIGURES], "displays": displays}
-    _results[key]["data"] = mimebundle(value) if value is not None else None
 
 
-def _run(source: str, filename: str, ns: dict):
-    """The cell, as an IPython cell of the worker's shell (plain Python without IPython)."""
-    sh = _shell(ns)
-    if sh is None:
-        return breakpoints.run_source(source, filename, ns)
-    info = _ipython.before_cell(sh, source)
-    value = error = None
-    try:
-        value = breakpoints.run_source(source, filename, ns, _ipython.to_python)
-        return value
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        _ipython.after_cell(sh, info, value, error)
-
-
-def _shell(ns: dict):
-    """The worker's IPython shell, made by the first cell (None where IPython is missing)."""
-    if _ipython is None:
-        preload()
-    return _ipython.shell(ns) if _ipython else None
-
-
-def preload() -> None:
-    """Import IPython's shell now, not at the first cell (the host agent does, before
-    it forks: each rank's first cell is then ~50 ms sooner)."""
-    global _ipython
-    try:
-        from . import ipython_shell
-    except ImportError:  # the cells of this worker are plain Python
-        _ipython = False
-    else:
-        _ipython = ipython_shell
+def end_collecting() -> None:
+    _collecting.figures = _collecting.displays = _collecting.display_ids = None
 
 
 def publish(data: dict, metadata=None, transient=None, update: bool = False) -> None:
@@ -137,15 +70,6 @@ def clear_output() -> None:
     if displays is not None:
         displays.clear()
         _collecting.display_ids.clear()
-
-
-def take_result(key: int) -> dict | None:
-    """What ``run_cell(key)`` left for the notebook (None if it never ran here)."""
-    return _results.pop(key, None)
-
-
-def discard(key: int) -> None:
-    _results.pop(key, None)
 
 
 # ---------------------------------------------------------------- mimebundles
@@ -226,7 +150,7 @@ def _pyplot():
     return sys.modules.get("matplotlib.pyplot")
 
 
-def _figure_of(value):
+def figure_of(value):
     figure_mod = sys.modules.get("matplotlib.figure")
     if figure_mod is not None and isinstance(value, figure_mod.Figure):
         return value
@@ -234,7 +158,7 @@ def _figure_of(value):
 
 
 def _png_of_figure(obj) -> str | None:
-    fig = _figure_of(obj)
+    fig = figure_of(obj)
     if fig is None:
         return None
     return figure_png(fig)
@@ -260,7 +184,7 @@ def _figure_entry(fig) -> dict | None:
     return {"image/png": png, "text/plain": f"<Figure size {w * fig.dpi:g}x{h * fig.dpi:g}>"}
 
 
-def _take_open_figures(skip=None) -> list:
+def take_open_figures(skip=None) -> list:
     """Render and close every open pyplot figure (as the inline backend does)."""
     plt = _pyplot()
     if plt is None:
@@ -284,4 +208,4 @@ def show_figures() -> None:
     figures = getattr(_collecting, "figures", None)
     if figures is None:
         return
-    figures.extend(_take_open_figures())
+    figures.extend(take_open_figures())

@@ -61,7 +61,7 @@ def _call_runner(fn, args: tuple, kwargs: dict):
 
 def _reduce_runner(msg: m.Reduce):
     def run(values, worker, ident):
-        from .collectives import run_reduce
+        from .reductions import run_reduce
 
         value = values.get(msg.source)
         out = None if msg.out is None else values.get(msg.out)

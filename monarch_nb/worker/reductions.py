@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..protocol.reduce_options import check_combination
 from .collectives import (
+    Comms,
     HeaderExchange,
     all_gather_into,
     check_headers,
@@ -45,6 +46,24 @@ from .collectives import (
     header_shape,
     reduce_scatter_into,
 )
+
+
+def run_reduce(msg, comms: Comms, value, out):
+    """A Reduce message's collective on this rank (``value`` and ``out`` may be
+    DependentOnErrors)."""
+    pg, members = comms.group(msg.key)
+    return reduce(
+        value,
+        out,
+        pg,
+        members,
+        msg.reduction,
+        msg.scatter,
+        msg.inplace,
+        msg.dim_sizes,
+        comms.backend,
+        comms.agreed.setdefault(msg.key, {}),
+    )
 
 
 def reduce(

@@ -23,7 +23,7 @@ from ..protocol import messages as m
 from ..protocol.constants import DEFAULT_STREAM
 from ..protocol.pickling import resolve_function, unpack_args
 from ..protocol.receivers import WORKER, handler_table
-from . import breakpoints, capture, context, debugger, display
+from . import breakpoints, capture, cell_runner, context, debugger
 from .cell import Cell, DependentOnError, MissingRef, get_value
 from .code import run_source
 from .comm_handlers import CommHandlers
@@ -215,11 +215,11 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
 
         def work():
             _, kw = unpack_args(msg.args, resolve)
-            display.run_cell(msg.source, msg.filename, key, kw.get("names"), kw.get("auto"))
+            cell_runner.run_cell(msg.source, msg.filename, key, kw.get("names"), kw.get("auto"))
 
         stream.schedule(msg.ident, msg.what, work)
         # bookkeeping after the cell (and its failure report): the reply always goes
-        stream.call_soon(self._reply_work(key, stream, lambda: display.take_result(key)))
+        stream.call_soon(self._reply_work(key, stream, lambda: cell_runner.take_result(key)))
 
     def _reply_value(self, ident: int, stream_id: int, compute, what: str) -> None:
         """On the stream: send ``compute()`` (or why it failed) as a FetchResult."""

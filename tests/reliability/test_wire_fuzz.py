@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from reliability_helpers import wait_for
 
 import monarch_nb as mnb
+from monarch_nb.controller.io_items import Send
 from monarch_nb.protocol import BadMessage, Signer, decode, encode, envelope, new_secret
 from monarch_nb.protocol import messages as m
 
@@ -171,7 +172,7 @@ def fz():
 def send_to_worker(mesh, rank: int, frames: list[bytes]) -> None:
     """Through the controller's own socket, as one ZeroMQ message (not batched)."""
     done: Future = Future()
-    mesh._controller.io.submit(("msg", [rank], [bytes(f) for f in frames], done))
+    mesh._controller.io.submit(Send([rank], [bytes(f) for f in frames], done))
     done.result(timeout=10)
 
 
