@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from . import context
+from .completion import MeshShell
 from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
 from .controller import Controller
 from .controller.errors import MeshClosedError
@@ -17,7 +18,7 @@ from .protocol.wire import RefUseError, function_ref, pack_args
 from .remote import ProcessGroup
 
 
-class DeviceMesh(NamespaceCommands, MeshInsight, BaseMesh):
+class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
     def __init__(

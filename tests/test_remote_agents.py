@@ -118,6 +118,14 @@ def test_agents_fork_their_blocks_which_run_a_cell_an_all_reduce_and_a_fetch(hos
     ] * 4
 
 
+def test_tab_and_shift_tab_reach_a_rank_behind_a_relay(hosts):
+    mesh, _, _ = hosts
+    mesh.exec("def behind_the_relay(a):\n    'Help from a remote host.'")
+    assert mesh.complete("behind_the_re", rank=3, timeout=30)["matches"] == ["behind_the_relay"]
+    info = mesh.inspect_code("behind_the_relay", rank=2, timeout=30)
+    assert "Help from a remote host." in info["data"]["text/plain"]
+
+
 def test_restart_forks_again_through_the_same_agents(hosts):
     mesh, relays, _ = hosts
     before = tree(relays[0]) + tree(relays[1])

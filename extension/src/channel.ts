@@ -37,6 +37,7 @@ export interface IMeshSummary {
   paused: number;
   sessions: ISession[];
   errors: number;
+  auto?: string | null; // %monarch_auto's %%monarch arguments ('' for none); null: off
 }
 
 interface IPending {

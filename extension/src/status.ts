@@ -29,6 +29,9 @@ export function statusParts(s: IMeshSummary): [string, string][] {
   if (s.errors) {
     parts.push([`${s.errors} error${s.errors === 1 ? '' : 's'}`, 'mnb-lab-bad']);
   }
+  if (s.auto !== undefined && s.auto !== null) {
+    parts.push(['auto', 'mnb-lab-auto']);
+  }
   return parts;
 }
 
@@ -50,6 +53,10 @@ export function statusTitle(s: IMeshSummary): string {
   }
   for (const session of s.sessions) {
     lines.push(`paused: ${session.label}`);
+  }
+  if (s.auto !== undefined && s.auto !== null) {
+    const args = s.auto ? ` ${s.auto}` : '';
+    lines.push(`auto mode: every cell runs as %%monarch${args} (%monarch_auto off)`);
   }
   lines.push('click: open the monarch_nb panel');
   return lines.join('\n');

@@ -261,6 +261,13 @@ class LightRank:
 
     on_StartProfile = on_StopProfile = on_ReadMemory
 
+    def on_Complete(self, msg) -> None:  # and Inspect: a light rank has no IPython shell
+        why = f"rank {self.rank} is a simulated light rank: it has no IPython shell"
+        failure = m.RemoteFailure("NotImplementedError", why, "")
+        self._send(m.FetchResult(msg.ident, self.rank, None, failure))
+
+    on_Inspect = on_Complete
+
     def on_DeleteRefs(self, msg: m.DeleteRefs) -> None:
         for rid in msg.refs:
             self.env.pop(rid, None)

@@ -5,7 +5,8 @@ Modules: ``magics`` (the magics and their arguments' meaning), ``args``
 output to the right cell: folding, coalescing), ``publish`` (IOPub messages
 under a chosen cell, the ticker thread), ``results`` (values, figures and
 failures as displays), ``push`` (notebook names a cell takes along),
-``display`` (the mesh status view), ``dap`` (paused worker sessions as threads
+``display`` (the mesh status view), ``completing`` (Tab and Shift-Tab on a
+rank), ``auto`` (``%monarch_auto``), ``dap`` (paused worker sessions as threads
 of JupyterLab's debugger).
 """
 
@@ -18,6 +19,8 @@ _loaded: dict = {}
 
 
 def load_ipython_extension(ipython) -> None:
+    from . import completing
+    from .auto import AutoMagics, line_of
     from .magics import DebugMagics, MonarchMagics
 
     if id(ipython) in _loaded:
@@ -29,6 +32,8 @@ def load_ipython_extension(ipython) -> None:
     magics = MonarchMagics(ipython)
     ipython.register_magics(magics)
     ipython.register_magics(DebugMagics(ipython, magics._mesh))
+    ipython.register_magics(AutoMagics(ipython, magics._mesh))
+    completing.install(ipython, getattr(ipython, "kernel", None))  # Tab on the ranks
     if magics.publisher.in_kernel:
         from .. import launch
         from . import waiting
@@ -38,7 +43,8 @@ def load_ipython_extension(ipython) -> None:
         waiting.install(ipython)  # waiting %%monarch cells keep the widgets live
         from .lab import LabChannel
 
-        magics.lab = LabChannel(magics.views)  # the JupyterLab extension's comm
+        # the JupyterLab extension's comm (its status item shows auto mode)
+        magics.lab = LabChannel(magics.views, auto_of=lambda: line_of(ipython))
         from . import dap
 
         adapter = dap.install(getattr(ipython, "kernel", None))  # JupyterLab's debugger
@@ -50,9 +56,11 @@ def load_ipython_extension(ipython) -> None:
 def unload_ipython_extension(ipython) -> None:
     magics = _loaded.pop(id(ipython), None)
     if magics is not None:
-        from . import waiting
+        from . import auto, completing, waiting
 
         waiting.uninstall(ipython)
+        auto.turn_off(ipython)
+        completing.uninstall(ipython, getattr(ipython, "kernel", None))
         magics.close()
 
 

@@ -9,7 +9,7 @@ sent anything, and never logs an unknown target.
 
 On a front-end's comm, kernel -> front-end::
 
-    {"event": "status", "mesh": <render.summary(...) and "id"> | null}
+    {"event": "status", "mesh": <render.summary(...), "id" and "auto"> | null}
         when the comm opens, then whenever it changes (the dashboards' redraw
         thread: at most 10 a second, nothing while nothing changes)
     {"reply": <request>, "id": <id>, ...}    the answer to a request
@@ -54,7 +54,8 @@ def active_mesh():
 class LabChannel:
     """The comms of every Lab front-end connected to this kernel."""
 
-    def __init__(self, views):
+    def __init__(self, views, auto_of=lambda: None):
+        """``auto_of()``: the %%monarch arguments of auto mode (None: off)."""
         from comm import create_comm, get_comm_manager
 
         self._manager = get_comm_manager()
@@ -63,6 +64,7 @@ class LabChannel:
         self._sent: dict[str, str] = {}  # comm id -> the last status sent (JSON)
         self._dashboards: dict = {}  # comm id -> (id of the mesh's controller, Dashboard)
         self._views = views  # MeshViews: makes the panel's dashboards
+        self._auto_of = auto_of
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._manager.register_target(TARGET, self._opened)
@@ -99,6 +101,7 @@ class LabChannel:
         summary = None
         if mesh is not None:  # "id": a new mesh of the same name is another mesh
             summary = {**render.summary(*snapshot(mesh, cache)), "id": id(mesh._controller)}
+            summary["auto"] = self._auto_of()  # %monarch_auto's arguments, or None
         text = json.dumps(summary, sort_keys=True)
         with self._lock:
             todo = [(cid, c) for cid, c in self._comms.items() if self._sent.get(cid) != text]

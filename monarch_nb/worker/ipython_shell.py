@@ -122,6 +122,9 @@ def _make(namespace: dict) -> WorkerShell:
         if _shell is None:
             config = Config()
             config.HistoryManager.enabled = False  # no sqlite file, no saving thread
+            # Tab on a rank (shell_handlers.py) reads the live objects, as IPython's
+            # own matchers do; Jedi's first answer takes seconds (it parses the stdlib)
+            config.IPCompleter.use_jedi = False
             sh = WorkerShell.instance(user_ns=namespace, config=config, colors="nocolor")
             # IPython's exit/quit only flag a terminal loop; open refuses fds 0-2:
             # a worker cell keeps Python's own, as before

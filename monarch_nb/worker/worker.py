@@ -32,10 +32,11 @@ from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
 from .insight_handlers import InsightHandlers
 from .op_handlers import OpHandlers
+from .shell_handlers import ShellHandlers
 from .stream import Stream, interruptible_sleep
 
 
-class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers):
+class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandlers):
     """One rank: its values (``env``), streams, namespace, and a handler per message."""
 
     def __init__(
