@@ -3,6 +3,8 @@ workers another launcher started. Both register the mesh by name (``context.py``
 
 from __future__ import annotations
 
+import math
+
 from . import config, context
 from .controller import Controller
 from .controller.host_launcher import warm_local_agent
@@ -64,9 +66,7 @@ def local_mesh(
     _check_dims(dims)
     _check_backend(backend)
     name = context.new_name(name)
-    world = 1
-    for v in dims.values():
-        world *= v
+    world = math.prod(dims.values())
     launcher = None
     if simulate is not False:
         from .controller.sim_launcher import SimLauncher
@@ -77,21 +77,23 @@ def local_mesh(
     else:
         warm_local_agent()  # its import of torch overlaps ours (_default_backend)
         backend = backend or _default_backend(world)
+    return _mesh(
+        name, dims, backend, launcher, interface=interface,
+        heartbeat_timeout=heartbeat_timeout, liveness_timeout=liveness_timeout,
+    )  # fmt: skip
+
+
+def _mesh(name: str, dims: dict, backend, launcher, **controller) -> DeviceMesh:
+    """The root mesh of a Controller started with ``launcher`` (closed if it fails to
+    start), registered by name."""
     try:
-        ctrl = Controller(
-            name,
-            dims,
-            backend,
-            interface=interface,
-            launcher=launcher,
-            heartbeat_timeout=heartbeat_timeout,
-            liveness_timeout=liveness_timeout,
-        )
+        ctrl = Controller(name, dims, backend, launcher=launcher, **controller)
     except BaseException:
         if launcher is not None:
             launcher.close()
         raise
     mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
+    mesh.connection_file = ctrl.workers.launcher.connection_file
     context.register(mesh)
     return mesh
 
@@ -137,9 +139,7 @@ def connect_mesh(
     dims = dims or {"world": world}
     _check_dims(dims)
     _check_backend(backend)
-    product = 1
-    for v in dims.values():
-        product *= v
+    product = math.prod(dims.values())
     if product != world:
         raise ValueError(f"the dims {dims} hold {product} ranks, not world={world}")
     name = context.new_name(name)
@@ -148,21 +148,10 @@ def connect_mesh(
         name, dims, connection_file, interface=interface,
         agent_timeout=settings["heartbeat_timeout"],
     )  # fmt: skip
-    ctrl = Controller(
-        name,
-        dims,
-        backend,
-        interface=interface,
-        launcher=launcher,
-        startup_timeout=timeout,
-        advertise=advertise,
-        liveness_timeout=liveness_timeout,
-        settings=settings,
-    )
-    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
-    mesh.connection_file = launcher.connection_file
-    context.register(mesh)
-    return mesh
+    return _mesh(
+        name, dims, backend, launcher, interface=interface, startup_timeout=timeout,
+        advertise=advertise, liveness_timeout=liveness_timeout, settings=settings,
+    )  # fmt: skip
 
 
 def slurm_mesh(
@@ -205,20 +194,15 @@ def slurm_mesh(
         connection_file=connection_file, interface=interface,
         agent_timeout=settings["heartbeat_timeout"],
     )  # fmt: skip
-    world = 1
-    for v in dims.values():
-        world *= v
+    world = math.prod(dims.values())
     if world != nodes * ranks_per_node:
         raise ValueError(
             f"the dims {dims} hold {world} ranks, not nodes x ranks_per_node = "
             f"{nodes * ranks_per_node}"
         )
-    ctrl = Controller(
-        name, dims, backend, interface=interface, launcher=launcher, startup_timeout=timeout,
+    mesh = _mesh(
+        name, dims, backend, launcher, interface=interface, startup_timeout=timeout,
         advertise=advertise, liveness_timeout="heartbeat", settings=settings,
     )  # fmt: skip
-    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
-    mesh.connection_file = launcher.connection_file
     mesh.slurm_job = launcher.job.id if launcher.job is not None else None
-    context.register(mesh)
     return mesh

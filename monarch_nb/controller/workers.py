@@ -32,6 +32,7 @@ class Launcher:
         raise NotImplementedError
 
     settings_env: dict = {}  # the mesh's settings, as its processes' variables
+    connection_file: str | None = None  # where joining processes read the mesh's address
 
     def configure(self, settings_env: dict) -> None:
         """The mesh's settings (``config.process_env``): the ranks it starts get them."""
