@@ -13,6 +13,7 @@ and ``resumed`` (the session is over, or its worker is gone).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -138,19 +139,31 @@ class DebugSessions:
 
     # -------------------------------------------------------------- user threads
 
+    _keep = staticmethod(lambda s: True)  # which sessions this view sees (``only``)
+
+    def only(self, keep) -> DebugSessions:
+        """The same sessions seen through ``keep(session)`` (those of one cell): a view
+        that shares their state and serves them as this does."""
+        view = copy.copy(self)
+        view._keep = keep
+        return view
+
+    def _seen(self) -> list[Session]:
+        return [s for s in self._sessions.values() if self._keep(s)]  # (_cond held)
+
     def sessions(self) -> list[Session]:
         with self._cond:
-            return sorted(self._sessions.values(), key=lambda s: (s.rank, s.stream))
+            return sorted(self._seen(), key=lambda s: (s.rank, s.stream))
 
     def waiting(self) -> list[Session]:
         """The sessions whose pdb waits for a line now."""
         with self._cond:
-            found = [s for s in self._sessions.values() if s.prompt is not None]
+            found = [s for s in self._seen() if s.prompt is not None]
         return sorted(found, key=lambda s: (s.rank, s.stream))
 
     def find(self, rank: int, stream: int | None = None) -> Session:
         with self._cond:
-            for s in sorted(self._sessions.values(), key=lambda s: s.stream):
+            for s in sorted(self._seen(), key=lambda s: s.stream):
                 if s.rank == rank and (stream is None or s.stream == stream):
                     return s
         raise KeyError(f"no paused session on rank {rank}")
@@ -159,7 +172,7 @@ class DebugSessions:
         """Wait until ``count`` sessions (at least) are paused at a prompt."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while sum(s.prompt is not None for s in self._sessions.values()) < count:
+            while sum(s.prompt is not None for s in self._seen()) < count:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

@@ -75,50 +75,6 @@ def notice(sessions: list[Session]) -> str:
     return f"monarch_nb: paused in the debugger: {where}"
 
 
-class _Filtered:
-    """The sessions that ``keep(session)`` selects (those of one cell), same interface."""
-
-    def __init__(self, dbg: DebugSessions, keep):
-        self._dbg = dbg
-        self._keep = keep
-
-    def __getattr__(self, name):
-        return getattr(self._dbg, name)
-
-    def sessions(self) -> list[Session]:
-        return [s for s in self._dbg.sessions() if self._keep(s)]
-
-    def waiting(self) -> list[Session]:
-        return [s for s in self._dbg.waiting() if self._keep(s)]
-
-    def find(self, rank: int, stream: int | None = None) -> Session:
-        for s in self.sessions():
-            if s.rank == rank and (stream is None or s.stream == stream):
-                return s
-        raise KeyError(f"no paused session on rank {rank}")
-
-    def wait_any(self, timeout: float, count: int = 1) -> bool:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while len(self.waiting()) < count:
-            if time.monotonic() >= deadline:
-                return False
-            self._dbg.wait_any(min(0.1, max(0.0, deadline - time.monotonic())))
-        return True
-
-    def cast(self, ranks, line: str, timeout: float = 60.0) -> dict:
-        targets = [s for s in self.sessions() if ranks is None or s.rank in ranks]
-        for s in targets:
-            self._dbg.send(s, line)
-        return {s.rank: self._dbg.wait_reply(s, timeout)[0] for s in targets}
-
-    def continue_all(self) -> None:
-        for s in self.sessions():
-            if not s.ended:
-                self._dbg.send(s, "continue")
-
-
 class Prompt:
     """Serves paused sessions with ``read`` (input) and ``write`` (print)."""
 
@@ -130,7 +86,7 @@ class Prompt:
         timeout: float = 600.0,
         only=None,
     ):
-        self.dbg = _Filtered(sessions, only) if only is not None else sessions
+        self.dbg = sessions.only(only) if only is not None else sessions
         self._read = read
         self._write = write
         self.timeout = timeout
