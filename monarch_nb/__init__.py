@@ -29,7 +29,7 @@ from .mesh import DeviceMesh, Stream, get_mesh
 from .protocol.wire import RefUseError
 from .recording import Compiled, RecordingError, compile
 from .remote import TENSOR_ENGINE, ProcessGroup, Ref, RemoteFunction, remote
-from .worker.context import current_coords, current_rank, current_size
+from .worker.current import current_coords, current_rank, current_size
 
 
 def _dashboard(mesh, **kw):

@@ -60,7 +60,7 @@ def demo(ranks: int = 2) -> None:
 
 
 def _grads():
-    from monarch_nb.worker.context import namespace
+    from monarch_nb.worker.current import namespace
 
     return [p.grad.clone() for p in namespace["model"].parameters()]
 

@@ -152,7 +152,9 @@ def all_meshes() -> dict:
     return dict(_meshes)
 
 
-config.LIVE_MESHES.install(lambda: sorted(_meshes))  # %config refuses restart settings then
+# %config refuses restart settings while these run (a mesh whose controller was shut
+# down without mesh.shutdown() is registered still, but runs nothing)
+config.LIVE_MESHES.install(lambda: sorted(n for n, m in _meshes.items() if not m.closed))
 
 
 def resolve_target(mesh: DeviceMesh | None, stream: Stream | None) -> tuple[DeviceMesh, Stream]:

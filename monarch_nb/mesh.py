@@ -294,6 +294,11 @@ class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
     def alive(self) -> bool:
         return self._controller.usable
 
+    @property
+    def closed(self) -> bool:
+        """Shut down for good (a broken or restarting mesh is not ``alive`` but not closed)."""
+        return self._controller.closed
+
     def __enter__(self) -> DeviceMesh:
         self._whole("'with mesh:' (a shutdown at its end)")
         return self

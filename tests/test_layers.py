@@ -60,12 +60,12 @@ from monarch_nb import launch, mesh, recording, remote
 
 
 def loaded():
-    # worker/context.py is imported (mnb.current_rank); no other worker code is
+    # worker/current.py is imported (mnb.current_rank); no other worker code is
     return sorted(
         m for m in sys.modules
         if m.split(".")[0] in ("IPython", "ipywidgets")
         or m.startswith(("monarch_nb.ui", "monarch_nb.notebook"))
-        or m.startswith("monarch_nb.worker.") and m != "monarch_nb.worker.context"
+        or m.startswith("monarch_nb.worker.") and m != "monarch_nb.worker.current"
     )
 
 

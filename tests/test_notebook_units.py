@@ -273,8 +273,8 @@ def test_mimebundle_of_values():
 
 
 def test_the_inline_pdb_list_folds_ranks_paused_at_one_place():
-    from monarch_nb.controller.debugger import Session
-    from monarch_nb.notebook.debugger import describe, notice
+    from monarch_nb.controller.debug_sessions import Session
+    from monarch_nb.notebook.pdb_prompt import describe, notice
 
     at = {"file": "Cell In[3]", "line": 4, "function": "<module>"}
     sessions = [Session(r, 0, "default", dict(at)) for r in range(1024) if r != 512]

@@ -60,7 +60,7 @@ def test_exec_pull_push(mesh):
     assert mesh.pull("lr", rank=1) == 0.5
     assert mesh.exec("float(t.sum()) * lr").fetch() == [1.5, 1.5]
     # a value made by exec feeds a remote function through the namespace
-    got = mnb.remote(lambda: __import__("monarch_nb").worker.context.namespace["a"] + 1)(mesh=mesh)
+    got = mnb.remote(lambda: __import__("monarch_nb").worker.current.namespace["a"] + 1)(mesh=mesh)
     assert got.fetch(rank=1).tolist() == [2.0, 2.0]
 
 

@@ -32,7 +32,7 @@ from ..protocol.envelope import CONTROLLER, PeerTable, Sealer
 from ..protocol.ndslice import NDSlice
 from .async_result import AsyncResult
 from .cancels import Cancels
-from .debugger import DebugSessions
+from .debug_sessions import DebugSessions
 from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again
 from .failures import FailureLog
 from .host_launcher import default_launcher
@@ -41,13 +41,13 @@ from .io_items import CancelRequest, Delete, IOCallbacks, Send, SendRequest
 from .io_items import op as io_op
 from .io_loop import IOLoop
 from .liveness import Liveness
-from .progress import Transfers, wait_sent
 from .rendezvous import Rendezvous, advertised_host
 from .replies import Replies, print_output
 from .requests import Request, RequestTable, check_timeout
 from .startup import start_generation
 from .state import MeshState
 from .trace import recording_trace
+from .transfers import Transfers, wait_sent
 from .workers import WorkerSet
 
 logger = logging.getLogger("monarch_nb.controller")

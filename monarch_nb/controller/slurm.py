@@ -20,7 +20,7 @@ import threading
 import time
 
 from .launcher import ExternalLauncher
-from .progress import bar
+from .transfers import bar
 
 logger = logging.getLogger("monarch_nb.controller")
 

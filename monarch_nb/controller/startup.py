@@ -8,7 +8,7 @@ import time
 from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
 from .errors import RemoteError, WorkerCrashed, format_ranks
-from .progress import bar
+from .transfers import bar
 
 
 def start_generation(ctrl, secret: bytes, startup_timeout: float) -> None:

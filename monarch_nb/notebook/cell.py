@@ -19,8 +19,8 @@ from ..controller import AsyncResult, MeshClosedError, RemoteError, WorkerCrashe
 from ..protocol import messages as m
 from ..protocol.constants import INTERRUPT_WAIT
 from ..protocol.wire import RefUseError
-from .debugger import NoStdin, Prompt, notice
 from .output import CellSink, OutputHub
+from .pdb_prompt import NoStdin, Prompt, notice
 from .results import RemoteCellError, render_failures, result_displays
 
 POLL = 0.25

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import mesh as mesh_mod
 from .._version import __version__
-from ..ui import debugger, render
+from ..ui import debugger_panel, render
 from ..ui.redraw import LOOP, snapshot
 
 logger = logging.getLogger("monarch_nb.lab")
@@ -159,10 +159,10 @@ class LabChannel:
                 if isinstance(target, list):
                     target = tuple(target)
                 lines: list[str] = []
-                debugger.debugger_command(mesh, target, str(data.get("line", "")), lines.append)
+                debugger_panel.debugger_command(mesh, target, str(data.get("line", "")), lines.append)
                 answer = {"lines": lines}
             else:
-                answer = {"lines": [debugger.continue_all(mesh)]}
+                answer = {"lines": [debugger_panel.continue_all(mesh)]}
         except Exception as e:
             logger.exception("monarch_nb: a Lab request failed")
             answer = {"lines": [f"{type(e).__name__}: {e}"]}

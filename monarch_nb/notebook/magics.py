@@ -19,9 +19,9 @@ from .args import (
 )
 from .args import parse_slice as parse_slice_spec
 from .cell import CellRun
-from .debugger import HELP, NoStdin, Prompt, describe
-from .display import MeshViews
+from .mesh_views import MeshViews
 from .output import OutputHub
+from .pdb_prompt import HELP, NoStdin, Prompt, describe
 from .publish import Publisher
 from .push import names_to_push
 

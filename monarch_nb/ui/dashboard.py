@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import ipywidgets as W
 
 from . import grid, render
-from .debugger import continue_all, debugger_command
+from .debugger_panel import continue_all, debugger_command
 from .grid_view import GridControls
 from .redraw import LOOP, snapshot
 

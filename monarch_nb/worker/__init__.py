@@ -1,5 +1,5 @@
 """The worker process: receiver, streams, cells, debugger, collectives."""
 
-from .context import current_coords, current_rank, current_size
+from .current import current_coords, current_rank, current_size
 
 __all__ = ["current_coords", "current_rank", "current_size"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 
-from .cell import Cell
+from .ref_cell import Cell
 
 _POLL = 0.05  # waits are sliced so that an interrupt can land
 

@@ -13,7 +13,7 @@ import linecache
 import sys
 
 from ..protocol.breakpoints import cell_key
-from . import code, debugger
+from . import code, remote_pdb
 
 _table: dict = {"cells": {}, "files": {}}
 
@@ -30,7 +30,7 @@ def deliver(stream, action) -> None:
     if isinstance(action, tuple) and action and action[0] == "breakpoints":
         update(action[1])
     elif isinstance(action, tuple) and action and action[0] == "pause":
-        debugger.pause(stream)
+        remote_pdb.pause(stream)
     else:
         stream.debugger_queue.put(action)
 
@@ -61,14 +61,14 @@ def call(fn, args, kwargs):
 
 
 def _traced(work, breaks: list, table: dict):
-    stream = debugger.current_stream()
+    stream = remote_pdb.current_stream()
     if stream is None or sys.gettrace() is not None:  # a session traces already: it wins
         return work()
     for path, (source, lines) in table["files"].items():
         if path not in linecache.cache and source is not None:
             code.register_source(path, source)  # the file may be on the kernel's host only
         breaks += [(path, line, cond) for line, cond in lines]
-    p = debugger.RemotePdb(stream)
+    p = remote_pdb.RemotePdb(stream)
     p.reset()
     mine = []
     for path, line, cond in breaks:

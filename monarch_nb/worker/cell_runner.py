@@ -16,7 +16,7 @@ host agent (``preload``), never by this module at import.
 
 from __future__ import annotations
 
-from . import breakpoints, context, display
+from . import breakpoints, current, display
 
 _results: dict = {}  # key -> {"data": bundle or None, "figures": [...], "displays": [...]}
 _auto: dict = {}  # name -> the object last bound automatically under that name
@@ -30,7 +30,7 @@ def run_cell(
 
     ``names`` are bound first; ``auto`` (notebook functions and classes the cell
     reads) too, except over a worker variable that worker code defined."""
-    ns = context.namespace
+    ns = current.namespace
     figures: list = []
     displays: list = []
     display.begin_collecting(figures, displays)

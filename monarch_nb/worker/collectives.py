@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import process_settings
-from .cell import DependentOnError
+from .ref_cell import DependentOnError
 
 HEADER_DIMS = 8
 HEADER_LEN = 3 + HEADER_DIMS

@@ -8,8 +8,8 @@ import logging
 from ..protocol import messages as m
 from ..protocol.constants import DEFAULT_STREAM
 from .borrow import Borrow
-from .cell import Cell, raw
 from .failure import describe
+from .ref_cell import Cell, raw
 
 logger = logging.getLogger("monarch_nb.worker")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..protocol import messages as m
 from ..protocol.aten import OpSlot, resolve_op, run_op
 from ..protocol.pickling import resolve_function
-from .cell import Cell, get_value
+from .ref_cell import Cell, get_value
 from .slots import fill, slot_keys
 
 

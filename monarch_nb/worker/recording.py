@@ -23,8 +23,8 @@ from operator import getitem
 from ..protocol import messages as m
 from ..protocol.aten import OpSlot
 from ..protocol.wire import resolve_function, unpack_args
-from .cell import Cell, DependentOnError, MissingRef
 from .code import run_source
+from .ref_cell import Cell, DependentOnError, MissingRef
 from .slots import fill, slot_keys
 
 

@@ -7,7 +7,7 @@ command (``OpSlot(ref id)``: that value of the replay) use the same walk.
 from __future__ import annotations
 
 from ..protocol.aten import OpSlot
-from .cell import DependentOnError
+from .ref_cell import DependentOnError
 
 
 def slot_keys(obj, out: set) -> set:

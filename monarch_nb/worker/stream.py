@@ -19,9 +19,9 @@ from ..protocol.constants import BIG_SEND, PROGRESS_BYTES
 from ..protocol.envelope import Sealer
 from ..protocol.messages import FetchResult, Output, RemoteFunctionFailed, TransferBegin
 from ..protocol.wire import send_frames
-from . import capture, debugger
-from .cell import DependentOnError
+from . import capture, remote_pdb
 from .failure import describe
+from .ref_cell import DependentOnError
 
 OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
 # messages a stream may have on their way before its sends block: with the
@@ -250,13 +250,13 @@ class Stream:
     def stop(self) -> None:
         self.q.put(_STOP)
         if self.paused is not None:
-            self.debugger_queue.put(debugger.INTERRUPT)
+            self.debugger_queue.put(remote_pdb.INTERRUPT)
 
     def run_forever(self) -> None:
         if not self.main_thread:
             self.thread_id = threading.get_ident()
         capture.set_outbox(self.outbox)
-        debugger.set_current_stream(self)
+        remote_pdb.set_current_stream(self)
         if self.cuda_stream is not None:
             import torch
 
@@ -360,7 +360,7 @@ class Stream:
             if not self.in_user_code or self.thread_id is None:
                 return False
             if self.paused is not None:  # pdb waits for a line: end the session instead
-                self.debugger_queue.put(debugger.INTERRUPT)
+                self.debugger_queue.put(remote_pdb.INTERRUPT)
                 return True
             self._interrupt_sent = True
             if self.main_thread:

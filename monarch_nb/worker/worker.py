@@ -23,8 +23,7 @@ from ..protocol import messages as m
 from ..protocol.constants import DEFAULT_STREAM
 from ..protocol.pickling import resolve_function, unpack_args
 from ..protocol.receivers import WORKER, handler_table
-from . import breakpoints, capture, cell_runner, context, debugger
-from .cell import Cell, DependentOnError, MissingRef, get_value
+from . import breakpoints, capture, cell_runner, current, remote_pdb
 from .code import run_source
 from .comm_handlers import CommHandlers
 from .connection import Connection
@@ -32,6 +31,7 @@ from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
 from .insight_handlers import InsightHandlers
 from .op_handlers import OpHandlers
+from .ref_cell import Cell, DependentOnError, MissingRef, get_value
 from .shell_handlers import ShellHandlers
 from .stream import Stream, interruptible_sleep
 
@@ -78,7 +78,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
 
     def serve(self) -> None:
         """Run until Exit: the receiver on a thread, the default stream here."""
-        context.namespace = self.namespace
+        current.namespace = self.namespace
         sys.stdout = capture.RoutedWriter("stdout", sys.__stdout__)
         sys.stderr = capture.RoutedWriter("stderr", sys.__stderr__)
         sys.stdin = capture.NoInput()
@@ -88,7 +88,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
         self._children = ChildOutputReader(child_r, self._child_output)
         capture.install(child_w)
         signal.signal(signal.SIGINT, self._on_sigint)
-        debugger.install()
+        remote_pdb.install()
         time.sleep = interruptible_sleep
         receiver = threading.Thread(target=self._receive_loop, name="monarch-receiver", daemon=True)
         receiver.start()
@@ -157,7 +157,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
         named = dict(zip(msg.names, coords)) if coords is not None else None
         self.meshes[msg.result] = (msg.names, msg.ranks, named)
         if msg.result == 0 and named is not None:
-            context._set(self.rank, len(msg.ranks), named)
+            current._set(self.rank, len(msg.ranks), named)
             self.namespace.update(rank=self.rank, size=len(msg.ranks), **named)
 
     def CallFunction(self, msg: m.CallFunction) -> None:
@@ -353,7 +353,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
             failure = stream.last_failure
             if failure is None:
                 raise RuntimeError(f"no failure to debug on stream {stream.name!r} of rank {rank}")
-            debugger.post_mortem(stream, failure.__traceback__)
+            remote_pdb.post_mortem(stream, failure.__traceback__)
 
         self._reply_value(msg.ident, msg.stream, compute, "post-mortem")
 

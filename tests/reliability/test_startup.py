@@ -74,3 +74,4 @@ def test_shutdown_leaves_the_sockets_to_a_busy_io_thread(caplog):
     wait_for(lambda: not ctrl.io.thread.is_alive(), 30, "the IO thread to end")
     assert ctrl.io.sockets_closed
     assert "controller IO thread error" not in caplog.text
+    m.shutdown()  # unregisters it: a shut-down controller leaves the mesh registered

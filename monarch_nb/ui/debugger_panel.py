@@ -2,7 +2,7 @@
 sessions (``mesh.debugger``): send a line and show the reply without its
 prompt, cast one line to several sessions with identical outputs folded, let
 every session go on. The dashboard's panel, the Lab extension's panel
-(``notebook/lab.py``) and the notebook's inline prompt (``notebook/debugger.py``)
+(``notebook/lab.py``) and the notebook's inline prompt (``notebook/pdb_prompt.py``)
 all use these; no widgets here.
 """
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from IPython.core.error import StdinNotImplementedError
 
 from ..controller import format_ranks
-from ..controller.debugger import DebugSessions, Session
-from ..ui.debugger import cast, strip_prompt
+from ..controller.debug_sessions import DebugSessions, Session
+from ..ui.debugger_panel import cast, strip_prompt
 from .args import parse_ranks
 
 MENU_PROMPT = "(monarch-dbg) "
