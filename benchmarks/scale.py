@@ -1,7 +1,7 @@
 """The controller at 1,024 ranks: simulated light ranks, 32 hosts x 32, each host
 its own process (``local_mesh(host=32, gpu=32, simulate=True)``) with one signed
 ZeroMQ connection to the controller: a command goes once per host, the ranks'
-replies come back folded per host (docs/architecture.md, "Fan-out").
+replies come back folded per host (docs/hosts.md, "Fan-out").
 
 * ``broadcast_1024``: ``mnb.remote(noop)(mesh=mesh)`` + ``mesh.wait()``, ms per
   broadcast; ``broadcast_1024_cpu``: the controller process's CPU for it per rank

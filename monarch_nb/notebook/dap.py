@@ -11,7 +11,7 @@ ipykernel (and debugpy) unchanged. Our ids start at ``THREAD_BASE`` and
 When a session pauses, runs on or ends while the debugger is on, ``stopped``,
 ``continued`` and ``thread`` (exited) events go out on IOPub as ``debug_event``.
 Gutter breakpoints: dap_breakpoints.py; sources of remote frames: dap_sources.py;
-what debugpy leaves alone: dap_debugpy.py (docs/architecture.md, the DAP section).
+what debugpy leaves alone: dap_debugpy.py (docs/debugger.md).
 """
 
 from __future__ import annotations
