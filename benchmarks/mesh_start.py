@@ -108,7 +108,7 @@ def _median(xs: list[float]) -> float:
 
 
 def bench_mesh_start(quick: bool) -> list[Entry]:
-    from monarch_nb.controller.host_launcher import local_agent
+    from monarch_nb.launchers.host_agent import local_agent
 
     reps = 3 if quick else 7
     local_agent()  # warm: the row measures a start with the agent already running
@@ -131,7 +131,7 @@ def bench_mesh_start(quick: bool) -> list[Entry]:
 
 
 def bench_mesh_restart(quick: bool) -> list[Entry]:
-    from monarch_nb.controller.host_launcher import local_agent
+    from monarch_nb.launchers.host_agent import local_agent
 
     local_agent()
     out = []

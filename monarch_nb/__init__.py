@@ -13,8 +13,13 @@ In IPython, ``%load_ext monarch_nb`` adds ``%monarch_mesh`` and ``%%monarch``.
 import contextlib
 import sys
 
-from . import config, context
+from . import config
 from ._version import __version__ as __version__
+from .api import context
+from .api.launch import connect_mesh, local_mesh, slurm_mesh
+from .api.mesh import DeviceMesh, Stream, get_mesh
+from .api.recording import Compiled, RecordingError, compile
+from .api.remote import TENSOR_ENGINE, ProcessGroup, Ref, RemoteFunction, remote
 from .controller.async_result import AsyncResult
 from .controller.errors import (
     InterruptTimeout,
@@ -24,11 +29,7 @@ from .controller.errors import (
     WorkerCrashed,
     WorkerUnresponsive,
 )
-from .launch import connect_mesh, local_mesh, slurm_mesh
-from .mesh import DeviceMesh, Stream, get_mesh
 from .protocol.wire import RefUseError
-from .recording import Compiled, RecordingError, compile
-from .remote import TENSOR_ENGINE, ProcessGroup, Ref, RemoteFunction, remote
 from .worker.current import current_coords, current_rank, current_size
 
 
@@ -49,7 +50,7 @@ def _tensor_mode(mesh):
     imported (the engine imports torch, which ``import monarch_nb`` does not)."""
     if "torch" not in sys.modules:
         return contextlib.nullcontext()
-    from .tensor import mesh_mode
+    from .api.tensor import mesh_mode
 
     return mesh_mode(mesh)
 
@@ -59,7 +60,7 @@ context.on_mesh_activation(_tensor_mode)
 
 def _load_tensor_engine() -> None:
     """``mnb.remote(fn, propagate=...)`` before the engine loaded: load it now."""
-    from . import tensor  # noqa: F401 - registers itself with remote functions
+    from .api import tensor  # noqa: F401 - registers itself with remote functions
 
 
 TENSOR_ENGINE.install_loader(_load_tensor_engine)
@@ -67,7 +68,7 @@ TENSOR_ENGINE.install_loader(_load_tensor_engine)
 
 def __getattr__(name):
     if name in _TENSOR_NAMES:  # the tensor engine (and torch) load on first use
-        from . import tensor
+        from .api import tensor
 
         return getattr(tensor, name)
     raise AttributeError(f"module 'monarch_nb' has no attribute {name!r}")

@@ -25,7 +25,7 @@ def _worker_children():
 @pytest.fixture(scope="session", autouse=True)
 def no_worker_outlives_the_session():
     yield
-    from monarch_nb.mesh import all_meshes
+    from monarch_nb.api.mesh import all_meshes
 
     for m in all_meshes().values():
         m.shutdown()

@@ -96,7 +96,7 @@ def test_a_mesh_hands_its_settings_to_its_ranks_and_refuses_a_typo(monkeypatch, 
     monkeypatch.setenv("MONARCH_NB_STAL_SECONDS", "1")
     with pytest.raises(ConfigError, match="MONARCH_NB_STAL_SECONDS is not a monarch_nb setting"):
         mnb.local_mesh(dp=1, name="typo")
-    assert "typo" not in mnb.mesh.all_meshes()
+    assert "typo" not in mnb.api.mesh.all_meshes()
 
 
 @pytest.mark.kernel

@@ -256,5 +256,5 @@ def test_restart_and_shutdown_buttons_and_the_docked_dashboard(kw):
     w.wait_text("mnb-dash-main", "shut down", timeout=60)
     assert w.wait(shutdown, lambda v: v is True, key="disabled")
     assert w.wait(w.find("mnb-dash-interrupt"), lambda v: v is True, key="disabled")
-    assert value(k, w, "'b' in mnb.mesh.all_meshes()") is False
+    assert value(k, w, "'b' in mnb.api.mesh.all_meshes()") is False
     assert value(k, w, "mnb.get_mesh().name") == "default"

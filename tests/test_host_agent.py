@@ -20,10 +20,10 @@ from cgroup_helpers import pids_cgroup
 from wait_helpers import alive, pids_gone, wait_for
 
 import monarch_nb as mnb
+from monarch_nb.api.mesh import DeviceMesh
 from monarch_nb.controller import Controller
 from monarch_nb.controller.errors import WorkerCrashed
-from monarch_nb.controller.host_launcher import HostAgent, HostLauncher, local_agent
-from monarch_nb.mesh import DeviceMesh
+from monarch_nb.launchers.host_agent import HostAgent, HostLauncher, local_agent
 from monarch_nb.protocol import host_messages as hm
 from monarch_nb.protocol.ndslice import NDSlice
 
@@ -203,7 +203,7 @@ def test_the_controller_gone_takes_the_agent_and_its_ranks(end):
     script = (
         "import json, sys\n"
         "import monarch_nb as mnb\n"
-        "from monarch_nb.controller.host_launcher import local_agent\n"
+        "from monarch_nb.launchers.host_agent import local_agent\n"
         "m = mnb.local_mesh(dp=2, name='doomed')\n"
         "m.exec('x = 1').fetch(timeout=60)\n"
         "print(json.dumps([local_agent().pid, *m._controller.worker_pids().values()]), "
@@ -270,7 +270,7 @@ def test_an_unknown_spawn_method_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("MONARCH_NB_SPAWN", "fork-server")
     with pytest.raises(ValueError, match="MONARCH_NB_SPAWN='fork-server': one of agent, popen"):
         mnb.local_mesh(dp=1, name="unknown-spawn")
-    assert "unknown-spawn" not in mnb.mesh.all_meshes()
+    assert "unknown-spawn" not in mnb.api.mesh.all_meshes()
 
 
 def test_a_fork_that_fails_is_a_clear_error(hosted):

@@ -9,7 +9,7 @@ from kernel_helpers import Kernel, stream, wait_gone
 pytestmark = pytest.mark.kernel
 
 ALL_PIDS = (
-    "sorted(p for m in mnb.mesh.all_meshes().values() "
+    "sorted(p for m in mnb.api.mesh.all_meshes().values() "
     "for p in m._controller.worker_pids().values())"
 )
 

@@ -421,7 +421,7 @@ def test_restart_gives_fresh_workers_and_namespace(k):
 def test_workers_are_forked_by_the_kernels_host_agent(k):
     kernel_pid = k.value("__import__('os').getpid()")
     agent = k.value(
-        "__import__('monarch_nb.controller.host_launcher').controller.host_launcher"
+        "__import__('monarch_nb.launchers.host_agent').launchers.host_agent"
         ".local_agent().pid"
     )
     assert psutil.Process(agent).ppid() == kernel_pid

@@ -12,10 +12,10 @@ import pytest
 from netns_helpers import bridged, ip
 from wait_helpers import wait_for
 
+from monarch_nb.api.mesh import DeviceMesh
 from monarch_nb.controller.controller import Controller
 from monarch_nb.controller.errors import WorkerCrashed, WorkerUnresponsive
-from monarch_nb.controller.sim_launcher import SimLauncher
-from monarch_nb.mesh import DeviceMesh
+from monarch_nb.launchers.simulated import SimLauncher
 from monarch_nb.protocol.ndslice import NDSlice
 
 HOSTS, PER_HOST = 4, 4

@@ -32,7 +32,7 @@ DRAINED = (
     "assert not any(s.has_pending for s in list(_hub.live)), 'output still pending'\n"
 )
 PAUSER = (
-    "from monarch_nb.mesh import get_mesh\n"
+    "from monarch_nb.api.mesh import get_mesh\n"
     "M = get_mesh()\n"
     "def pauser(a):\n"
     "    b = a + 1\n"

@@ -55,12 +55,12 @@ def test_each_receiver_class_handles_all_it_receives():
 
 
 def test_the_host_agents_records_and_their_receivers():
-    from monarch_nb.controller.agent_ranks import RankBook
-    from monarch_nb.controller.host_launcher import HostAgent
-    from monarch_nb.controller.remote_hosts import AgentChannel
     from monarch_nb.host.agent import Agent
     from monarch_nb.host.relay import Relay
     from monarch_nb.host.sim_agent import SimAgent
+    from monarch_nb.launchers.agent_ranks import RankBook
+    from monarch_nb.launchers.host_agent import HostAgent
+    from monarch_nb.launchers.remote_hosts import AgentChannel
     from monarch_nb.protocol import host_messages as hm
 
     assert all(getattr(c, "receivers", ()) for c in hm.TYPES.values())

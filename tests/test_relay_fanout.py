@@ -199,7 +199,7 @@ def test_with_the_fan_out_off_each_rank_connects_itself_and_back(fan, monkeypatc
 
 
 def test_a_bad_fan_out_switch_is_a_clear_error(monkeypatch):
-    from monarch_nb.controller.remote_hosts import fanout
+    from monarch_nb.launchers.remote_hosts import fanout
 
     monkeypatch.setenv("MONARCH_NB_RELAY_FANOUT", "yes")
     with pytest.raises(ValueError, match="MONARCH_NB_RELAY_FANOUT='yes': 0 or 1"):

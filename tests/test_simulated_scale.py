@@ -19,7 +19,7 @@ from wait_helpers import alive, pids_gone, wait_for
 
 import monarch_nb as mnb
 from monarch_nb.controller.errors import RemoteError, WorkerCrashed
-from monarch_nb.controller.host_launcher import HostAgent, sim_boot_path
+from monarch_nb.launchers.host_agent import HostAgent, sim_boot_path
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS, PER_HOST = 8, 32

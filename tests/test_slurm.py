@@ -23,7 +23,7 @@ from wait_helpers import wait_for
 
 import monarch_nb as mnb
 from monarch_nb.controller.errors import WorkerCrashed
-from monarch_nb.controller.slurm import SlurmError
+from monarch_nb.launchers.slurm import SlurmError
 
 pytestmark = pytest.mark.slurm
 

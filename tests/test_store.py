@@ -203,7 +203,7 @@ def test_an_unknown_rendezvous_kind_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("MONARCH_NB_RENDEZVOUS", "tcp")
     with pytest.raises(ValueError, match=r"MONARCH_NB_RENDEZVOUS='tcp': one of auto, file, controller"):
         mnb.local_mesh(dp=1, name="bad-rendezvous")
-    assert "bad-rendezvous" not in mnb.mesh.all_meshes()
+    assert "bad-rendezvous" not in mnb.api.mesh.all_meshes()
 
 
 def test_the_server_drops_other_generations_and_answers_parked_gets():

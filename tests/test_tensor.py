@@ -8,7 +8,7 @@ import torch
 from kernel_helpers import mesh_kernel, plain
 
 import monarch_nb as mnb
-from monarch_nb.tensor import plans as tensor_plans
+from monarch_nb.api.tensor import plans as tensor_plans
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +374,7 @@ def test_public_names_are_documented():
     documented = {w.strip("` ") for cell in first_cells for w in cell.split(",")}
     assert set(mnb.__all__) == documented
     for name in ("Tensor", "inspect", "fetch_shard", "no_mesh"):
-        assert getattr(mnb, name) is getattr(mnb.tensor, name)
+        assert getattr(mnb, name) is getattr(mnb.api.tensor, name)
 
 
 @pytest.mark.kernel
@@ -546,7 +546,7 @@ def test_remote_cached_and_inspect_propagation(mesh):
     first, rest = f(a)
     assert isinstance(first, mnb.Tensor) and first.shape == (1,) and rest.shape == (3,)
     assert mnb.inspect(rest, dp=1).tolist() == [1.0, 2.0, 3.0]
-    from monarch_nb.tensor import remote_call
+    from monarch_nb.api.tensor import remote_call
 
     key_count = len(remote_call._layouts[halves])
     first2, rest2 = mnb.remote(halves)(a)  # the same layout: cached, nothing asked

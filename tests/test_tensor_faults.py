@@ -14,9 +14,9 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import monarch_nb as mnb
+from monarch_nb.api.tensor import dispatch as tensor_dispatch
+from monarch_nb.api.tensor import plans as tensor_plans
 from monarch_nb.controller import Controller
-from monarch_nb.tensor import dispatch as tensor_dispatch
-from monarch_nb.tensor import plans as tensor_plans
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_ctrl_c_in_a_loop_of_ops_lands_every_time(mesh):
 def test_no_mesh_takes_the_mesh_mode_off_torch_s_stack(mesh):
     """Local torch inside ``no_mesh()`` runs at its own speed: no mode of ours sees its
     ops (issue 26: a local step ran at half speed inside activate() + no_mesh())."""
-    from monarch_nb.tensor.mode import MeshMode
+    from monarch_nb.api.tensor.mode import MeshMode
 
     def ours() -> int:
         return sum(type(m) is MeshMode for m in _get_current_dispatch_mode_stack())

@@ -1,4 +1,5 @@
-"""The controller side: Controller (socket + IO thread + futures), MeshState, launchers."""
+"""The controller: the request path (socket, IO thread, requests, replies) and MeshState.
+How workers start is ``launchers/``'s; a Controller drives the launcher it is given."""
 
 from .async_result import AsyncResult
 from .controller import Controller
@@ -12,17 +13,14 @@ from .errors import (
     fold_by_rank,
     format_ranks,
 )
-from .launcher import ExternalLauncher, LocalLauncher
 from .sigint import hand_back_interrupts_of, keep_unraisable_hook
 from .state import MeshState
 
 __all__ = [
     "AsyncResult",
     "Controller",
-    "ExternalLauncher",
     "IOThreadError",
     "InterruptTimeout",
-    "LocalLauncher",
     "MeshClosedError",
     "MeshState",
     "RemoteError",

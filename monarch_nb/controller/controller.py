@@ -35,7 +35,6 @@ from .cancels import Cancels
 from .debug_sessions import DebugSessions
 from .errors import MeshClosedError, RemoteError, WorkerCrashed, broken_again
 from .failures import FailureLog
-from .host_launcher import default_launcher
 from .interrupts import Interrupts
 from .io_items import CancelRequest, Delete, IOCallbacks, Send, SendRequest
 from .io_items import op as io_op
@@ -71,15 +70,16 @@ class Controller:
         name: str,
         dims: dict,
         backend: str,
+        launcher,
         interface: str = "127.0.0.1",
-        launcher=None,
         startup_timeout: float = 180.0,
         advertise: str | None = None,
         heartbeat_timeout: float | None = None,
         liveness_timeout: float | None = None,
         settings: dict | None = None,
     ):
-        """``settings``: ``config.snapshot()``'s (default: taken now, with
+        """``launcher`` starts the workers (``launchers/``: ``default_launcher(spawn)``
+        for a local mesh). ``settings``: ``config.snapshot()``'s (default: taken now, with
         ``heartbeat_timeout`` if given), read once: the launcher and workers get them."""
         self.name = name
         self.dims = dict(dims)
@@ -96,7 +96,6 @@ class Controller:
         # restarts); the lease holder seals what leaves per destination
         self.peers = PeerTable(self.state.rejections)
         self.sealer = Sealer(self.signer, CONTROLLER)
-        launcher = launcher or default_launcher(settings["spawn"])
         launcher.configure(config.process_env(settings))
         self.workers = WorkerSet(name, self.world, launcher, self.state)
         self._startup_timeout = startup_timeout

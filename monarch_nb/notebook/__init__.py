@@ -35,7 +35,7 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(AutoMagics(ipython, magics._mesh))
     completing.install(ipython, getattr(ipython, "kernel", None))  # Tab on the ranks
     if magics.publisher.in_kernel:
-        from .. import launch
+        from ..api import launch
         from . import waiting
 
         launch.warm_local_agent()  # the first %monarch_mesh finds its ranks' agent ready

@@ -292,7 +292,7 @@ class CellRun:
 
 def restart_hint(mesh) -> str:
     """The way out of a broken mesh, as typed in this notebook."""
-    from ..mesh import get_mesh
+    from ..api.mesh import get_mesh
 
     try:
         current = get_mesh() is mesh

@@ -19,7 +19,7 @@ import inspect
 from IPython.core.completer import SimpleCompletion, context_matcher
 from IPython.core.error import UsageError
 
-from .. import mesh as mesh_mod
+from ..api import mesh as mesh_mod
 from . import auto
 from .args import HelpShown, cell_parser, parse_ranks
 from .args import parse_slice as parse_slice_spec

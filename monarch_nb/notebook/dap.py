@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from .. import context
+from ..api import context
 from . import dap_debugpy, dap_sources
 from .dap_breakpoints import Breakpoints, set_breakpoints
 from .dap_wire import DapError, off_loop, response, to_int

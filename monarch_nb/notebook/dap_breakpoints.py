@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 
-from .. import mesh as mesh_mod
+from ..api import mesh as mesh_mod
 from ..protocol import messages as m
 from ..protocol.breakpoints import cell_key
 from .dap_wire import off_loop, response, to_int

@@ -33,8 +33,8 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import mesh as mesh_mod
 from .._version import __version__
+from ..api import mesh as mesh_mod
 from ..ui import debugger_panel, render
 from ..ui.redraw import LOOP, snapshot
 

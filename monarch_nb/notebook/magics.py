@@ -5,8 +5,8 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from .. import launch
-from .. import mesh as mesh_mod
+from ..api import launch
+from ..api import mesh as mesh_mod
 from . import cell_syntax, waiting
 from .args import (
     HelpShown,

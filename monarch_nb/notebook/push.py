@@ -22,8 +22,8 @@ import types
 
 from IPython.core.error import UsageError
 
+from ..api.remote import RemoteFunction
 from ..protocol.wire import is_by_value, pack_args
-from ..remote import RemoteFunction
 
 
 def names_read(source: str) -> set[str]:

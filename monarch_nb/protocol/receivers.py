@@ -15,7 +15,7 @@ STORE_CLIENT = "store client"  # a worker's store channel (worker/store.py)
 # the host agents' JSON lines (host_messages.py)
 AGENT = "host agent"  # an agent's commands (host/control.py)
 AGENT_RELAY = "agent relay"  # a remote agent's relay, from the controller (host/relay.py)
-AGENT_LINK = "agent link"  # the controller's end of this host's agent (host_launcher.py)
+AGENT_LINK = "agent link"  # the controller's end of this host's agent (launchers/host_agent.py)
 AGENT_CHANNEL = "agent channel"  # the controller's end of remote agents (remote_hosts.py)
 AGENT_RANKS = "agent ranks"  # a rank's records, kept by the controller (agent_ranks.py)
 

@@ -1,5 +1,5 @@
 """The records of completion and inspection on a rank (worker/shell_handlers.py,
-monarch_nb/completion.py).
+monarch_nb/api/completion.py).
 
 They are messages like those of ``messages`` (which imports them, and whose name
 they carry, so the wire's codes and the handler tables include them); they live

@@ -84,7 +84,7 @@ def test_bad_timeouts_are_refused_before_any_worker_starts(kwargs, message, work
     with pytest.raises(ValueError, match=message):
         mnb.local_mesh(dp=1, name="bad-timeouts", **kwargs)
     assert len(worker_children()) == before
-    assert "bad-timeouts" not in mnb.mesh.all_meshes()
+    assert "bad-timeouts" not in mnb.api.mesh.all_meshes()
 
 
 def _spin_here_until(path: str):

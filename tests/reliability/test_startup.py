@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import monarch_nb as mnb
-from monarch_nb.mesh import all_meshes
+from monarch_nb.api.mesh import all_meshes
 
 
 def test_a_backend_that_cannot_start_fails_the_start_with_the_ranks_error(worker_children):

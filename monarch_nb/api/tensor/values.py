@@ -6,8 +6,8 @@ import operator
 
 import torch
 
-from ..controller import AsyncResult
-from ..protocol import aten
+from ...controller import AsyncResult
+from ...protocol import aten
 from ..remote import Ref, remote
 from .tensor import Tensor
 

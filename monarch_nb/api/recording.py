@@ -25,8 +25,8 @@ import warnings
 import weakref
 from typing import Any
 
+from ..protocol import messages as m
 from .context import recording_trace
-from .protocol import messages as m
 from .recorded import RecordingError, Signature, Trace, fields, results_of
 from .remote import Ref
 

@@ -8,12 +8,12 @@ import json
 import logging
 import os
 
-from .controller.clocks import measure_offsets
-from .controller.profiles import merge_traces, summarize, summary_text
-from .controller.timeline import check_last
-from .protocol import messages as m
+from ..controller.clocks import measure_offsets
+from ..controller.profiles import merge_traces, summarize, summary_text
+from ..controller.timeline import check_last
+from ..protocol import messages as m
 
-logger = logging.getLogger("monarch_nb.insight")
+logger = logging.getLogger("monarch_nb.api.insight")
 
 
 class MeshInsight:

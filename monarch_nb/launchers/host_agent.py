@@ -18,12 +18,12 @@ import sys
 import threading
 
 from .. import config
+from ..controller.errors import describe_exit
+from ..controller.workers import Launcher
 from ..protocol import host_messages as hm
 from ..protocol.receivers import AGENT_LINK, handler_table
 from .agent_ranks import AgentRank, RankBook
-from .errors import describe_exit
-from .launcher import LocalLauncher, _visible_gpus, local_env, rank_env
-from .workers import Launcher
+from .local import LocalLauncher, _visible_gpus, local_env, rank_env
 
 logger = logging.getLogger("monarch_nb.controller")
 

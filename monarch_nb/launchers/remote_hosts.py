@@ -27,6 +27,8 @@ import time
 import zmq
 
 from .. import config
+from ..controller.errors import describe_exit
+from ..controller.io_items import Raw
 from ..protocol import agent_link
 from ..protocol import host_messages as hm
 from ..protocol.constants import BEAT_S
@@ -34,8 +36,6 @@ from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer,
 from ..protocol.receivers import AGENT_CHANNEL, handler_table
 from ..protocol.wire import BadMessage, Signer
 from .agent_ranks import AgentRank, RankBook
-from .errors import describe_exit
-from .io_items import Raw
 from .remote_blocks import host_slot, place
 
 logger = logging.getLogger("monarch_nb.controller")

@@ -19,9 +19,9 @@ import pickle
 
 import torch
 
-from ..protocol import messages as m
-from ..protocol.aten import OpSlot, run_op
-from ..protocol.wire import RefUseError, function_ref
+from ...protocol import messages as m
+from ...protocol.aten import OpSlot, run_op
+from ...protocol.wire import RefUseError, function_ref
 from .propagate import op_name, propagate
 from .tensor import Tensor
 

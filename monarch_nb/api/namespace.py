@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from ..protocol import messages as m
+from ..protocol.wire import pack_args
 from .context import Stream, resolve_target
-from .protocol import messages as m
-from .protocol.wire import pack_args
 from .remote import Ref, check_refs
 
 

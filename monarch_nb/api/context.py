@@ -14,12 +14,12 @@ import itertools
 import threading
 from typing import TYPE_CHECKING
 
-from . import config
+from .. import config
 
 # The controller's send() watches this object (its ``active`` trace observes every
 # command sent); the API reaches it only through this module.
-from .controller.trace import RecordingError, recording_trace  # noqa: F401
-from .hooks import Hook
+from ..controller.trace import RecordingError, recording_trace  # noqa: F401
+from ..hooks import Hook
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh

@@ -15,8 +15,8 @@ import os
 import threading
 
 from .. import config
-from .host_launcher import AgentRank, HostAgent, await_spawned
-from .workers import Launcher
+from ..controller.workers import Launcher
+from .host_agent import AgentRank, HostAgent, await_spawned
 
 _held: dict[int, tuple[str, int]] = {}  # id(launcher) -> (mesh name, ranks held)
 _held_lock = threading.Lock()

@@ -1,5 +1,5 @@
 """The controller's record of the ranks a host agent forked, shared by the local
-agent (a pipe, ``host_launcher.HostAgent``) and agents on other hosts (the
+agent (a pipe, ``host_agent.HostAgent``) and agents on other hosts (the
 signed channel, ``remote_hosts.RemoteAgent``): a rank per fork request (slot),
 its pid, exit status and output tail, from the agent's reports."""
 

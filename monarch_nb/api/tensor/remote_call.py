@@ -20,9 +20,9 @@ import weakref
 
 from torch.utils._pytree import tree_leaves
 
+from ...protocol import aten
+from ...protocol.wire import function_ref
 from ..context import recording_trace, resolve_target
-from ..protocol import aten
-from ..protocol.wire import function_ref
 from ..remote import TENSOR_ENGINE, remote
 from .mode import active_mesh
 from .plans import key_of

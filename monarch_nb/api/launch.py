@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 
-from . import config, context
-from .controller import Controller
-from .controller.host_launcher import warm_local_agent
+from .. import config
+from ..controller import Controller
+from ..launchers import default_launcher
+from ..launchers.host_agent import warm_local_agent
+from ..protocol.ndslice import NDSlice
+from . import context
 from .mesh import DeviceMesh
-from .protocol.ndslice import NDSlice
 
 
 def _default_backend(world: int) -> str:
@@ -69,7 +71,7 @@ def local_mesh(
     world = math.prod(dims.values())
     launcher = None
     if simulate is not False:
-        from .controller.sim_launcher import SimLauncher
+        from ..launchers.simulated import SimLauncher
 
         per_host = list(dims.values())[-1] if simulate is True else simulate
         launcher = SimLauncher(name, world, per_host)  # refuses a mesh beyond the slots
@@ -86,6 +88,10 @@ def local_mesh(
 def _mesh(name: str, dims: dict, backend, launcher, **controller) -> DeviceMesh:
     """The root mesh of a Controller started with ``launcher`` (closed if it fails to
     start), registered by name."""
+    if launcher is None:
+        settings = config.snapshot(heartbeat_timeout=controller.get("heartbeat_timeout"))
+        controller["settings"] = settings
+        launcher = default_launcher(settings["spawn"])
     try:
         ctrl = Controller(name, dims, backend, launcher=launcher, **controller)
     except BaseException:
@@ -132,7 +138,7 @@ def connect_mesh(
     lost: pending calls raise WorkerUnresponsive. A host agent silent for
     ``heartbeat_timeout`` s, or whose connection closes, is lost with its ranks
     (WorkerCrashed naming its host)."""
-    from .controller import ExternalLauncher
+    from ..launchers import ExternalLauncher
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
@@ -181,7 +187,7 @@ def slurm_mesh(
     same job; ``shutdown()`` cancels it (scancel). ``dims`` default to
     ``hosts=nodes, ranks=ranks_per_node``; the other arguments are
     ``connect_mesh``'s (the connection file must be on a filesystem the nodes see)."""
-    from .controller.slurm import SlurmLauncher
+    from ..launchers.slurm import SlurmLauncher
 
     dims = dims or {"hosts": nodes, "ranks": ranks_per_node}
     _check_dims(dims)

@@ -5,7 +5,7 @@ comes while a cell runs there."""
 
 from __future__ import annotations
 
-from .protocol import messages as m
+from ..protocol import messages as m
 
 TIMEOUT = 1.0  # seconds a rank has to answer (the notebook falls back to the kernel's)
 

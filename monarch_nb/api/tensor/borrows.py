@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 
-from ..protocol.wire import RefUseError
+from ...protocol.wire import RefUseError
 
 live = [0]  # borrows not dropped yet: with none, dispatch checks nothing
 

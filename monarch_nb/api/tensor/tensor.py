@@ -13,10 +13,10 @@ import weakref
 
 import torch
 
+from ...hooks import Hook
+from ...protocol.pickling import ref_placeholder
+from ...protocol.wire import register_ref_type
 from ..context import recording_trace
-from ..hooks import Hook
-from ..protocol.pickling import ref_placeholder
-from ..protocol.wire import register_ref_type
 from ..remote import Ref
 from . import borrows
 from .agreed import agreed_shard

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ..protocol import aten
+from ...protocol import aten
 from ..remote import remote
 from .mode import active_mesh
 

@@ -1,5 +1,5 @@
 """Launchers start worker processes. LocalLauncher: one fresh process per rank on this
-host (host_launcher.py's HostLauncher forks them from a host agent instead);
+host (launchers/host_agent.py's HostLauncher forks them from a host agent instead);
 ExternalLauncher: workers, or host agents, that another launcher starts."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import stat
 import subprocess
 import sys
 
+from ..controller.workers import Launcher
 from .output_tail import OutputTail
-from .workers import Launcher
 
 
 def _visible_gpus() -> list[str]:

@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from .launcher import ExternalLauncher
-from .transfers import bar
+from ..controller.transfers import bar
+from .local import ExternalLauncher
 
 logger = logging.getLogger("monarch_nb.controller")
 

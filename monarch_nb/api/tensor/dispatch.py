@@ -13,11 +13,11 @@ import weakref
 
 import torch
 
+from ...protocol import messages as m
+from ...protocol.aten import OpSlot, alias_after, aliases_after
+from ...protocol.pickling import pack_ref_args, ref_placeholder
+from ...protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..context import resolve_target
-from ..protocol import messages as m
-from ..protocol.aten import OpSlot, alias_after, aliases_after
-from ..protocol.pickling import pack_ref_args, ref_placeholder
-from ..protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
 from ..remote import check_refs
 from . import borrows, from_data
 from .plans import RUN_OP, Plan, key_of, lifts_floats, lookup, next_op_id, plan

@@ -20,8 +20,8 @@ from __future__ import annotations
 import sys
 import weakref
 
+from ..protocol.pickling import unpack_args
 from .context import RecordingError
-from .protocol.pickling import unpack_args
 from .remote import Ref
 
 RECORDABLE = ("CallFunction", "Reduce", "RunCode")

@@ -11,8 +11,8 @@ key is remembered, so it is not propagated again.
 
 from __future__ import annotations
 
+from ...protocol import aten
 from ..context import resolve_target
-from ..protocol import aten
 from ..remote import remote
 from . import borrows
 from .agreed import agreed, check_not_recording

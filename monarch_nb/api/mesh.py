@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import contextlib
 
+from ..controller import Controller
+from ..controller.errors import MeshClosedError
+from ..protocol import messages as m
+from ..protocol.ndslice import NDSlice
+from ..protocol.wire import RefUseError, function_ref, pack_args
 from . import context
 from .completion import MeshShell
 from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
-from .controller import Controller
-from .controller.errors import MeshClosedError
 from .insight import MeshInsight
 from .namespace import NamespaceCommands
 from .pipe import Pipe
-from .protocol import messages as m
-from .protocol.ndslice import NDSlice
-from .protocol.wire import RefUseError, function_ref, pack_args
 from .remote import ProcessGroup
 
 

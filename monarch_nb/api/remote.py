@@ -6,12 +6,11 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .context import BaseMesh, Stream, recording_trace, resolve_target
-from .controller import AsyncResult, hand_back_interrupts_of, keep_unraisable_hook
-from .hooks import Hook
-from .protocol import messages as m
-from .protocol.reduce_options import REDUCTIONS, check_combination
-from .protocol.wire import (
+from ..controller import AsyncResult, hand_back_interrupts_of, keep_unraisable_hook
+from ..hooks import Hook
+from ..protocol import messages as m
+from ..protocol.reduce_options import REDUCTIONS, check_combination
+from ..protocol.wire import (
     RefUseError,
     function_ref,
     is_by_value,
@@ -20,6 +19,7 @@ from .protocol.wire import (
     register_ref_type,
     register_special_type,
 )
+from .context import BaseMesh, Stream, recording_trace, resolve_target
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh

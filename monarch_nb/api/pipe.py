@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..protocol import messages as m
 from .context import Stream, resolve_target
-from .protocol import messages as m
 from .remote import Ref
 
 if TYPE_CHECKING:
