@@ -19,10 +19,9 @@ import sys
 import time
 import traceback
 
-from ..protocol import encode
 from ..protocol import messages as m
 from ..protocol.receivers import WORKER, handler_table
-from ..protocol.wire import resolve_function, unpack_args
+from ..protocol.wire import encode_result, resolve_function, unpack_args
 
 PROGRESS_PERIOD = 0.1
 HEALTH_PERIOD = 1.0
@@ -233,12 +232,7 @@ class LightRank:
         self._reply(msg.ident, None if failure else value, failure)
 
     def _reply(self, ident: int, value, failure) -> None:
-        reply = m.FetchResult(ident, self.rank, value, failure)
-        try:
-            frames = encode(reply, self.signer)
-        except Exception as e:
-            why = m.RemoteFailure(type(e).__name__, f"cannot send the value back: {e}", "")
-            frames = encode(m.FetchResult(ident, self.rank, None, why), self.signer)
+        frames = encode_result(ident, self.rank, value, failure, self.signer)
         if self.ended is None:
             self.channel.post(frames)  # encoded: the channel sends it as it is
 

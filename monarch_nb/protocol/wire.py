@@ -189,6 +189,16 @@ def encode(msg, signer: Signer) -> list:
     return [signer.digest(payload, raws), payload, *raws]
 
 
+def encode_result(ident: int, rank: int, value, failure, signer: Signer) -> list:
+    """A ``FetchResult``'s frames; a value that cannot be pickled goes as the failure
+    that says so (``cannot send the value back: ...``), so the request still ends."""
+    try:
+        return encode(FetchResult(ident, rank, value, failure), signer)
+    except Exception as e:
+        why = RemoteFailure(type(e).__name__, f"cannot send the value back: {e}", "")
+        return encode(FetchResult(ident, rank, None, why), signer)
+
+
 def record_type(payload) -> type | None:
     """The message class of a record's pickle (``wire.encode``: the tuple ``(code,
     *fields)``, protocol 5), read from its first opcodes without unpickling; None

@@ -18,10 +18,9 @@ import queue
 import threading
 import time
 
-from ..protocol import encode
 from ..protocol import messages as m
 from ..protocol.envelope import Sealer
-from ..protocol.wire import send_frames
+from ..protocol.wire import encode_result, send_frames
 from .failure import describe
 
 LIMIT = 2.0  # seconds one request may run on the rank before it is interrupted
@@ -89,12 +88,7 @@ class _Service:
         finally:
             with self.busy:
                 self.running = None
-        reply = m.FetchResult(ident, w.rank, value, error)
-        try:
-            frames = encode(reply, w.signer)
-        except Exception as e:
-            why = m.RemoteFailure(type(e).__name__, f"cannot send the answer: {e}", "")
-            frames = encode(m.FetchResult(ident, w.rank, None, why), w.signer)
+        frames = encode_result(ident, w.rank, value, error, w.signer)
         send_frames(sock, sealer.seal(frames))
 
     def _watch(self, ident: int) -> None:
