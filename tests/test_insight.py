@@ -217,6 +217,21 @@ def test_profile_merges_one_process_per_rank(mesh, tmp_path, capsys):
     assert abs(max(mm_ts) - time.time()) < 60
 
 
+def test_a_profiled_block_that_fails_keeps_the_trace_of_what_ran(mesh, tmp_path, capsys):
+    with pytest.raises(ZeroDivisionError):
+        with mesh.profile(tmp_path / "failed") as prof:
+            mnb.remote(busy)(30, mesh=mesh)
+            mesh.wait()
+            1 / 0
+    out = capsys.readouterr().out
+    assert "the profile of what ran before the failure" in out
+    assert prof.summary is not None and set(prof.summary["ranks"]) == {0, 1}
+    assert "aten::mm" in (tmp_path / "failed" / "trace.json").read_text()
+    with mesh.profile(tmp_path / "again") as again:  # no profiler left running
+        mnb.remote(busy)(1, mesh=mesh)
+    assert again.summary is not None
+
+
 def test_profile_refuses_an_unwritable_dir(mesh, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

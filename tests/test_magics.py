@@ -450,3 +450,36 @@ def test_output_option_binds_the_cells_async_result(k, tmp_path):
     assert k.value("[r['data']['text/plain'] for r in six.result()]") == ["42", "42"]
     assert k.value("(await six)[1]['data']['text/plain']") == "42"
     assert "-o needs a variable name, got '1x'" in usage_error(k, "%%monarch -o 1x\n1")
+
+
+# ------------------------------------------------------------------ %%monarch --profile
+
+
+def test_profile_flag_traces_the_cell_on_every_rank_and_shows_a_summary(k, tmp_path):
+    folder = tmp_path / "prof"
+    body = "import torch\na = torch.ones(64, 64)\nfor _ in range(10 + 400 * rank):\n    a = a @ a / 64"
+    reply, msgs = monarch(k, body, f"--profile {folder}", timeout=120)
+    assert reply["content"]["status"] == "ok", errors_text(msgs)
+    out = stream(msgs)
+    assert "slowest: rank 1" in out, out
+    trace = (folder / "trace.json").read_text()
+    assert '"rank 0"' in trace and '"rank 1"' in trace and "aten::mm" in trace
+
+
+def test_profile_of_a_failing_cell_keeps_what_ran_and_shows_the_error_once(k, tmp_path):
+    folder = tmp_path / "failed"
+    body = "import torch\ntorch.ones(8, 8) @ torch.ones(8, 8)\nraise ValueError('boom ' + str(rank))"
+    reply, msgs = monarch(k, body, f"--profile {folder}", timeout=120)
+    assert reply["content"]["status"] == "error"
+    assert len(errors(msgs)) == 1 and "boom 1" in errors_text(msgs), errors_text(msgs)
+    assert "the profile of what ran before the failure" in stream(msgs)
+    assert "aten::mm" in (folder / "trace.json").read_text()
+    assert plain(monarch(k, "rank")[1]) == ["[rank 0] 0", "[rank 1] 1"]  # the mesh serves on
+
+
+def test_profile_flag_bad_input(k, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert "cannot make directory" in usage_error(k, f"%%monarch --profile {blocker}/sub\n1")
+    assert "drop --noblock" in usage_error(k, f"%%monarch --profile {tmp_path} --noblock\n1")
+    assert plain(monarch(k, "rank")[1]) == ["[rank 0] 0", "[rank 1] 1"]

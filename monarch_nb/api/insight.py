@@ -99,17 +99,32 @@ class MeshInsight:
         except BaseException:
             self._stop_profile(timeout)  # the ranks that did start
             raise
+        failed = True
         try:
             yield result
             self.wait(timeout)
-        finally:  # a block that failed stops the profilers too, and writes nothing
+            failed = False
+        finally:  # a block that failed stops the profilers too, and keeps what ran
             reports = self._stop_profile(timeout)
-        if reports:
+            if reports:
+                self._write_profile(result, reports, offsets, failed)
+
+    @staticmethod
+    def _write_profile(result, reports: dict, offsets: dict, failed: bool) -> None:
+        """The merged trace and its summary; after a failure, what ran until then (a
+        trace that cannot be written then is logged: the block's error stays the one
+        shown)."""
+        try:
             trace = merge_traces(reports, offsets)
             with open(result.path, "w") as f:
                 json.dump(trace, f)
             result.summary = summarize(reports, result.path)
-            print(result.text())
+        except Exception:
+            if not failed:
+                raise
+            logger.warning("profile: the trace of the failed block was not written", exc_info=True)
+            return
+        print(("the profile of what ran before the failure:\n" if failed else "") + result.text())
 
     def _stop_profile(self, timeout: float) -> dict:
         """Stop every rank's profiler: rank -> its report ({} when a rank had none)."""

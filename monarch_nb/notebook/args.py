@@ -132,6 +132,14 @@ def cell_parser() -> Parser:
         metavar="NAME[,NAME...]",
         help="also send these notebook variables to the workers before the cell runs",
     )
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="run torch.profiler on every rank of the mesh for this cell: one merged trace "
+        "in DIR (default monarch-profiles/cellN) and a summary under the cell",
+    )
     return p
 
 

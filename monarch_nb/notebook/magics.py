@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import ExitStack, contextmanager
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
@@ -26,6 +29,16 @@ from .publish import Publisher
 from .push import names_to_push
 
 DEFAULT_NAME = "default"
+
+
+@contextmanager
+def _closing_on_error(stack: ExitStack):
+    """A cell that fails to send ends what started with it (its profile) at once."""
+    try:
+        yield
+    except BaseException as e:
+        stack.__exit__(type(e), e, e.__traceback__)
+        raise
 
 
 @magics_class
@@ -181,20 +194,25 @@ class MonarchMagics(Magics):
 
     @cell_magic
     def monarch(self, line: str, cell: str):
-        run = self._start_cell(line, cell)
-        if run is not None:
-            run.wait()
+        started = self._start_cell(line, cell)
+        if started is not None:
+            run, profiling = started
+            with profiling:
+                run.wait()
         return None
 
     async def monarch_awaited(self, line: str, cell: str):
         """``%%monarch`` as an awaited call (``waiting.transform`` writes it): the
         kernel keeps handling widget messages while the cell waits."""
-        run = self._start_cell(self.shell.var_expand(line, 1), cell)
-        if run is not None:
-            await waiting.wait(run)
+        started = self._start_cell(self.shell.var_expand(line, 1), cell)
+        if started is not None:
+            run, profiling = started
+            with profiling:
+                await waiting.wait(run)
 
-    def _start_cell(self, line: str, cell: str) -> CellRun | None:
-        """Parse, check and send a cell; the run to wait for (None: nothing to wait for)."""
+    def _start_cell(self, line: str, cell: str) -> tuple[CellRun, ExitStack] | None:
+        """Parse, check and send a cell: the run to wait for and what ends with it (a
+        profile, with ``--profile``); None: nothing to wait for."""
         try:
             a = cell_parser().parse_line(line)
         except HelpShown:
@@ -218,6 +236,8 @@ class MonarchMagics(Magics):
                 raise UsageError(f"%%monarch: --slice {','.join(a.slice)!r}: {e}") from None
         if a.output is not None and not (a.output.isidentifier() and a.output != "_"):
             raise UsageError(f"%%monarch: -o needs a variable name, got {a.output!r}")
+        if a.profile is not None and a.noblock:
+            raise UsageError("%%monarch --profile waits for the cell to end: drop --noblock")
         if a.stream is not None:
             if not a.stream.strip():
                 raise UsageError("%%monarch: --stream needs a name")
@@ -245,13 +265,21 @@ class MonarchMagics(Magics):
             label,
             what,
         )
-        run.send(waited=not a.noblock)
+        profiling = ExitStack()
+        if a.profile is not None:
+            folder = a.profile or os.path.join("monarch-profiles", f"cell{self.shell.execution_count}")
+            try:
+                profiling.enter_context(mesh.profile(folder))
+            except ValueError as e:  # an unwritable DIR, named
+                raise UsageError(f"%%monarch --profile: {e}") from None
+        with _closing_on_error(profiling):
+            run.send(waited=not a.noblock)
         if a.output is not None:
             self.shell.user_ns[a.output] = run.future
         if a.noblock:
             run.detach()
             return None
-        return run
+        return run, profiling
 
 
 @magics_class
