@@ -1,13 +1,22 @@
-"""Print import-linter layers contracts for the inside of each folder of monarch_nb,
+"""The import-linter layers contracts for the inside of each folder of monarch_nb,
 from today's imports: each module sits one layer above the highest module it
-imports. pyproject.toml holds the result; run this to place a new module:
+imports, so no circle can form (a module imports only modules of lower layers, or
+of its own, ``:``). pyproject.toml holds them between its BEGIN/END lines; after
+adding a module or an import that goes up, rewrite them:
 
-    python scripts/layer_contracts.py
+    python scripts/layer_contracts.py --write
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import grimp
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+BEGIN = "# BEGIN the folders' insides"
+END = "# END the folders' insides"
 
 FOLDERS = ["api", "api.tensor", "launchers", "controller", "host", "worker", "protocol", "notebook", "ui"]
 
@@ -36,20 +45,36 @@ def levels(graph, folder: str) -> list[list[str]]:
     return rows[::-1]
 
 
-def main() -> None:
+def contracts() -> str:
     graph = grimp.build_graph("monarch_nb", exclude_type_checking_imports=True)
+    out = []
     for folder in FOLDERS:
         if folder == "api":
             continue  # written by hand in pyproject.toml: its layers have names
-        print("[[tool.importlinter.contracts]]")
-        print(f'name = "Inside {folder.replace(".", "/")}/: each module imports only those below it"')
-        print('type = "layers"')
-        print(f'containers = ["monarch_nb.{folder}"]')
-        print("exhaustive = true")
-        print("layers = [")
-        for row in levels(graph, folder):
-            print(f'    "{" : ".join(row)}",')
-        print("]\n")
+        out += [
+            "[[tool.importlinter.contracts]]",
+            f'name = "Inside {folder.replace(".", "/")}/: each module imports only those below it"',
+            'type = "layers"',
+            f'containers = ["monarch_nb.{folder}"]',
+            "exhaustive = true",
+            "layers = [",
+            *(f'    "{" : ".join(row)}",' for row in levels(graph, folder)),
+            "]",
+            "",
+        ]
+    return "\n".join(out)
+
+
+def main() -> None:
+    text = contracts()
+    if "--write" not in sys.argv[1:]:
+        print(text)
+        return
+    old = PYPROJECT.read_text()
+    head, rest = old.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    first_line = rest.split("\n", 1)[0]
+    PYPROJECT.write_text(f"{head}{BEGIN}{first_line}\n{text}{END}{tail}")
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ def test_a_profiled_block_that_fails_keeps_the_trace_of_what_ran(mesh, tmp_path,
         with mesh.profile(tmp_path / "failed") as prof:
             mnb.remote(busy)(30, mesh=mesh)
             mesh.wait()
-            1 / 0
+            raise ZeroDivisionError("the block fails")
     out = capsys.readouterr().out
     assert "the profile of what ran before the failure" in out
     assert prof.summary is not None and set(prof.summary["ranks"]) == {0, 1}

@@ -10,6 +10,7 @@ Layout (every widget has a stable ``mnb-...`` class)::
       HBox  mnb-dash-buttons   interrupt, restart, shut down (the last two: click twice)
                                and a note (mnb-dash-note) saying what they did
       HTML  mnb-dash-errors    failures per distinct traceback, newest first, expandable
+      VBox  mnb-ts             activity (task_stream.py): each rank's recent commands, stacks
       VBox  mnb-dbg            debugger: paused sessions (mnb-dbg-sessions), a selector
                                (mnb-dbg-select), a command line (mnb-dbg-input), continue
                                all (mnb-dbg-continue) and the sessions' output (mnb-dbg-output)
@@ -20,13 +21,13 @@ changed. Widget updates from that thread go out on the kernel's IOPub
 (ipykernel's comms are thread-safe); without a kernel the widgets still work
 (their comms are dummies), so scripts and benchmarks can run a dashboard.
 
-Debugger commands (``debugger.py``) never block a comm handler: they run on the
-dashboard's own thread (send a line, wait for the reply at most ``COMMAND_WAIT``
-seconds).
+Debugger commands (``debugger_panel.py``) never block a comm handler: they run on
+the dashboard's own thread (the reply waited for ``COMMAND_WAIT`` s at most).
 """
 
 from __future__ import annotations
 
+import html
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from . import grid, render
 from .debugger_panel import continue_all, debugger_command
 from .grid_view import GridControls
 from .redraw import LOOP, snapshot
+from .task_stream import TaskStream
 
 logger = logging.getLogger("monarch_nb.ui")
 
@@ -45,8 +47,7 @@ CONFIRM_WINDOW = 5.0  # seconds in which a second click confirms restart / shut 
 LOG_CHARS = 20_000  # the debugger output kept (its end)
 
 
-def _classed(kind, cls: str, **kw):
-    """A widget with a stable class, set at creation (so its comm_open carries it)."""
+def _classed(kind, cls: str, **kw):  # a stable class at creation: its comm_open carries it
     return kind(_dom_classes=(cls,), **kw)
 
 
@@ -140,7 +141,8 @@ class Dashboard(W.VBox):
         )
         # the grid's controls are a child only of a big mesh's dashboard (its size is fixed)
         big = grid.use_grid(snapshot(mesh)[0])
-        parts = [self.main] + ([self.grid] if big else []) + [buttons, self.errors]
+        self.activity = TaskStream(mesh, time.time)
+        parts = [self.main] + ([self.grid] if big else []) + [buttons, self.errors, self.activity]
         parts += [self.debugger_panel] if debugger else []
         super().__init__(parts, _dom_classes=("mnb-dashboard",))
 
@@ -183,6 +185,7 @@ class Dashboard(W.VBox):
             changed |= self.grid.draw(status, big)
             changed |= self._set(self.errors, "errors", render.errors_html(status))
             changed |= self._draw_sessions(status, state)
+            changed |= self.activity.draw()
             if self._armed and time.monotonic() - self._armed[1] > CONFIRM_WINDOW:
                 self._disarm()
             self._enable(state)
@@ -256,6 +259,7 @@ class Dashboard(W.VBox):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+        self.activity.close()
         for w in self._all_widgets():
             w.close()
         super().close()
@@ -264,6 +268,7 @@ class Dashboard(W.VBox):
         return [self.main, self.errors, self.b_interrupt, self.b_restart, self.b_shutdown] + [
             self.note, self.buttons, self.sessions, self.select, self.input, self.b_continue,
             self.output, self.command_row, self.debugger_panel, self.grid, *self.grid.widgets(),
+            *self.activity.widgets(),
         ]  # fmt: skip
 
     def _repr_mimebundle_(self, **kwargs):
@@ -280,8 +285,6 @@ class Dashboard(W.VBox):
     # ------------------------------------------------------------ buttons
 
     def _say(self, text: str) -> None:
-        import html
-
         self._set(self.note, "note", f"<span>{html.escape(text)}</span>")
 
     def _click_interrupt(self, _b=None) -> None:
