@@ -131,7 +131,7 @@ def test_the_channel_serves_status_dashboard_and_debugger(kern):
     front.ok("%monarch_mesh dp=2", timeout=120)
     s = front.status(lambda s: s["alive"] == 2)
     assert (s["shape"], s["total"], s["state"], s["paused"], s["errors"]) == ("dp=2", 2, "ok", 0, 0)
-    assert s["id"] == front.value("id(mnb.get_mesh()._controller)")
+    assert s["id"] == front.value("mnb.get_mesh().key")
 
     # the panel's dashboard: a live Dashboard widget, without the debugger part
     reply = front.request(request="dashboard")
