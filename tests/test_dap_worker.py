@@ -4,7 +4,6 @@ a breakpoint only on the rank whose condition holds, and nothing left tracing af
 
 from __future__ import annotations
 
-from monarch_nb.protocol import messages as m
 from monarch_nb.protocol.breakpoints import cell_key
 
 BODY = "x = rank * 3\ny = x + 1\ny"
@@ -13,7 +12,7 @@ SOURCE = "# %%monarch\n" + BODY
 
 def send_table(mesh, cells: dict) -> None:
     table = {"cells": cells, "files": {}}
-    mesh._controller.send(m.DebuggerMessage(0, 0, ("breakpoints", table)), None, check=False)
+    mesh.debugger.set_breakpoints(table)
 
 
 def test_a_cell_stops_at_its_breakpoint_where_the_condition_holds(mesh):

@@ -255,7 +255,7 @@ def test_dashboard_follows_queues_errors_and_the_debugger(mesh2):
 def test_redraw_loop_bounds_the_rate_and_stops_when_shut_down():
     with mnb.local_mesh(dp=1) as mesh:
         d = mesh.dashboard()
-        assert d.live and d in LOOP.dashboards(mesh._controller)
+        assert d.live and d in LOOP.dashboards(mesh.key)
         f = mnb.remote(abs)
         passes = LOOP.passes
         t0 = time.monotonic()

@@ -62,9 +62,9 @@ def test_mesh_magic_shows_the_dashboard(kw):
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == dash
     assert "mnb-queues" in bundle["text/html"] and "mnb-health" in bundle["text/html"]
     assert "mesh 'default': dp=2, gloo, 2/2 alive" in bundle["text/plain"]
-    # its children: the main view, buttons, errors, debugger panel
+    # its children: the main view, buttons, errors, activity, debugger panel
     children = w.state[dash]["children"]
-    assert len(children) == 4
+    assert len(children) == 5
     assert w.state[children[0].removeprefix("IPY_MODEL_")]["_dom_classes"] == ["mnb-dash-main"]
     main = w.wait_text("mnb-dash-main", "2/2 workers alive")
     assert main.count("<tr>") == 2 * 3  # queues and workers: a header and two ranks each

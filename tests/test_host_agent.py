@@ -259,7 +259,7 @@ def test_a_mesh_larger_than_the_agents_slots_is_refused_and_the_agent_serves_on(
             m.exec("z = 3")
             assert m.pull("z") == [3, 3]
         finally:
-            m._controller.shutdown()
+            m.shutdown()
         assert hosted.pull("__name__", rank=0) == "__main__"  # the other mesh serves on
     finally:
         agent.stop()
@@ -318,7 +318,7 @@ def test_a_restart_whose_forks_fail_leaves_the_mesh_broken_with_the_reason():
         m.restart()
         assert mnb.remote(torch.ones)(2, mesh=m).fetch(timeout=60)[1].tolist() == [1.0, 1.0]
     finally:
-        m._controller.shutdown()
+        m.shutdown()
         agent.stop()
         group.rmdir()
 

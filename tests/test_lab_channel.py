@@ -131,9 +131,10 @@ def test_the_channel_serves_status_dashboard_and_debugger(kern):
     front.ok("%monarch_mesh dp=2", timeout=120)
     s = front.status(lambda s: s["alive"] == 2)
     assert (s["shape"], s["total"], s["state"], s["paused"], s["errors"]) == ("dp=2", 2, "ok", 0, 0)
-    assert s["id"] == front.value("id(mnb.get_mesh()._controller)")
+    assert s["id"] == front.value("mnb.get_mesh().key")
 
-    # the panel's dashboard: a live Dashboard widget, without the debugger part
+    # the panel's dashboard: a live Dashboard widget (main, buttons, errors, activity),
+    # without the debugger part
     reply = front.request(request="dashboard")
     model = reply["model_id"]
     assert model
@@ -142,7 +143,7 @@ def test_the_channel_serves_status_dashboard_and_debugger(kern):
         f"[(type(w).__name__, w._dom_classes, len(w.children)) "
         f"for w in __import__('ipywidgets').Widget.widgets.values() if w.model_id == {model!r}]"
     )
-    assert d == [("Dashboard", ("mnb-dashboard", "mnb-lab-dashboard"), 3)]
+    assert d == [("Dashboard", ("mnb-dashboard", "mnb-lab-dashboard"), 4)]
 
     # a failure and a paused session show in the summary; pdb commands are served
     front.ok("_ = mnb.get_mesh().exec('1 / (1 - rank)')")

@@ -5,6 +5,7 @@ notebook names by path resolve on a worker."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -165,6 +166,33 @@ def test_no_module_is_over_400_lines():
                 if n > 400:
                     long[os.path.relpath(path, ROOT)] = n
     assert not long, f"modules over 400 lines (split them by job): {long}"
+
+
+def _controller_reaches(source: str, filename: str = "<source>") -> list[int]:
+    """The lines of ``source`` that reach a mesh's private controller: an attribute
+    ``._controller`` (``mesh._controller``) or the name as a string (``getattr``)."""
+    return sorted(
+        node.lineno
+        for node in ast.walk(ast.parse(source, filename))
+        if (isinstance(node, ast.Attribute) and node.attr == "_controller")
+        or (isinstance(node, ast.Constant) and node.value == "_controller")
+    )
+
+
+@pytest.mark.unit
+def test_the_notebook_and_the_ui_reach_meshes_only_through_the_api():
+    """notebook/ and ui/ use a mesh's public members (``mesh.key``, ``mesh.alive``,
+    ``mesh.check_usable()``, ``mesh.output_handler``, ...), never its controller."""
+    assert _controller_reaches("x = mesh._controller.state\n") == [1]
+    assert _controller_reaches("y = 1\nc = getattr(m, '_controller')\n") == [2]
+    assert _controller_reaches("mesh.controller_name = mesh.key\n") == []
+    found = {}
+    for part in ("notebook", "ui"):
+        for path in sorted((ROOT / "monarch_nb" / part).rglob("*.py")):
+            lines = _controller_reaches(path.read_text(encoding="utf-8"), str(path))
+            if lines:
+                found[str(path.relative_to(ROOT))] = lines
+    assert not found, f"notebook/ and ui/ reach mesh._controller (use the API): {found}"
 
 
 @pytest.mark.unit

@@ -431,8 +431,8 @@ def test_workers_are_forked_by_the_kernels_host_agent(k):
 
 def test_unload_and_reload_the_extension(k):
     k.ok("%unload_ext monarch_nb")
-    # worker output goes back to the controller's plain printer, as in a script
-    assert k.value("mnb.get_mesh()._controller.on_output.__name__") == "print_output"
+    # worker output goes back to the mesh's plain printer, as in a script
+    assert k.value("mnb.get_mesh().output_handler.__name__") == "print_output"
     k.ok("%load_ext monarch_nb")
     reply, msgs = monarch(k, "print('back')\nrank")
     assert stream(msgs) == "[ranks 0-1] back\n"

@@ -135,7 +135,7 @@ def test_pause_before_the_wait_begins_is_served_inline_not_announced(k, slow_tic
     # cell's wait begins; the inline prompt serves that pause, so nothing announces it
     cell = (
         "from monarch_nb.notebook import waiting\n"
-        "_run = get_ipython().find_cell_magic('monarch').__self__._start_cell(\n"
+        "_run, _ = get_ipython().find_cell_magic('monarch').__self__._start_cell(\n"
         "    '--ranks 1', 'r = 7\\nbreakpoint()\\nprint(\"served\", r)')\n"
         "assert M.debugger.wait_any(30)\n" + DRAINED + "await waiting.wait(_run)\n"
     )

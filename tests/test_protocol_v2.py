@@ -166,7 +166,7 @@ def relayed(tmp_path_factory):
         assert result, "connect_mesh did not return"
         mesh = result[0]
         outputs: list = []
-        mesh._controller.on_output = outputs.append
+        mesh.output_handler = outputs.append
         yield mesh, relay, workers, outputs, conn
     finally:
         for mesh in result:

@@ -226,7 +226,7 @@ def test_a_crash_is_said_once_then_each_call_says_restart(crashy, caplog):
 def test_a_crash_with_nobody_waiting_is_logged_once(crashy, caplog):
     caplog.set_level(logging.WARNING, logger="monarch_nb.controller")
     os.kill(crashy._controller.worker_pids()[0], signal.SIGKILL)
-    wait_for(lambda: not crashy._controller.usable, 30, "the controller to see the crash")
+    wait_for(lambda: not crashy.alive, 30, "the controller to see the crash")
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert logged == [
         "worker rank 0 of mesh 'errors-crash' died (killed by signal SIGKILL); "

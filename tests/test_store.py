@@ -54,7 +54,7 @@ def all_reduced():
 def test_the_process_group_starts_on_the_controller_store(store_mesh):
     assert store_mesh._controller.rendezvous.kind == "controller"
     got = mnb.remote(all_reduced)(mesh=store_mesh).fetch(timeout=60)
-    gen = store_mesh._controller.generation
+    gen = store_mesh.generation
     assert got == [([3.0, 3.0], "ControllerStore", gen)] * 2
     reduced = mnb.remote(ones_by_rank)(mesh=store_mesh).reduce("dp").fetch(timeout=60)
     assert [t.tolist() for t in reduced] == [[3.0, 3.0]] * 2  # a new_group's, made through it
@@ -187,9 +187,9 @@ def ask_a_dead_generation():
 
 def test_a_restart_serves_a_fresh_generation(store_mesh):
     mnb.remote(lambda: _store().set("t/before", b"1"))(mesh=store_mesh).fetch(timeout=60)
-    gen = store_mesh._controller.generation
+    gen = store_mesh.generation
     store_mesh.restart()
-    assert store_mesh._controller.generation == gen + 1
+    assert store_mesh.generation == gen + 1
     check = mnb.remote(lambda: (_store().generation, _store().check(["t/before"])))
     assert check(mesh=store_mesh).fetch(timeout=60) == [(gen + 1, False)] * 2
     got = mnb.remote(all_reduced)(mesh=store_mesh).fetch(timeout=60)

@@ -18,21 +18,21 @@ import monarch_nb as mnb
 
 
 class Output:
-    """The mesh's output per rank while a block runs (the controller's on_output)."""
+    """The mesh's output per rank while a block runs (its output_handler)."""
 
     def __init__(self, mesh):
-        self.ctrl = mesh._controller
+        self.mesh = mesh
         self.text: dict[int, str] = {}
 
     def __call__(self, msg) -> None:
         self.text[msg.rank] = self.text.get(msg.rank, "") + msg.text
 
     def __enter__(self) -> Output:
-        self._old, self.ctrl.on_output = self.ctrl.on_output, self
+        self._old, self.mesh.output_handler = self.mesh.output_handler, self
         return self
 
     def __exit__(self, *exc) -> None:
-        self.ctrl.on_output = self._old
+        self.mesh.output_handler = self._old
 
 
 _count = [900]

@@ -60,6 +60,11 @@ class Stream:
         on_stream = t.borrow(self, mutable=mutable)
         return on_stream, on_stream._loan
 
+    def interrupt(self, ranks=None) -> None:
+        """KeyboardInterrupt in what this stream runs on its mesh's ranks (or ``ranks``);
+        the other streams go on."""
+        self.mesh._controller.interrupt((self.id,), self.mesh.ranks if ranks is None else ranks)
+
     def __repr__(self) -> str:
         return f"<Stream {self.name!r} of mesh {self.mesh.name!r}>"
 

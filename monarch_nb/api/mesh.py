@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 
 from ..controller import Controller
-from ..controller.errors import MeshClosedError
+from ..controller.errors import MeshClosedError, RemoteError
+from ..controller.replies import print_output
 from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
 from ..protocol.wire import RefUseError, function_ref, pack_args
@@ -266,6 +267,54 @@ class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
     def dashboard(self):
         """The ipywidgets dashboard of this mesh (a ``monarch_nb.ui.Dashboard``)."""
         return context.dashboard(self)
+
+    # ------------------------------------------------------------ for front ends
+    # What the notebook layer and the dashboards use beyond the calls above
+    # (docs/api.md, "For front ends"); a slice shares its mesh's.
+
+    @property
+    def key(self) -> int:
+        """This mesh's identity: the same for its slices and across restarts; a new
+        mesh (even of the same name) has another, never reused in this process."""
+        return self._controller.key
+
+    @property
+    def generation(self) -> int:
+        """0 for the first workers, +1 per ``restart()``."""
+        return self._controller.generation
+
+    @property
+    def streams(self) -> dict:
+        """The streams made so far (``"default"`` and every ``stream(name)``), by name."""
+        return {n: Stream(self, sid, n) for n, sid in list(self._controller.streams.items())}
+
+    def check_usable(self) -> None:
+        """Return if this mesh's ranks can take commands, else raise why:
+        MeshClosedError (shut down), WorkerCrashed (a rank died), RemoteError (broken)."""
+        self._controller.check_usable(self.targets)
+
+    def failure_of(self, ident: int) -> RemoteError | None:
+        """The failures reported so far of command ``ident`` (``AsyncResult.ident``) as
+        one RemoteError, or None; once returned they count as raised (``wait()``)."""
+        return self._controller.failures.error(ident, "")
+
+    @property
+    def output_handler(self):
+        """``fn(Output)``, called on the IO thread with every chunk of worker output
+        (``rank``, ``name``: "stdout" / "stderr", ``text``, ``ident``: the command's or None);
+        by default it prints. Setting None prints again."""
+        return self._controller.on_output
+
+    @output_handler.setter
+    def output_handler(self, fn) -> None:
+        self._controller.on_output = print_output if fn is None else fn
+
+    @property
+    def liveness_listeners(self) -> list:
+        """Callables ``fn(event, info)`` told on the IO thread when a worker goes silent
+        past the heartbeat timeout (``"unresponsive"``) and when it answers again
+        (``"recovered"``); ``info``: rank, host, pid, silent_for (seconds)."""
+        return self._controller.liveness.listeners
 
     # ------------------------------------------------------------ life cycle
 

@@ -53,6 +53,7 @@ logger = logging.getLogger("monarch_nb.controller")
 
 
 _live: weakref.WeakSet = weakref.WeakSet()
+_keys = itertools.count(1)  # Controller.key: never reused in a process
 
 
 @atexit.register
@@ -82,6 +83,7 @@ class Controller:
         for a local mesh). ``settings``: ``config.snapshot()``'s (default: taken now, with
         ``heartbeat_timeout`` if given), read once: the launcher and workers get them."""
         self.name = name
+        self.key = next(_keys)  # the mesh's identity (mesh.key)
         self.dims = dict(dims)
         self.world = math.prod(self.dims.values())
         self.settings = settings = settings or config.snapshot(heartbeat_timeout=heartbeat_timeout)
@@ -337,10 +339,8 @@ class Controller:
         self._closing = True
         alive = [r for r, w in self.state.workers.items() if w.alive]
         if alive and self.workers.identities:
-            try:
+            with contextlib.suppress(Exception):
                 self.send(m.Exit(), alive, check=False)
-            except Exception:
-                pass
         self.workers.stop(timeout)
         err = MeshClosedError(f"mesh {self.name!r} was shut down")
         if self.io.thread.is_alive() and not self.io.on_io_thread:

@@ -285,6 +285,12 @@ class DebugSessions:
             if not s.ended:
                 self.send(s, "continue")
 
+    def set_breakpoints(self, table: dict) -> None:
+        """Send every worker the breakpoint table (``protocol/breakpoints.py``: cells
+        and notebook files -> lines and conditions), replacing the last one; their
+        next commands stop there."""
+        self._ctrl.send(m.DebuggerMessage(0, 0, ("breakpoints", table)), None, check=False)
+
     def post_mortem(self, rank: int, stream: int = 0):
         """Open pdb at the frame of the last failure on ``stream`` of ``rank``;
         returns the AsyncResult of that command (it ends when the session does)."""

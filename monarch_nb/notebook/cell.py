@@ -16,7 +16,6 @@ import time
 from IPython.core.error import UsageError
 
 from ..controller import AsyncResult, MeshClosedError, RemoteError, WorkerCrashed, format_ranks
-from ..protocol import messages as m
 from ..protocol.constants import INTERRUPT_WAIT
 from ..protocol.wire import RefUseError
 from .output import CellSink, OutputHub
@@ -54,7 +53,6 @@ class CellRun:
         self.parent = parent
         self.label = label
         self.what = what or label
-        self.ctrl = mesh._controller
         self.ident: int | None = None
         self.future: AsyncResult | None = None
         self.sink: CellSink | None = None
@@ -69,7 +67,7 @@ class CellRun:
     def check_usable(mesh) -> None:
         """A shut down or broken mesh, said plainly, with what to do about it."""
         try:
-            mesh._controller.check_usable()
+            mesh.check_usable()
         except MeshClosedError as e:
             raise RemoteCellError({}, None, f"{e}: create it again with %monarch_mesh") from None
         except WorkerCrashed as e:
@@ -88,7 +86,7 @@ class CellRun:
         self.check_usable(self.mesh)
         self._waited = waited
         names, auto = self.names
-        self.router = self.hub.router(self.ctrl)
+        self.router = self.hub.router(self.mesh)
         self.sink = CellSink(self.hub.publisher, self.parent, self.ranks)
         try:
             self.future = self.mesh.run_cell(
@@ -113,12 +111,8 @@ class CellRun:
 
     def interrupt(self) -> None:
         """KeyboardInterrupt in whatever runs now on this cell's stream and ranks."""
-        ctrl = self.ctrl
-        if ctrl.usable:
-            alive = [
-                r for r in self.ranks if ctrl.state.workers.get(r) and ctrl.state.workers[r].alive
-            ]
-            ctrl.send(m.Interrupt((self.stream.id,)), alive, check=False)
+        if self.mesh.alive:
+            self.stream.interrupt(self.ranks)
 
     # ------------------------------------------------------------ blocking
 
@@ -156,16 +150,14 @@ class CellRun:
     def unfinished(self) -> list:
         """The live ranks that have not finished this cell (its result included), as
         their last progress reports say."""
-        st = self.ctrl.state
-        sid = self.stream.id
-        with st.lock:
-            return [
-                r
-                for r in self.ranks
-                if (w := st.workers.get(r)) is not None
-                and w.alive
-                and w.progress.get(sid, (0, 0, 0))[1] < self.ident
-            ]
+        ranks = self.mesh.status()["ranks"]
+        return [
+            r
+            for r in self.ranks
+            if (w := ranks.get(r)) is not None
+            and w["alive"]
+            and w["streams"].get(self.stream.name, {}).get("last", 0) < self.ident
+        ]
 
     def _wait(self, timeout: float | None) -> bool:
         """Wait for the cell's end (in short slices, so that signals land); True if it
@@ -186,7 +178,7 @@ class CellRun:
         return session.ident == self.ident
 
     def _paused_here(self) -> bool:
-        return any(self._mine(s) for s in self.ctrl.debugger.waiting())
+        return any(self._mine(s) for s in self.mesh.debugger.waiting())
 
     def _debug(self) -> None:
         """Serve this cell's paused sessions at the kernel's stdin until they go on or
@@ -199,11 +191,11 @@ class CellRun:
                 flush=True,
             )
             return
-        prompt = Prompt(self.ctrl.debugger, only=self._mine)
+        prompt = Prompt(self.mesh.debugger, only=self._mine)
         try:
             prompt.serve()
         except NoStdin:
-            dbg = self.ctrl.debugger
+            dbg = self.mesh.debugger
             waiting = [s for s in dbg.waiting() if self._mine(s)]
             for s in waiting:
                 dbg.claim_notice(s)  # said here: the router says nothing more of them
@@ -266,7 +258,7 @@ class CellRun:
                 broken = e
         except BaseException as e:  # noqa: B036 - a crash or shutdown ends the cell
             broken = e
-        err = self.ctrl.failures.error(self.ident, "")  # failures after a crash
+        err = self.mesh.failure_of(self.ident)  # failures after a crash
         if err is not None:
             failures.update(err.failures)
         per_rank = dict(zip(self.ranks, results)) if results else {}

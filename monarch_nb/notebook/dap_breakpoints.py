@@ -17,7 +17,6 @@ import os
 import threading
 
 from ..api import mesh as mesh_mod
-from ..protocol import messages as m
 from ..protocol.breakpoints import cell_key
 from .dap_wire import off_loop, response, to_int
 
@@ -89,7 +88,7 @@ class Breakpoints:
         self.cells: dict[str, tuple] = {}  # path -> (key, [(line, condition)])
         self.files: dict[str, tuple] = {}  # path -> (source, [(line, condition)])
         self.version = 0
-        self._sent: dict[int, tuple] = {}  # id(controller) -> (generation, version)
+        self._sent: dict[int, tuple] = {}  # mesh.key -> (generation, version)
         self._ids = itertools.count(BP_BASE + 1)
 
     def set_cell(self, path: str, text: str, wanted: list) -> dict:
@@ -169,16 +168,15 @@ class Breakpoints:
             return
         table = None
         for mesh in list(mesh_mod.all_meshes().values()):
-            ctrl = mesh._controller
-            stamp = (getattr(ctrl, "generation", 0), self.version)
-            if self._sent.get(id(ctrl)) == stamp or not ctrl.usable:
+            stamp = (mesh.generation, self.version)
+            if self._sent.get(mesh.key) == stamp or not mesh.alive:
                 continue
             table = table if table is not None else self.table()
             try:
-                ctrl.send(m.DebuggerMessage(0, 0, ("breakpoints", table)), None, check=False)
+                mesh.debugger.set_breakpoints(table)
             except Exception:
                 continue  # a mesh going away: the next cell tries again
-            self._sent[id(ctrl)] = stamp
+            self._sent[mesh.key] = stamp
 
     def before_cell(self, *_info) -> None:
         """IPython's pre_run_cell: the table reaches new meshes before a cell runs."""

@@ -62,7 +62,7 @@ class LabChannel:
         self._lock = threading.Lock()
         self._comms: dict = {}  # comm id -> comm
         self._sent: dict[str, str] = {}  # comm id -> the last status sent (JSON)
-        self._dashboards: dict = {}  # comm id -> (id of the mesh's controller, Dashboard)
+        self._dashboards: dict = {}  # comm id -> (mesh.key, Dashboard)
         self._views = views  # MeshViews: makes the panel's dashboards
         self._auto_of = auto_of
         self._pool: ThreadPoolExecutor | None = None
@@ -100,7 +100,7 @@ class LabChannel:
         mesh = active_mesh()
         summary = None
         if mesh is not None:  # "id": a new mesh of the same name is another mesh
-            summary = {**render.summary(*snapshot(mesh, cache)), "id": id(mesh._controller)}
+            summary = {**render.summary(*snapshot(mesh, cache)), "id": mesh.key}
             summary["auto"] = self._auto_of()  # %monarch_auto's arguments, or None
         text = json.dumps(summary, sort_keys=True)
         with self._lock:
@@ -172,7 +172,7 @@ class LabChannel:
         mesh = active_mesh()
         if mesh is None:
             return {"model_id": None}
-        key = id(mesh._controller)
+        key = mesh.key
         old = self._dashboards.get(cid)
         if old is not None and old[0] == key and old[1].live:
             return {"model_id": old[1].model_id}

@@ -49,8 +49,8 @@ class MonarchMagics(Magics):
         self.hub = OutputHub(self.publisher)
         self.views = MeshViews(
             self.publisher.in_kernel,
-            on_restart=lambda mesh: self.hub.router(mesh._controller),
-            on_shutdown=lambda mesh: self.hub.forget(mesh._controller),
+            on_restart=lambda mesh: self.hub.router(mesh),
+            on_shutdown=lambda mesh: self.hub.forget(mesh),
         )
         self._filenames: dict[str, int] = {}
         self.lab = None  # the JupyterLab extension's LabChannel (in a kernel)
@@ -99,7 +99,7 @@ class MonarchMagics(Magics):
                 print(f"mesh {mesh.name!r} shut down")
                 return None
             mesh.restart()
-            self.hub.router(mesh._controller)
+            self.hub.router(mesh)
             self.views.show(mesh, a.dashboard)
             return None
         if a.connect:
@@ -127,7 +127,7 @@ class MonarchMagics(Magics):
             mesh = launch.local_mesh(name=name, backend=a.backend, **dims)
         except ValueError as e:
             raise UsageError(f"%monarch_mesh: {e}") from None
-        self.hub.router(mesh._controller)
+        self.hub.router(mesh)
         self.views.show(mesh, a.dashboard)
         return None
 
@@ -153,7 +153,7 @@ class MonarchMagics(Magics):
             )
         except ValueError as e:
             raise UsageError(f"%monarch_mesh --connect: {e}") from None
-        self.hub.router(mesh._controller)
+        self.hub.router(mesh)
         self.views.show(mesh, a.dashboard)
         return None
 
@@ -173,14 +173,14 @@ class MonarchMagics(Magics):
                                      advertise=a.advertise, **kw)  # fmt: skip
         except ValueError as e:
             raise UsageError(f"%monarch_mesh --slurm: {e}") from None
-        self.hub.router(mesh._controller)
+        self.hub.router(mesh)
         self.views.show(mesh, a.dashboard)
         return None
 
     def _shutdown(self, mesh) -> None:
         mesh.shutdown()
         self.views.refresh(mesh, final=True)
-        self.hub.forget(mesh._controller)
+        self.hub.forget(mesh)
 
     # ------------------------------------------------------------ cells
 
@@ -348,7 +348,8 @@ class DebugMagics(Magics):
                 raise UsageError(
                     f"%monarch_debug --post-mortem: rank {rank} is not in mesh {mesh.name!r}"
                 )
-        sid = mesh._controller.streams.get(stream_name or "default")
+        stream = mesh.streams.get(stream_name or "default")
+        sid = None if stream is None else stream.id
         if sid is None:
             raise UsageError(f"%monarch_debug --post-mortem: no stream {stream_name!r}")
         fut = mesh.debugger.post_mortem(rank, sid)

@@ -18,8 +18,7 @@ WHERE = ("cell", "side", "none")
 
 def status_line(mesh) -> str:
     status = mesh.status()
-    ctrl = mesh._controller
-    return status_text(status, mesh_state(status, ctrl.usable, ctrl.closed))
+    return status_text(status, mesh_state(status, mesh.alive, mesh.closed))
 
 
 class MeshViews:
@@ -29,7 +28,7 @@ class MeshViews:
         self.in_kernel = in_kernel
         self._on_restart = on_restart
         self._on_shutdown = on_shutdown
-        self._live: dict[int, tuple] = {}  # id(controller) -> (dashboard, sidecar or None)
+        self._live: dict[int, tuple] = {}  # mesh.key -> (dashboard, sidecar or None)
 
     def show(self, mesh, where: str = "cell") -> Dashboard | None:
         from IPython.display import display
@@ -44,7 +43,7 @@ class MeshViews:
             side = self._dock(mesh, d)
         if side is None:
             display(d)
-        self._live[id(mesh._controller)] = (d, side)
+        self._live[mesh.key] = (d, side)
         return d
 
     def extra(self, mesh, **kw) -> Dashboard:
@@ -68,7 +67,7 @@ class MeshViews:
         return side
 
     def _retire(self, mesh) -> None:
-        old = self._live.pop(id(mesh._controller), None)
+        old = self._live.pop(mesh.key, None)
         if old is None:
             return
         d, side = old
@@ -83,9 +82,9 @@ class MeshViews:
         for d in dashboards_of(mesh):
             d.refresh()
         if final:
-            entry = self._live.get(id(mesh._controller))
+            entry = self._live.get(mesh.key)
             if entry is not None and not entry[0].live:
-                del self._live[id(mesh._controller)]
+                del self._live[mesh.key]
 
     def close(self) -> None:
         """The extension unloads: the magics' dashboards stop redrawing."""

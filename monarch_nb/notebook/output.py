@@ -1,7 +1,7 @@
 """Worker output to the right cell: per-cell sinks, rank folding, coalescing.
 
 The controller's IO thread hands every Output message to the mesh's
-``OutputRouter``, which puts it into the sink of the cell whose command
+``OutputRouter`` (its ``mesh.output_handler``), which puts it into the sink of the cell whose command
 printed it (by ident; late output of a cell that ended, from a thread or a
 forked child it started, still goes under that cell), or into the mesh's
 ambient sink (output of remote functions and other commands), which publishes
@@ -39,20 +39,20 @@ __all__ = ["CELL_CAP", "HOLD", "CellSink", "OutputHub", "OutputRouter", "dropped
 
 
 class OutputRouter:
-    """The ``on_output`` hook of one mesh's controller: Output -> the cell's sink."""
+    """The ``output_handler`` of one mesh (its slices' too): Output -> the cell's sink."""
 
-    def __init__(self, hub: OutputHub, controller):
+    def __init__(self, hub: OutputHub, mesh):
         self.hub = hub
-        self.controller = controller
+        self.mesh = mesh
         self.sinks: dict[int, CellSink] = {}
         self.ambient = CellSink(hub.publisher, None, None)
         hub.live.add(self.ambient)
-        controller.on_output = self.on_output
+        mesh.output_handler = self.on_output
         self.blocking: set[int] = set()  # idents of cells that wait, and so serve pauses inline
         self._ended: OrderedDict = OrderedDict()  # ident -> parent of cells that ended
         self._late: OrderedDict = OrderedDict()  # ident -> sink of their late output
-        controller.debugger.listeners.append(self.on_debugger)
-        controller.liveness.listeners.append(self.on_liveness)
+        mesh.debugger.listeners.append(self.on_debugger)
+        mesh.liveness_listeners.append(self.on_liveness)
 
     def on_output(self, msg) -> None:
         sink = self.sinks.get(msg.ident) if msg.ident is not None else None
@@ -85,7 +85,7 @@ class OutputRouter:
         if event != "paused" or session.requested:
             return
         parent = self.hub.publisher.current_parent()  # the cell current as the pause begins
-        debugger = self.controller.debugger
+        debugger = self.mesh.debugger
 
         def tell() -> None:
             if session.ident in self.blocking or not debugger.claim_notice(session):
@@ -110,7 +110,7 @@ class OutputRouter:
         """A worker gone silent, or back: one line under the cell that runs now."""
         parent = self.hub.publisher.current_parent()
         who = (
-            f"worker rank {info['rank']} of mesh {self.controller.name!r} "
+            f"worker rank {info['rank']} of mesh {self.mesh.name!r} "
             f"(pid {info['pid']} on {info['host']})"
         )
         if event == "unresponsive":
@@ -159,18 +159,20 @@ class OutputHub:
         self._lock = threading.Lock()
         self._token = self.ticker.add(self._tick)
 
-    def router(self, controller) -> OutputRouter:
+    def router(self, mesh) -> OutputRouter:
+        """The router of ``mesh`` (by ``mesh.key``: slices share it), made on first
+        use; it takes the mesh's output again if something else had taken it."""
         with self._lock:
-            r = self._routers.get(id(controller))
-            if r is None or r.controller is not controller:
-                r = self._routers[id(controller)] = OutputRouter(self, controller)
-            elif controller.on_output != r.on_output:
-                controller.on_output = r.on_output
+            r = self._routers.get(mesh.key)
+            if r is None:
+                r = self._routers[mesh.key] = OutputRouter(self, mesh)
+            elif mesh.output_handler != r.on_output:
+                mesh.output_handler = r.on_output
             return r
 
-    def forget(self, controller) -> None:
+    def forget(self, mesh) -> None:
         with self._lock:
-            r = self._routers.pop(id(controller), None)
+            r = self._routers.pop(mesh.key, None)
         if r is not None:
             r.close()
 
@@ -186,13 +188,11 @@ class OutputHub:
             sent += s.tick(now, budget)
 
     def close(self) -> None:
-        """Stop publishing; the controllers print their output again (as in scripts)."""
-        from ..controller.controller import print_output
-
+        """Stop publishing; the meshes print their output again (as in scripts)."""
         self.ticker.remove(self._token)
         with self._lock:
             routers, self._routers = list(self._routers.values()), {}
         for r in routers:
-            if r.controller.on_output == r.on_output:
-                r.controller.on_output = print_output
+            if r.mesh.output_handler == r.on_output:
+                r.mesh.output_handler = None
             r.close()

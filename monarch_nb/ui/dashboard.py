@@ -64,7 +64,6 @@ class Dashboard(W.VBox):
         self, mesh, *, live: bool = True, on_restart=None, on_shutdown=None, debugger: bool = True
     ):
         self.mesh = mesh
-        self.controller = mesh._controller
         self._on_restart = on_restart
         self._on_shutdown = on_shutdown
         self._draw_lock = threading.RLock()
@@ -347,7 +346,7 @@ class Dashboard(W.VBox):
         self.mesh.restart()
         if self._on_restart is not None:
             self._on_restart(self.mesh)
-        self._say(f"restarted: generation {self.controller.generation}")
+        self._say(f"restarted: generation {self.mesh.generation}")
 
     def _shutdown(self) -> None:
         self.mesh.shutdown()

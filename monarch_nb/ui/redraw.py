@@ -28,7 +28,7 @@ class RedrawLoop:
     A view is a ``Dashboard`` or anything else with ``redraw(snapshots)`` (the
     JupyterLab extension's status feed); one pass takes one snapshot per mesh,
     shared by every view (``snapshot``). A view of one mesh (a ``Dashboard``)
-    names its mesh's controller as ``controller``."""
+    names it as ``mesh``."""
 
     def __init__(self, period: float = REDRAW_PERIOD):
         self.period = period
@@ -51,11 +51,11 @@ class RedrawLoop:
             if d in self._dashboards:
                 self._dashboards.remove(d)
 
-    def dashboards(self, controller=None) -> list:
-        """The live views of one mesh (of ``controller``; None: of any mesh)."""
+    def dashboards(self, key: int | None = None) -> list:
+        """The live views of one mesh (of ``mesh.key``; None: of any mesh)."""
         with self._lock:
-            views = [(d, getattr(d, "controller", None)) for d in self._dashboards]
-        return [d for d, c in views if c is not None and (controller is None or c is controller)]
+            views = [(d, getattr(d, "mesh", None)) for d in self._dashboards]
+        return [d for d, m in views if m is not None and (key is None or m.key == key)]
 
     def _run(self) -> None:
         wait, recent = self.period, []
@@ -88,19 +88,18 @@ LOOP = RedrawLoop()
 
 
 def dashboards_of(mesh) -> list:
-    """The live dashboards of ``mesh`` (of its controller: slices share it)."""
-    return LOOP.dashboards(mesh._controller)
+    """The live dashboards of ``mesh`` (and of its slices: they share its key)."""
+    return LOOP.dashboards(mesh.key)
 
 
 def snapshot(mesh, cache: dict | None = None) -> tuple[dict, str]:
     """``(mesh.status(), render.mesh_state(...))``, taken once per redraw pass:
-    ``cache`` is the pass's (keyed by controller; slices share it)."""
-    ctrl = mesh._controller
-    key = id(ctrl)
+    ``cache`` is the pass's (keyed by ``mesh.key``; slices share it)."""
+    key = mesh.key
     if cache is not None and key in cache:
         return cache[key]
     status = mesh.status()
-    state = render.mesh_state(status, ctrl.usable, getattr(ctrl, "closed", False))
+    state = render.mesh_state(status, mesh.alive, mesh.closed)
     if cache is not None:
         cache[key] = (status, state)
     return status, state

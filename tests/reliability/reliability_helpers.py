@@ -42,11 +42,11 @@ class PeakRss:
 
 
 class Collect:
-    """A controller output handler that keeps the text per rank (the notebook layer
+    """A mesh's output handler that keeps the text per rank (the notebook layer
     installs its own handler the same way)."""
 
-    def __init__(self, ctrl):
-        self.ctrl = ctrl
+    def __init__(self, mesh):
+        self.mesh = mesh
         self.text: dict[int, list[str]] = {}
         self.nbytes = 0
         self.keep = True
@@ -60,12 +60,12 @@ class Collect:
         return "".join(self.text.get(rank, ()))
 
     def __enter__(self) -> Collect:
-        self._old = self.ctrl.on_output
-        self.ctrl.on_output = self
+        self._old = self.mesh.output_handler
+        self.mesh.output_handler = self
         return self
 
     def __exit__(self, *exc) -> None:
-        self.ctrl.on_output = self._old
+        self.mesh.output_handler = self._old
 
 
 def env_sizes(mesh) -> list:

@@ -197,7 +197,7 @@ def output_check(rank_text: dict, *, timeout=10.0):
 
     def action_wrapper(action):
         def run(ctx):
-            with Collect(ctx.ctrl) as out:
+            with Collect(ctx.mesh) as out:
                 result = action(ctx)
                 wait_for(
                     lambda: all(t in out.of(r) for r, t in rank_text.items()),
@@ -225,7 +225,7 @@ def _fetch_during_shutdown(ctx):
 def _after_shutdown(ctx):
     ctx.stopping.join(30)
     assert ctx.pending.result(timeout=30) == [None]
-    assert ctx.other._controller.closed
+    assert ctx.other.closed
 
 
 def _breakpoint_in_collective(ctx):
@@ -257,7 +257,7 @@ def _big_print(nbytes):
 
     def action(ctx):
         pids = [os.getpid(), ctx.ctrl.worker_pids()[0]]
-        with Collect(ctx.ctrl) as out, PeakRss(pids) as rss:
+        with Collect(ctx.mesh) as out, PeakRss(pids) as rss:
             out.keep = False
             ctx.mesh.exec(f"if rank == 0:\n    s = 'x' * {nbytes}\n    print(s)\n    del s").fetch(
                 timeout=600
