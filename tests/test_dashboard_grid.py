@@ -102,11 +102,13 @@ def test_dashboard_draws_grid_and_drills_down(mesh256):
         assert "no rank 9999 (ranks 0-255)" in d.grid.detail.value
         d.grid.show_rank(None)
         assert d.grid.detail.value == ""
-        # the stream choice lists the mesh's streams; one stream draws that stream only
+        # the stream choice lists memory and the mesh's streams; one draws that stream only
         values = [v for _, v in d.grid.stream_select.options]
-        assert values == [grid.ALL, "default"]
+        assert values == [grid.ALL, grid.MEMORY, "default"]
         d.grid.stream_select.value = "default"
         assert "stream default" in d.main.value
+        d.grid.stream_select.value = grid.MEMORY  # light ranks report their RSS
+        assert "most memory" in d.main.value and "class=g-m" in d.main.value
         # the mesh keeps working under a drilled-down dashboard
         mnb.remote(_noop)(mesh=mesh256).fetch()
     finally:
@@ -169,6 +171,21 @@ def test_cell_states_and_host_summary_pure():
     assert "busiest queue 20 (rank 3)" in _row(html, "a")
     assert "3/4 alive" in _row(html, "b")
     assert "<i class=g-q3 title='3 queued 16+, 20 queued'></i>" in html
+
+
+def test_memory_colours_each_rank_by_its_share_of_the_largest_pure():
+    ranks = {r: {**_w("a" if r < 4 else "b"), "rss": (r + 1) * 100 << 20} for r in range(8)}
+    ranks[3]["gpu"] = {"allocated": 2000 << 20, "reserved": 2048 << 20, "peak": 2100 << 20}
+    ranks[7] = _w("b", alive=False)
+    status = {"dims": {"host": 2, "gpu": 4}, "ranks": ranks, "errors": []}
+    html = grid.grid_html(status, grid.MEMORY)
+    cells = dict(_hosts(html))
+    # the largest is rank 3's GPU (2000 MB): 100-300 MB of RSS is under 20 %, 500-700 MB 20-50 %
+    assert cells == {"a": ["m1", "m1", "m1", "m5"], "b": ["m2", "m2", "m2", "dead"]}
+    assert "most memory 2,000 MB (rank 3)" in _row(html, "a")
+    assert "memory (GPU allocated, else RSS)" in html and "queued 1-3" not in html
+    health = render.health_html({"ranks": {3: {**ranks[3], "pid": 1, "cpu": 1.0}}})
+    assert "allocated / reserved (peak)" in health and "2.0 GB / 2.0 GB (2.1 GB)" in health
 
 
 def test_one_host_rows_follow_the_last_dim():

@@ -16,6 +16,7 @@ from . import render
 
 GRID_ABOVE = render.BIG  # meshes with more ranks than this draw the grid (smaller: the table)
 ALL = "*"  # the stream choice that draws every stream's worst state
+MEMORY = "memory"  # the choice that colours each rank by its memory (GPU allocated, else RSS)
 
 # cell state -> background (a queue's depth darkens its blue)
 GRID_COLORS = {
@@ -28,6 +29,11 @@ GRID_COLORS = {
     "failed": "#e03c3c",
     "unresponsive": "#f0a020",
     "dead": "#555",
+    "m1": "#d9f0d3",
+    "m2": "#a6dba0",
+    "m3": "#fdb863",
+    "m4": "#e66101",
+    "m5": "#b2182b",
 }
 LABELS = {
     "idle": "idle",
@@ -39,7 +45,13 @@ LABELS = {
     "failed": "failed",
     "unresponsive": "unresponsive",
     "dead": "dead",
+    "m1": "memory < 20 % of the most",
+    "m2": "20-50 %",
+    "m3": "50-80 %",
+    "m4": "80-95 %",
+    "m5": "95 %+",
 }
+_MEMORY_STATES = ("m1", "m2", "m3", "m4", "m5")
 # which state a rank shows when its streams differ (the worst first)
 _RANK_ORDER = ("dead", "unresponsive", "paused", "failed", "q3", "q2", "q1", "run", "idle")
 _WORST = {s: i for i, s in enumerate(_RANK_ORDER)}
@@ -116,8 +128,32 @@ def _host_rows(status: dict) -> list[tuple[str, list[int]]]:
     return [(f"{name}:{i // width}", ranks[i : i + width]) for i in range(0, len(ranks), width)]
 
 
+def memory_of(worker: dict) -> int | None:
+    """A rank's memory in bytes: its GPU's allocated memory where it has one, else RSS."""
+    gpu = worker.get("gpu") or {}
+    return gpu.get("allocated", gpu.get("mem")) if gpu else worker.get("rss")
+
+
+def memory_cells(status: dict) -> dict[int, tuple[int, str, int]]:
+    """rank -> (rank, memory state: its share of the largest rank's, MB)."""
+    mem = {r: memory_of(w) if w["alive"] else None for r, w in status["ranks"].items()}
+    most = max((v for v in mem.values() if v), default=0) or 1
+    out = {}
+    for r, v in mem.items():
+        if v is None:
+            out[r] = (r, "dead" if not status["ranks"][r]["alive"] else "idle", 0)
+            continue
+        share = v / most
+        k = 0 if share < 0.2 else 1 if share < 0.5 else 2 if share < 0.8 else 3 if share < 0.95 else 4
+        out[r] = (r, _MEMORY_STATES[k], v >> 20)
+    return out
+
+
 def rank_cells(status: dict, stream: str = ALL) -> dict[int, tuple[int, str, int]]:
-    """rank -> (rank, state, deepest queue) on ``stream`` (ALL: the worst of its streams)."""
+    """rank -> (rank, state, deepest queue) on ``stream`` (ALL: the worst of its streams;
+    MEMORY: (rank, memory state, MB))."""
+    if stream == MEMORY:
+        return memory_cells(status)
     failed = render.failed_streams(status) if status["errors"] else ()
     out = {}
     for r, w in status["ranks"].items():
@@ -146,15 +182,18 @@ def rank_cells(status: dict, stream: str = ALL) -> dict[int, tuple[int, str, int
 
 
 @lru_cache(maxsize=512)
-def host_row(host: str, cells: tuple) -> str:
+def host_row(host: str, cells: tuple, memory: bool = False) -> str:
     """One host's row: its summary line and a cell per rank. ``cells``: a tuple
-    of (rank, state, queue depth), which keys the cache."""
+    of (rank, state, queue depth; with ``memory``, MB), which keys the cache."""
     n = len(cells)
     alive = sum(1 for _, s, _ in cells if s != "dead")
     failed = sum(1 for _, s, _ in cells if s == "failed")
     busiest = max(cells, key=lambda c: c[2]) if cells else None
     parts = [f"<b>{_esc(host)}</b>", f"<span class='mnb-g-alive'>{alive}/{n} alive</span>"]
-    if busiest is not None and busiest[2]:
+    if memory:
+        if busiest is not None:
+            parts.append(f"most memory {busiest[2]:,} MB (rank {busiest[0]})")
+    elif busiest is not None and busiest[2]:
         parts.append(f"busiest queue {busiest[2]} (rank {busiest[0]})")
     else:
         parts.append("queues empty")
@@ -162,8 +201,9 @@ def host_row(host: str, cells: tuple) -> str:
         parts.append(f"<span class='mnb-g-fails' style='color:{render.RED}'>{failed} failed</span>")
     # the smallest markup per rank (a 1,024-rank grid is sent whole on a change):
     # its state as a class, its rank first in the title
+    unit = " MB" if memory else " queued"
     marks = "".join(
-        f"<i class=g-{s} title='{r} {LABELS[s]}" + (f", {q} queued'></i>" if q else "'></i>")
+        f"<i class=g-{s} title='{r} {LABELS[s]}" + (f", {q}{unit}'></i>" if q else "'></i>")
         for r, s, q in cells
     )
     return (
@@ -172,10 +212,11 @@ def host_row(host: str, cells: tuple) -> str:
     )
 
 
-def legend_html() -> str:
+def legend_html(memory: bool = False) -> str:
+    shown = [s for s in GRID_COLORS if (s in _MEMORY_STATES) == memory]
     return (
         "<div class='mnb-g-legend'>"
-        + " ".join(f"<i class=g-{s}></i> {_esc(LABELS[s])}" for s in GRID_COLORS)
+        + " ".join(f"<i class=g-{s}></i> {_esc(LABELS[s])}" for s in shown)
         + "</div>"
     )
 
@@ -183,12 +224,15 @@ def legend_html() -> str:
 def grid_html(status: dict, stream: str = ALL) -> str:
     """Hosts x ranks: a summary line and a row of cells per host."""
     cells = rank_cells(status, stream)
+    memory = stream == MEMORY
     rows = [
-        host_row(host, tuple(map(cells.__getitem__, ranks))) for host, ranks in host_rows(status)
+        host_row(host, tuple(map(cells.__getitem__, ranks)), memory)
+        for host, ranks in host_rows(status)
     ]
-    shown = "every stream (the worst)" if stream == ALL else f"stream {stream}"
+    shown = {ALL: "every stream (the worst)", MEMORY: "memory (GPU allocated, else RSS)"}
+    shown = shown.get(stream, f"stream {stream}")
     return (
-        f"<div class='mnb-grid-view'><b>ranks</b> · {_esc(shown)}{legend_html()}"
+        f"<div class='mnb-grid-view'><b>ranks</b> · {_esc(shown)}{legend_html(memory)}"
         f"<table class='mnb-grid'>{''.join(rows)}</table></div>"
     )
 

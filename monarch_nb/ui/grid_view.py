@@ -3,7 +3,7 @@ drill-down to one rank (its queues and health, the small mesh's table)::
 
     VBox  mnb-grid-controls     hidden on small meshes
       HBox  mnb-grid-row
-        Dropdown  mnb-grid-stream   every stream (the worst state) or one stream
+        Dropdown  mnb-grid-stream   every stream (the worst state), one stream, or memory
         Text      mnb-grid-rank     a rank number; Enter shows it
       HTML  mnb-grid-detail     that rank's detail (redrawn with the dashboard)
 """
@@ -32,7 +32,7 @@ class GridControls(W.VBox):
         self.stream_select = _classed(
             W.Dropdown,
             "mnb-grid-stream",
-            options=[("every stream", grid.ALL)],
+            options=[("every stream", grid.ALL), ("memory", grid.MEMORY)],
             value=grid.ALL,
             description="stream",
             layout=W.Layout(width="260px"),
@@ -96,10 +96,12 @@ class GridControls(W.VBox):
         if streams != self._streams:
             self._streams = streams
             keep = self.stream
-            options = [("every stream", grid.ALL)] + [(s, s) for s in streams]
+            options = [("every stream", grid.ALL), ("memory", grid.MEMORY)]
+            options += [(s, s) for s in streams]
             with self.stream_select.hold_sync():
                 self.stream_select.options = options
-                self.stream_select.value = keep if keep in streams else grid.ALL
+                kept = keep in streams or keep == grid.MEMORY
+                self.stream_select.value = keep if kept else grid.ALL
         return self._set(self.detail, "detail", self.detail_html(status))
 
     def detail_html(self, status: dict) -> str:

@@ -260,6 +260,8 @@ def health_html(status: dict) -> str:
     ranks = status["ranks"]
     gpu = any(w.get("gpu") for w in ranks.values())
     cols = ["rank", "pid", "host", "state", "RSS", "CPU"] + (["GPU mem", "GPU util"] if gpu else [])
+    alloc = any("allocated" in (w.get("gpu") or {}) for w in ranks.values())
+    cols += ["allocated / reserved (peak)"] if alloc else []
     cols.append("heartbeat")
     head = "".join(f"<th>{c}</th>" for c in cols)
     rows = []
@@ -278,6 +280,8 @@ def health_html(status: dict) -> str:
             g = w.get("gpu") or {}
             util = g.get("util")
             cells += [_gb(g.get("mem")), "-" if util is None else f"{util:.0f}%"]
+            if alloc:  # the CUDA caching allocator's counters of the rank's first device
+                cells.append(f"{_gb(g.get('allocated'))} / {_gb(g.get('reserved'))} ({_gb(g.get('peak'))})")
         beat, stale = heartbeat(w)
         cells.append(
             f"<span class='mnb-beat{' mnb-stale' if stale else ''}'"
