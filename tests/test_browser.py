@@ -154,3 +154,31 @@ def test_docked_dashboard_in_the_side_area(page, server):
     lab.run_cell(2)
     wait_dash(page, "mnb-dash-main", "shut down")
     assert lab.stderr_outputs() == []
+
+
+def test_activity_view_shows_a_straggler_and_the_stacks(page, server):
+    lab = Lab(
+        server,
+        page,
+        "activity",
+        [
+            "%load_ext monarch_nb\nimport monarch_nb as mnb",
+            "%monarch_mesh dp=2",
+            "%%monarch\nimport time\nfor _ in range(3):\n    time.sleep(0.05 + 0.4 * rank)",
+            "%%monarch --noblock --stream side\nimport time\ntime.sleep(600)",
+        ],
+    )
+    lab.open()
+    lab.run_all()
+    page.locator(".mnb-dashboard .mnb-ts-toggle").last.click()
+    # a bar per command; rank 1's cell, 8x its peer's, is outlined as a straggler
+    page.locator(".mnb-dashboard .mnb-ts-view rect.mnb-ts-straggler").last.wait_for(timeout=T)
+    view = dash_text(page, "mnb-ts-view")
+    assert "rank 0 default" in view and "rank 1 default" in view and "rank 1 side" in view
+    page.locator(".mnb-dashboard .mnb-ts-zoom button", has_text="1 min").last.click()
+    lab.shot("dashboard_activity", ".mnb-dashboard .mnb-ts")
+    page.locator(".mnb-dashboard .mnb-ts-stacks").last.click()
+    text = wait_dash(page, "mnb-ts-stacks-out", "time.sleep")
+    assert "rank 0 side" in text and "rank 1 side" in text
+    page.locator(".mnb-dashboard .mnb-dash-interrupt").last.click()
+    assert lab.stderr_outputs() == [] or all("KeyboardInterrupt" in e for e in lab.stderr_outputs())

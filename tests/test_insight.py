@@ -62,6 +62,7 @@ def test_straggler_is_over_one_and_a_half_the_peers_median():
 
 def test_kind_of_names_what_a_command_is():
     assert kind_of("cell: x = 1") == "cell"
+    assert kind_of("%%monarch In[3]: import time") == "cell"
     assert kind_of("aten.add.Tensor") == "op"
     assert kind_of("reduce dp sum") == "collective"
     assert kind_of("fetch") == "fetch"

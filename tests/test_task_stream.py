@@ -12,7 +12,7 @@ from wait_helpers import wait_for
 
 import monarch_nb as mnb
 from monarch_nb.ui import Dashboard
-from monarch_nb.ui.task_stream import MAX_ROWS, stacks_html, task_stream_html
+from monarch_nb.ui.task_stream import MAX_ROWS, running, stacks_html, task_stream_html
 
 
 def _rec(rank, start, end, kind="call", name="f", stream="default", straggler=False, ident=1):
@@ -38,6 +38,11 @@ def test_a_row_per_rank_and_stream_bars_coloured_by_kind_and_the_straggler_outli
     assert svg.count("mnb-ts-straggler") == 1 and "2000.0 ms" in svg
     assert "#4e79a7" in svg and "#f28e2b" in svg and "aten.add" not in svg
     assert "nothing ran in the last 2 s" in task_stream_html(recs, now + 20, 2.0)
+    status = {"ranks": {0: {"streams": {"side": {"running": {"ident": 9, "what": "nap",
+                                                              "elapsed": 4.0}}}}}}  # fmt: skip
+    (run,) = running(status, now)
+    assert (run["start"], run["end"], run["kind"]) == (996.0, now, "running")
+    assert "nap (running)" in task_stream_html(recs + [run], now, 10.0)
 
 
 @pytest.mark.unit

@@ -26,7 +26,7 @@ def kind_of(what: str) -> str:
     """What a command is, from the name it was sent with: "cell", "op" (a tensor op
     such as ``aten.add``), "collective", "fetch", "push", "exec" or "call" (a remote
     function)."""
-    if what.startswith("cell"):
+    if what.startswith(("cell", "%%monarch")):  # mesh.run_cell's, or a notebook cell's label
         return "cell"
     if what.startswith("aten.") or what.startswith("getitem"):
         return "op"

@@ -184,7 +184,7 @@ class Dashboard(W.VBox):
             changed |= self.grid.draw(status, big)
             changed |= self._set(self.errors, "errors", render.errors_html(status))
             changed |= self._draw_sessions(status, state)
-            changed |= self.activity.draw()
+            changed |= self.activity.draw(status)
             if self._armed and time.monotonic() - self._armed[1] > CONFIRM_WINDOW:
                 self._disarm()
             self._enable(state)

@@ -22,6 +22,7 @@ COLOURS = {
     "push": "#9c755f",
     "exec": "#76b7b2",
     "call": "#edc948",
+    "running": "#bab0ac",  # a command still running: its bar grows to now
 }
 WINDOWS = {"2 s": 2.0, "10 s": 10.0, "1 min": 60.0, "10 min": 600.0}
 WIDTH = 760  # px of the time axis
@@ -98,6 +99,21 @@ def task_stream_html(records: list, now: float, window: float, per_host: int = 1
     return "".join(out) + f'<div class="mnb-ts-legend">{legend}</div>'
 
 
+def running(status: dict | None, now: float) -> list:
+    """What runs now on each rank's streams (``status()``), as records ending now."""
+    out = []
+    for rank, w in ((status or {}).get("ranks") or {}).items():
+        for stream, info in (w.get("streams") or {}).items():
+            run = info.get("running")
+            if run:
+                out.append({
+                    "rank": rank, "stream": stream, "ident": run.get("ident"), "kind": "running",
+                    "name": f"{run.get('what')} (running)", "start": now - run.get("elapsed", 0.0),
+                    "end": now, "straggler": False,
+                })  # fmt: skip
+    return out
+
+
 def stacks_html(stacks: dict) -> str:
     """``mesh.stacks()``'s answer: a block per rank and stream that runs something, a
     line per rank that did not answer."""
@@ -128,7 +144,7 @@ class TaskStream(W.VBox):
         )  # fmt: skip
         self.zoom = W.ToggleButtons(
             options=list(WINDOWS), value="10 s", _dom_classes=("mnb-ts-zoom",),
-            style={"button_width": "52px"}, layout=W.Layout(display="none"),
+            style={"button_width": "72px"}, layout=W.Layout(display="none"),
         )  # fmt: skip
         self.b_stacks = W.Button(
             description="stacks", icon="list", _dom_classes=("mnb-ts-stacks",),
@@ -152,8 +168,9 @@ class TaskStream(W.VBox):
             self.view.value = ""
         self.draw()
 
-    def draw(self) -> bool:
-        """Redraw while open (only what changed); True when the view changed."""
+    def draw(self, status: dict | None = None) -> bool:
+        """Redraw while open (only what changed); True when the view changed.
+        ``status`` (``mesh.status()``'s) adds what runs now, as bars up to now."""
         if not self.toggle.value:
             return False
         window = WINDOWS[self.zoom.value]
@@ -162,8 +179,9 @@ class TaskStream(W.VBox):
         except Exception as e:  # a mesh shut down or restarting: say so, keep the view
             text = f"<i>no timeline: {html.escape(str(e))}</i>"
         else:
+            now = self._now()
             per_host = list(self.mesh.dims.values())[-1] if self.mesh.dims else 1
-            text = task_stream_html(records, self._now(), window, per_host)
+            text = task_stream_html(records + running(status, now), now, window, per_host)
         if text == self._last:
             return False
         self._last = self.view.value = text
