@@ -101,7 +101,8 @@ def test_the_connection_file_names_the_agents_address_the_meshs_router(hosts):
     assert f"srun --ntasks-per-node 1 monarch-nb-host --connection-file {conn}" in text
     assert f"monarch-nb-host --connect {info['agents']} --key-file K" in text
     assert "torchrun --nnodes NODES --nproc-per-node 1 -m monarch_nb.host" in text
-    assert "Kubernetes" in text and "-m monarch_nb.worker --connection-file" in text
+    assert "mnb.k8s_manifest" in text and f"--from-file=connection.json={conn}" in text
+    assert "-m monarch_nb.worker --connection-file" in text
 
 
 def test_agents_fork_their_blocks_which_run_a_cell_an_all_reduce_and_a_fetch(hosts):
