@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import context
+from . import checkpoint, context
 from .completion import MeshShell
 from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
 from .controller import Controller
@@ -263,6 +263,27 @@ class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
                 out[r] = None
         return out
 
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path, *names: str, timeout: float | None = None) -> str:
+        """Save the workers' variables ``names`` to the directory ``path`` with
+        torch.distributed.checkpoint (per-rank shards, one metadata file): modules
+        and optimizers (their state dicts), DTensors (FSDP2, TP: sharded), tensors
+        and picklable values. Written beside ``path`` and renamed into place, so a
+        failure leaves the checkpoint there as it was. Returns the absolute path."""
+        return checkpoint.save(self, path, names, timeout)
+
+    def load(self, path, *names: str, timeout: float | None = None) -> list:
+        """Load ``names`` (default: all) from the checkpoint at ``path`` into the
+        workers: modules and optimizers in place, other names bound afresh.
+        DTensors and values saved equal on every rank reshard onto a mesh of
+        another size. Returns the names loaded."""
+        return checkpoint.load(self, path, names, timeout)
+
+    def checkpoint_contents(self, path, timeout: float | None = None) -> dict:
+        """Name -> kind of what the checkpoint at ``path`` holds."""
+        return checkpoint.contents(self, path, timeout)
+
     def dashboard(self):
         """The ipywidgets dashboard of this mesh (a ``monarch_nb.ui.Dashboard``)."""
         return context.dashboard(self)
@@ -277,10 +298,14 @@ class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
                 f"(ranks {list(self.ranks)}): call it on mnb.get_mesh({self.name!r})"
             )
 
-    def restart(self) -> None:
+    def restart(self, restore=None) -> None:
         """Fresh workers on every rank; Refs of the old generation become invalid.
-        (A slice refuses: its workers are its mesh's.)"""
+        ``restore=PATH``: then load the checkpoint at PATH (``mesh.load``), which is
+        checked before the old workers go. (A slice refuses: its workers are its mesh's.)"""
         self._whole("restart()")
+        if restore is not None:
+            checkpoint.restart_and_load(self, restore)
+            return
         self._controller.restart()
 
     def shutdown(self) -> None:

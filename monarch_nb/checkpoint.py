@@ -1,0 +1,158 @@
+"""Checkpoints of named worker variables: ``mesh.save(path, *names)`` and
+``mesh.load(path)``, with torch.distributed.checkpoint (DCP) on the workers
+(protocol/checkpoint_ops.py and checkpoint_load.py, sent as remote functions)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from .controller.transfers import bar
+from .protocol import checkpoint_load, checkpoint_ops
+from .protocol.constants import PROGRESS_BYTES
+from .remote import remote
+
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
+_describe = remote(checkpoint_ops.describe)
+_save = remote(checkpoint_ops.save)
+_load = remote(checkpoint_load.load)
+_info = remote(checkpoint_load.info)
+
+_ERRORS = {
+    "OSError": OSError,
+    "NameError": NameError,
+    "KeyError": KeyError,
+    "ValueError": ValueError,
+    "FileNotFoundError": FileNotFoundError,
+    "RuntimeError": RuntimeError,
+}
+
+
+def _raise(error: tuple):
+    kind, text = error
+    raise _ERRORS.get(kind, RuntimeError)(text)
+
+
+def _path(path, what: str) -> str:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{what} takes a checkpoint path, got {type(path).__name__}")
+    return os.path.abspath(os.fspath(path))
+
+
+def _names(names, what: str) -> tuple:
+    for n in names:
+        if not isinstance(n, str) or not n.isidentifier():
+            raise ValueError(f"{what}: {n!r} is not a variable name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what}: a name is given twice: {list(names)}")
+    return tuple(names)
+
+
+def _group(mesh: DeviceMesh):
+    return mesh.process_group(tuple(mesh.dims))
+
+
+def save(mesh: DeviceMesh, path, names: tuple, timeout: float | None) -> str:
+    """See ``DeviceMesh.save``."""
+    path = _path(path, "save()")
+    names = _names(names, "save()")
+    if not names:
+        raise ValueError("save() needs the names of worker variables to save")
+    parent = os.path.dirname(path)
+    if os.path.isfile(path) or (
+        os.path.isdir(path) and os.listdir(path)
+        and not os.path.isfile(os.path.join(path, ".metadata"))
+    ):
+        raise FileExistsError(
+            f"save(): {path} exists and is not a checkpoint: it is left alone (choose another path)"
+        )
+    ns = mesh.exec("globals()")
+    try:
+        seen = _describe(ns, names, mesh=mesh).fetch(timeout=timeout)
+        for n in names:
+            missing = [r for r, s in zip(mesh.ranks, seen) if s["kinds"][n] is None]
+            if missing:
+                where = "any rank" if len(missing) == mesh.size else f"ranks {missing}"
+                raise NameError(f"save(): name {n!r} is not defined on {where} of mesh {mesh.name!r}")
+        total = sum(s["bytes"] for s in seen)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.saving-{uuid.uuid4().hex[:8]}")
+        done = _save(ns, names, path, tmp, _group(mesh), mesh=mesh).fetch_async(timeout=timeout)
+        if total > PROGRESS_BYTES:
+            _watch(done, tmp, total, path)
+        results = done.result()
+    finally:
+        ns.delete()
+    for r in results:
+        if "error" in r:
+            _raise(r["error"])
+    return path
+
+
+def _watch(done, tmp: str, total: int, path: str) -> None:
+    """A bar of the bytes written under ``tmp`` until ``done`` (where the controller
+    sees the workers' file system; elsewhere it fills at the end)."""
+    b = bar(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"saving {path}")
+    if b is None:
+        return
+    try:
+        while not done.wait(0.2):
+            n = min(_written(tmp), total)
+            if n > b.n:
+                b.update(n - b.n)
+        if b.n < total:
+            b.update(total - b.n)
+    finally:
+        b.close()
+
+
+def _written(folder: str) -> int:
+    n = 0
+    try:
+        with os.scandir(folder) as it:
+            for e in it:
+                try:
+                    n += e.stat().st_size
+                except OSError:
+                    pass
+    except OSError:
+        return 0
+    return n
+
+
+def load(mesh: DeviceMesh, path, names: tuple, timeout: float | None) -> list:
+    """See ``DeviceMesh.load``."""
+    path = _path(path, "load()")
+    names = _names(names, "load()") or None
+    ns = mesh.exec("globals()")
+    try:
+        results = _load(ns, path, names, _group(mesh), mesh=mesh).fetch(timeout=timeout)
+    finally:
+        ns.delete()
+    for r in results:
+        if "error" in r:
+            _raise(r["error"])
+    return results[0]["names"]
+
+
+def contents(mesh: DeviceMesh, path, timeout: float | None = None) -> dict:
+    """What the checkpoint at ``path`` holds, read by the mesh's first rank:
+    name -> kind ("module", "optimizer", "dtensor", "tensor", "value")."""
+    path = _path(path, "checkpoint_contents()")
+    got = _info(path, mesh=mesh).fetch(rank=mesh.ranks[0], timeout=timeout)
+    if "error" in got:
+        _raise(got["error"])
+    return {n: e["kind"] for n, e in got["names"].items()}
+
+
+def restart_and_load(mesh: DeviceMesh, path, timeout: float | None = None) -> list:
+    """``mesh.restart(restore=path)``: the path checked first (a restart that could
+    not restore would lose the state for nothing), then fresh workers, then load."""
+    contents(mesh, path, timeout)
+    start = time.monotonic()
+    mesh._controller.restart()
+    left = None if timeout is None else max(1.0, timeout - (time.monotonic() - start))
+    return load(mesh, path, (), left)
