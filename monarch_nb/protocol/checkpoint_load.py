@@ -190,6 +190,7 @@ def load(ns: dict, path: str, names, group) -> dict:
     """Load ``names`` (all the checkpoint's when None) from ``path`` into ``ns``."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     me, world = dist.get_rank(group), dist.get_world_size(group)
     problem, sd, keys, made = None, {}, {}, {}
@@ -220,14 +221,14 @@ def load(ns: dict, path: str, names, group) -> dict:
                     raise _Refused(("ValueError", wrong))
     except _Refused as e:
         problem = e.args[0]
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         problem = ("RuntimeError", f"loading {path} failed: {type(e).__name__}: {e}")
     problem = _first(_agree({"problem": problem}, group))
     if problem is not None:
         return {"error": problem}
     try:
         dcp.load(sd, storage_reader=dcp.FileSystemReader(path), process_group=group)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         return {"error": _problem(e, f"reading {path} failed")}
     _bind(ns, saved, keys, sd, made)
     return {"ok": True, "names": list(keys)}

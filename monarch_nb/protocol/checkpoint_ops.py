@@ -219,15 +219,11 @@ def _first(gathered: list):
 
 
 def _problem(e: BaseException, doing: str) -> tuple:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    if isinstance(e, dcp.api.CheckpointException):  # the first rank's own error
-        failures = e.failures
-        if failures:
-            rank = min(failures)
-            e = failures[rank]
-            if isinstance(e, tuple):  # (exception, traceback) in some releases
-                e = e[0]
+    if isinstance(e, CheckpointException):  # the ranks' own errors: an OSError first
+        errors = [x[0] if isinstance(x, tuple) else x for _, x in sorted(e.failures.items())]
+        e = next((x for x in errors if isinstance(x, OSError)), errors[0] if errors else e)
     kind = "OSError" if isinstance(e, OSError) else "RuntimeError"
     return (kind, f"{doing}: {type(e).__name__}: {e}")
 
@@ -240,6 +236,7 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group) -> dict:
     ``path``, replacing what was there only once the new one is whole."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     me = dist.get_rank(group)
     problem, states, entries, digests = None, {}, {}, {}
@@ -272,7 +269,7 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group) -> dict:
     try:
         writer = dcp.FileSystemWriter(tmp, overwrite=False)
         dcp.save(sd, storage_writer=writer, process_group=group)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         return {"error": _problem(e, f"writing the checkpoint failed, {path} is unchanged")}

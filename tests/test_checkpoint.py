@@ -1,0 +1,226 @@
+"""Checkpoints: ``mesh.save(path, *names)``, ``mesh.load(path)`` and
+``mesh.restart(restore=path)`` on real meshes with torch.distributed.checkpoint (gloo)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import monarch_nb as mnb
+from monarch_nb import config
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+model(torch.randn(3, 4)).sum().backward(); opt.step()
+x = torch.arange(6.0) + rank          # differs by rank: kept per rank
+cfg = {"lr": 0.01, "rank": rank}      # a plain value, per rank
+steps = [1, 2, 3]                     # equal on every rank
+"""
+
+STATE = "[model.state_dict(), opt.state_dict(), x, cfg, steps]"
+
+FSDP = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(1)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+fully_shard(net, mesh=init_device_mesh("cpu", (size,)))
+nopt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+net(torch.randn(2, 8)).sum().backward(); nopt.step()
+"""
+
+FULL = """
+from torch.distributed.tensor import DTensor
+def full(sd):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sd.items()}
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+def full_opt():
+    st = get_optimizer_state_dict(net, nopt)["state"]
+    return {k: full(v) for k, v in st.items()}
+[full(net.state_dict()), full_opt()]
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = mnb.local_mesh(dp=2)
+    yield m
+    m.shutdown()
+
+
+def same(a, b) -> bool:
+    """Equal, tensors by torch.equal, down through dicts and lists."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_round_trip_is_exact(mesh, tmp_path):
+    mesh.exec(SETUP).fetch()
+    path = str(tmp_path / "ck")
+    assert mesh.save(path, "model", "opt", "x", "cfg", "steps") == path
+    files = sorted(os.listdir(path))
+    assert ".metadata" in files and len([f for f in files if f.endswith(".distcp")]) == 2
+    assert [f for f in os.listdir(tmp_path) if f != "ck"] == []  # no temporary left
+    before = mesh.exec(STATE).fetch()
+    mesh.exec(
+        "with torch.no_grad():\n    [p.zero_() for p in model.parameters()]\n"
+        "opt.state.clear(); x = cfg = steps = None"
+    ).fetch()
+    assert not same(mesh.exec(STATE).fetch(), before)
+    assert sorted(mesh.load(path)) == ["cfg", "model", "opt", "steps", "x"]
+    after = mesh.exec(STATE).fetch()
+    assert same(after, before)
+    assert after[1][2].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # rank 1's own x
+    assert mesh.checkpoint_contents(path) == {
+        "model": "module", "opt": "optimizer", "x": "tensor", "cfg": "value", "steps": "value"
+    }
+    # a second save replaces the first whole; load of some names only
+    mesh.exec("steps = [4]").fetch()
+    mesh.save(path, "steps")
+    mesh.exec("steps = None").fetch()
+    assert mesh.load(path, "steps") == ["steps"]
+    assert mesh.exec("steps").fetch() == [[4], [4]]
+    with pytest.raises(KeyError, match="not in the checkpoint at .*: model"):
+        mesh.load(path, "model")
+
+
+def test_bad_input_is_refused_and_nothing_is_lost(mesh, tmp_path):
+    mesh.exec(SETUP).fetch()
+    path = str(tmp_path / "ck")
+    mesh.save(path, "model", "opt")
+    before = mesh.exec(STATE).fetch()
+    # a name not defined on the workers: nothing written
+    with pytest.raises(NameError, match="name 'nothere' is not defined on any rank"):
+        mesh.save(str(tmp_path / "other"), "model", "nothere")
+    assert not os.path.exists(tmp_path / "other")
+    mesh.exec("only0 = 1 if rank == 0 else None\nif rank: del only0").fetch()
+    with pytest.raises(NameError, match=r"'only0' is not defined on ranks \[1\]"):
+        mesh.save(path, "only0")
+    # a missing path; a directory that is no checkpoint; a file in the way
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*nope: it does not exist"):
+        mesh.load(str(tmp_path / "nope"))
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not a checkpoint"):
+        mesh.load(str(tmp_path / "plain"))
+    with pytest.raises(FileExistsError, match="exists and is not a checkpoint"):
+        mesh.save(str(tmp_path / "plain"), "model")
+    assert (tmp_path / "plain" / "notes.txt").read_text() == "mine"
+    # the checkpoint of another model: the names that differ, listed; the model untouched
+    mesh.exec("model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))").fetch()
+    other = mesh.exec("model.state_dict()").fetch()
+    with pytest.raises(ValueError) as e:
+        mesh.load(path, "model")
+    text = str(e.value)
+    assert "'model' does not match the checkpoint's" in text
+    assert "not in the checkpoint: 1.bias, 1.weight" in text
+    assert "in the checkpoint only: 2.bias, 2.weight" in text
+    assert same(mesh.exec("model.state_dict()").fetch(), other)
+    mesh.exec("model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))").fetch()
+    with pytest.raises(ValueError, match=r"shapes differ: 2.weight \(2, 8\) there, \(3, 8\) here"):
+        mesh.load(path, "model")
+    # the mesh works on, and the checkpoint is whole
+    mesh.exec(SETUP).fetch()
+    mesh.exec("with torch.no_grad():\n    [p.zero_() for p in model.parameters()]").fetch()
+    mesh.load(path)
+    assert same(mesh.exec("model.state_dict()").fetch(), [b[0] for b in before])
+    with pytest.raises(ValueError, match="not a variable name"):
+        mesh.save(path, "not a name")
+    with pytest.raises(ValueError, match="needs the names"):
+        mesh.save(path)
+
+
+def _root() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.mark.skipif(not _root(), reason="mounting a small tmpfs needs root")
+def test_full_disk_leaves_the_old_checkpoint(mesh, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount failed: {r.stderr.decode().strip()}")
+    try:
+        mesh.exec(SETUP).fetch()
+        path = str(disk / "ck")
+        mesh.save(path, "model", "steps")
+        before = mesh.exec("[model.state_dict(), steps]").fetch()
+        mesh.exec("big = torch.randn(64, 1024) + rank").fetch()  # 256 KiB per rank
+        with pytest.raises(OSError, match=f"writing the checkpoint failed, {path} is unchanged.*No space left"):
+            mesh.save(path, "model", "steps", "big")
+        assert sorted(os.listdir(disk)) == ["ck"]  # the temporary is gone
+        mesh.exec("steps = None\nwith torch.no_grad():\n    [p.zero_() for p in model.parameters()]").fetch()
+        assert sorted(mesh.load(path)) == ["model", "steps"]
+        assert same(mesh.exec("[model.state_dict(), steps]").fetch(), before)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_resharding_dp2_to_dp1(mesh, tmp_path):
+    path = str(tmp_path / "ck")
+    mesh.exec(FSDP).fetch()
+    mesh.exec("x = torch.arange(4.0) + rank\nsteps = [7]").fetch()
+    want = mesh.exec(FULL).fetch(rank=0)
+    mesh.save(path, "net", "nopt", "x", "steps")
+    one = mnb.local_mesh(dp=1, name="one")
+    try:
+        one.exec(FSDP.replace("torch.manual_seed(1)", "torch.manual_seed(2)")).fetch()
+        assert not same(one.exec(FULL).fetch(rank=0)[0], want[0])
+        with pytest.raises(ValueError, match="'x' differed across the 2 ranks .* cannot go onto 1 ranks"):
+            one.load(path)
+        assert sorted(one.load(path, "net", "nopt", "steps")) == ["net", "nopt", "steps"]
+        got = one.exec(FULL).fetch(rank=0)
+        assert same(got, want)
+        assert one.exec("steps").fetch(rank=0) == [7]
+        assert one.exec("isinstance(net[0].weight, DTensor)").fetch(rank=0)
+    finally:
+        one.shutdown()
+
+
+def test_restart_restore_gives_fresh_workers_with_the_state(mesh, tmp_path):
+    mesh.exec(SETUP).fetch()
+    path = str(tmp_path / "ck")
+    mesh.save(path, "model", "opt", "x", "cfg", "steps")
+    before = mesh.exec(STATE).fetch()
+    pids = mesh.exec("__import__('os').getpid()").fetch()
+    with pytest.raises(FileNotFoundError):
+        mesh.restart(restore=str(tmp_path / "nope"))
+    assert mesh.exec("__import__('os').getpid()").fetch() == pids  # not restarted for nothing
+    mesh.restart(restore=path)
+    assert not set(mesh.exec("__import__('os').getpid()").fetch()) & set(pids)
+    assert same(mesh.exec(STATE).fetch(), before)
+    # the rebuilt optimizer drives the rebuilt model
+    mesh.exec("model(torch.ones(1, 4)).sum().backward(); opt.step()").fetch()
+    assert not same(mesh.exec("model.state_dict()").fetch(), [b[0] for b in before])
+
+
+def test_a_big_save_shows_a_progress_bar(mesh, tmp_path, capfd):
+    s = config.settings()
+    old = s.progress_delay
+    s.progress_delay = 0.0
+    try:
+        mesh.exec("big = torch.randn(9 << 20) + rank\nsmall = torch.ones(3)").fetch()  # 36 MiB a rank
+        capfd.readouterr()
+        mesh.save(str(tmp_path / "small"), "small")
+        assert "saving" not in capfd.readouterr().err
+        path = str(tmp_path / "big")
+        mesh.save(path, "big")
+        err = capfd.readouterr().err
+        assert f"saving {path}" in err and "100%" in err
+        mesh.exec("del big").fetch()
+    finally:
+        s.progress_delay = old
