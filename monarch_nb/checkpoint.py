@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from .controller.transfers import bar
 from .protocol import checkpoint_load, checkpoint_ops
 from .protocol.constants import PROGRESS_BYTES
-from .remote import remote
+from .remote import Ref, remote
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -56,11 +56,40 @@ def _group(mesh: DeviceMesh):
     return mesh.process_group(tuple(mesh.dims))
 
 
-def save(mesh: DeviceMesh, path, names: tuple, timeout: float | None) -> str:
+def _engine(mesh: DeviceMesh, modules: dict, what: str) -> dict:
+    """name -> the state dict of a controller-side module of mesh tensors (the
+    tensor engine): mesh tensors go as their shards, host scalars by value."""
+    out = {}
+    for name, module in modules.items():
+        state = getattr(module, "state_dict", None)
+        if not callable(state):
+            raise TypeError(
+                f"{what}: {name}= takes a module of mesh tensors (built under "
+                f"mesh.activate()), got {type(module).__name__}"
+            )
+        sd = dict(state())
+        refs = [v for v in sd.values() if isinstance(v, Ref)]
+        if not refs or any(r.mesh._controller is not mesh._controller for r in refs):
+            raise ValueError(
+                f"{what}: {name}= is not a module of mesh tensors on mesh {mesh.name!r} "
+                f"(name worker variables as strings)"
+            )
+        out[name] = sd
+    return out
+
+
+def _call(fn, mesh: DeviceMesh, *args):
+    """``fn(*args)`` on every rank, its Ref; mesh tensors among the arguments go as
+    their shards (the tensor engine does not take this call)."""
+    return fn._send(args, {}, mesh, mesh.default_stream)
+
+
+def save(mesh: DeviceMesh, path, names: tuple, modules: dict, timeout: float | None) -> str:
     """See ``DeviceMesh.save``."""
     path = _path(path, "save()")
-    names = _names(names, "save()")
-    if not names:
+    names = _names(names + tuple(modules), "save()")[: len(names)]
+    engine = _engine(mesh, modules, "save()")
+    if not names and not engine:
         raise ValueError("save() needs the names of worker variables to save")
     parent = os.path.dirname(path)
     if os.path.isfile(path) or (
@@ -70,9 +99,9 @@ def save(mesh: DeviceMesh, path, names: tuple, timeout: float | None) -> str:
         raise FileExistsError(
             f"save(): {path} exists and is not a checkpoint: it is left alone (choose another path)"
         )
-    ns = mesh.exec("globals()")
+    ns = mesh.exec("globals()", stream=mesh.default_stream)
     try:
-        seen = _describe(ns, names, mesh=mesh).fetch(timeout=timeout)
+        seen = _describe(ns, names, mesh=mesh, stream=mesh.default_stream).fetch(timeout=timeout)
         for n in names:
             missing = [r for r, s in zip(mesh.ranks, seen) if s["kinds"][n] is None]
             if missing:
@@ -80,7 +109,8 @@ def save(mesh: DeviceMesh, path, names: tuple, timeout: float | None) -> str:
                 raise NameError(f"save(): name {n!r} is not defined on {where} of mesh {mesh.name!r}")
         total = sum(s["bytes"] for s in seen)
         tmp = os.path.join(parent, f".{os.path.basename(path)}.saving-{uuid.uuid4().hex[:8]}")
-        done = _save(ns, names, path, tmp, _group(mesh), mesh=mesh).fetch_async(timeout=timeout)
+        done = _call(_save, mesh, ns, names, path, tmp, _group(mesh), engine)
+        done = done.fetch_async(timeout=timeout)
         if total > PROGRESS_BYTES:
             _watch(done, tmp, total, path)
         results = done.result()
@@ -123,18 +153,25 @@ def _written(folder: str) -> int:
     return n
 
 
-def load(mesh: DeviceMesh, path, names: tuple, timeout: float | None) -> list:
+def load(mesh: DeviceMesh, path, names: tuple, modules: dict, timeout: float | None) -> list:
     """See ``DeviceMesh.load``."""
     path = _path(path, "load()")
-    names = _names(names, "load()") or None
-    ns = mesh.exec("globals()")
+    names = _names(names + tuple(modules), "load()")[: len(names)]
+    engine = _engine(mesh, modules, "load()")
+    ns = mesh.exec("globals()", stream=mesh.default_stream)
     try:
-        results = _load(ns, path, names, _group(mesh), mesh=mesh).fetch(timeout=timeout)
+        chosen = names or (None if not engine else ())
+        ref = _call(_load, mesh, ns, path, chosen, _group(mesh), engine)
+        results = ref.fetch(timeout=timeout)
     finally:
         ns.delete()
     for r in results:
         if "error" in r:
             _raise(r["error"])
+    for name, sd in engine.items():  # host scalars (a step count) live here
+        for key, value in sd.items():
+            if not isinstance(value, Ref) and key in results[0]["host"][name]:
+                value.copy_(results[0]["host"][name][key])
     return results[0]["names"]
 
 
@@ -155,4 +192,4 @@ def restart_and_load(mesh: DeviceMesh, path, timeout: float | None = None) -> li
     start = time.monotonic()
     mesh._controller.restart()
     left = None if timeout is None else max(1.0, timeout - (time.monotonic() - start))
-    return load(mesh, path, (), left)
+    return load(mesh, path, (), {}, left)

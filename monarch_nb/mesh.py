@@ -265,20 +265,22 @@ class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, path, *names: str, timeout: float | None = None) -> str:
+    def save(self, path, *names: str, timeout: float | None = None, **modules) -> str:
         """Save the workers' variables ``names`` to the directory ``path`` with
         torch.distributed.checkpoint (per-rank shards, one metadata file): modules
         and optimizers (their state dicts), DTensors (FSDP2, TP: sharded), tensors
         and picklable values. Written beside ``path`` and renamed into place, so a
-        failure leaves the checkpoint there as it was. Returns the absolute path."""
-        return checkpoint.save(self, path, names, timeout)
+        failure leaves the checkpoint there as it was. ``name=module``: a module of
+        mesh tensors (the tensor engine) saved as ``name``. Returns the absolute path."""
+        return checkpoint.save(self, path, names, modules, timeout)
 
-    def load(self, path, *names: str, timeout: float | None = None) -> list:
+    def load(self, path, *names: str, timeout: float | None = None, **modules) -> list:
         """Load ``names`` (default: all) from the checkpoint at ``path`` into the
         workers: modules and optimizers in place, other names bound afresh.
         DTensors and values saved equal on every rank reshard onto a mesh of
-        another size. Returns the names loaded."""
-        return checkpoint.load(self, path, names, timeout)
+        another size. ``name=module``: load ``name`` into a module of mesh tensors
+        (the tensor engine) in place. Returns the names loaded."""
+        return checkpoint.load(self, path, names, modules, timeout)
 
     def checkpoint_contents(self, path, timeout: float | None = None) -> dict:
         """Name -> kind of what the checkpoint at ``path`` holds."""

@@ -224,3 +224,32 @@ def test_a_big_save_shows_a_progress_bar(mesh, tmp_path, capfd):
         mesh.exec("del big").fetch()
     finally:
         s.progress_delay = old
+
+
+def test_a_tensor_engine_module_saved_and_loaded_in_place(mesh, tmp_path):
+    path = str(tmp_path / "ck")
+    with mesh.activate():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        net(torch.randn(5, 4))  # running stats and a host step count
+    before = {k: mnb.inspect(v).clone() for k, v in net.state_dict().items()}
+    mesh.exec("w = torch.ones(2)").fetch()
+    mesh.save(path, "w", net=net)
+    assert mesh.checkpoint_contents(path) == {"w": "tensor", "net": "engine"}
+    weight = net[0].weight
+    with mesh.activate(), torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+        net[1].num_batches_tracked.zero_()
+    assert not torch.equal(mnb.inspect(net[0].weight), before["0.weight"])
+    assert mesh.load(path, net=net) == ["net"]
+    after = {k: mnb.inspect(v) for k, v in net.state_dict().items()}
+    assert all(same(before[k], after[k]) for k in before)
+    assert net[0].weight is weight  # in place
+    assert mesh.load(path) == ["w"]  # worker names only
+    with mesh.activate():
+        other = torch.nn.Linear(4, 5)
+    with pytest.raises(ValueError, match="'net' does not match .* not in the checkpoint: bias, weight"):
+        mesh.load(path, net=other)
+    with pytest.raises(TypeError, match="net= takes a module of mesh tensors"):
+        mesh.save(path, net=3)

@@ -186,8 +186,10 @@ def _names(keys: list, key: str) -> str:
     return shown + (f" and {len(keys) - 12} more" if len(keys) > 12 else "")
 
 
-def load(ns: dict, path: str, names, group) -> dict:
-    """Load ``names`` (all the checkpoint's when None) from ``path`` into ``ns``."""
+def load(ns: dict, path: str, names, group, engine: dict | None = None) -> dict:
+    """Load ``names`` (all the checkpoint's when None) from ``path`` into ``ns``;
+    ``engine``: name -> the state dict of a tensor engine module, loaded in place
+    (its shards, here; the values of its host tensors are returned)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -196,7 +198,9 @@ def load(ns: dict, path: str, names, group) -> dict:
     problem, sd, keys, made = None, {}, {}, {}
     try:
         saved, md = _read(path)
-        chosen = list(saved["names"]) if names is None else list(names)
+        engine = engine or {}
+        chosen = [n for n in saved["names"] if saved["names"][n]["kind"] != "engine"]
+        chosen = (chosen if names is None else list(names)) + list(engine)
         unknown = [n for n in chosen if n not in saved["names"]]
         if unknown:
             raise _Refused(
@@ -214,8 +218,14 @@ def load(ns: dict, path: str, names, group) -> dict:
                      f"DTensors (FSDP2, TP) and values equal on every rank are resharded")
                 )
             key = keys[n] = f"{n}@rank{me}" if entry["per_rank"] else n
-            sd[key] = _placeholder(ns, n, key, entry, md, made)
-            if entry["kind"] in ("module", "optimizer"):
+            if entry["kind"] != "engine":
+                sd[key] = _placeholder(ns, n, key, entry, md, made)
+            if entry["kind"] == "engine":
+                if n not in engine:
+                    raise _Refused(("ValueError", f"{n!r} is a tensor engine module: pass it, "
+                                    f"mesh.load(path, {n}=module)"))
+                sd[key] = engine[n]
+            if entry["kind"] in ("module", "optimizer", "engine"):
                 wrong = _mismatch(n, key, sd[key], md)
                 if wrong:
                     raise _Refused(("ValueError", wrong))
@@ -231,7 +241,8 @@ def load(ns: dict, path: str, names, group) -> dict:
     except (Exception, CheckpointException) as e:
         return {"error": _problem(e, f"reading {path} failed")}
     _bind(ns, saved, keys, sd, made)
-    return {"ok": True, "names": list(keys)}
+    host = {n: {k: v for k, v in engine[n].items() if v.dim() == 0} for n in engine}
+    return {"ok": True, "names": list(keys), "host": host}
 
 
 def _bind(ns: dict, saved: dict, keys: dict, sd: dict, made: dict) -> None:

@@ -231,9 +231,10 @@ def _problem(e: BaseException, doing: str) -> tuple:
 # ------------------------------------------------------------------ save
 
 
-def save(ns: dict, names: tuple, path: str, tmp: str, group) -> dict:
+def save(ns: dict, names: tuple, path: str, tmp: str, group, engine: dict | None = None) -> dict:
     """Write ``names`` to ``tmp`` with DCP, then (the mesh's first rank) put it at
-    ``path``, replacing what was there only once the new one is whole."""
+    ``path``, replacing what was there only once the new one is whole. ``engine``:
+    name -> the state dict of a tensor engine module (its shards, here)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -253,6 +254,10 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group) -> dict:
                 "device": _device(ns[n]),
             }
             digests[n] = _digest(state)
+        for n, state in (engine or {}).items():
+            states[n] = state
+            entries[n] = {"kind": "engine", "rebuild": None, "module": None, "device": "cpu"}
+            digests[n] = _digest(state)
     except Exception as e:
         problem = ("NameError" if isinstance(e, NameError) else "RuntimeError", str(e))
     gathered = _agree({"problem": problem, "digests": digests}, group)
@@ -261,7 +266,7 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group) -> dict:
         return {"error": problem}
     world = len(gathered)
     sd = {}
-    for n in names:
+    for n in states:
         per_rank = len({g["digests"][n] for g in gathered}) > 1
         entries[n]["per_rank"] = per_rank
         sd[f"{n}@rank{me}" if per_rank else n] = states[n]
@@ -280,7 +285,7 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group) -> dict:
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return {"error": ("OSError", f"putting the checkpoint at {path} failed: {e}")}
-    return {"ok": True, "per_rank": [n for n in names if entries[n]["per_rank"]]}
+    return {"ok": True, "per_rank": [n for n in states if entries[n]["per_rank"]]}
 
 
 def _device(v) -> str:
