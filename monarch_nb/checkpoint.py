@@ -53,7 +53,8 @@ def _names(names, what: str) -> tuple:
 
 
 def _group(mesh: DeviceMesh):
-    return mesh.process_group(tuple(mesh.dims))
+    """The mesh's own process group (None for one rank without dims: no collectives)."""
+    return mesh.process_group(tuple(mesh.dims)) if mesh.dims else None
 
 
 def _engine(mesh: DeviceMesh, modules: dict, what: str) -> dict:

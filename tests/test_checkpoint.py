@@ -170,25 +170,32 @@ def test_full_disk_leaves_the_old_checkpoint(mesh, tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_resharding_dp2_to_dp1(mesh, tmp_path):
+def test_resharding_dp4_to_dp2(mesh, tmp_path):
     path = str(tmp_path / "ck")
-    mesh.exec(FSDP).fetch()
-    mesh.exec("x = torch.arange(4.0) + rank\nsteps = [7]").fetch()
-    want = mesh.exec(FULL).fetch(rank=0)
-    mesh.save(path, "net", "nopt", "x", "steps")
-    one = mnb.local_mesh(dp=1, name="one")
+    four = mnb.local_mesh(dp=4, name="four")
     try:
-        one.exec(FSDP.replace("torch.manual_seed(1)", "torch.manual_seed(2)")).fetch()
-        assert not same(one.exec(FULL).fetch(rank=0)[0], want[0])
-        with pytest.raises(ValueError, match="'x' differed across the 2 ranks .* cannot go onto 1 ranks"):
-            one.load(path)
-        assert sorted(one.load(path, "net", "nopt", "steps")) == ["net", "nopt", "steps"]
-        got = one.exec(FULL).fetch(rank=0)
-        assert same(got, want)
-        assert one.exec("steps").fetch(rank=0) == [7]
-        assert one.exec("isinstance(net[0].weight, DTensor)").fetch(rank=0)
+        four.exec(FSDP).fetch()
+        four.exec("x = torch.arange(4.0) + rank\nsteps = [7]").fetch()
+        want = four.exec(FULL).fetch(rank=0)
+        four.save(path, "net", "nopt", "x", "steps")
     finally:
-        one.shutdown()
+        four.shutdown()
+    mesh.exec(FSDP.replace("torch.manual_seed(1)", "torch.manual_seed(2)")).fetch()
+    assert not same(mesh.exec(FULL).fetch(rank=0)[0], want[0])
+    with pytest.raises(ValueError, match="'x' differed across the 4 ranks .* cannot go onto 2 ranks"):
+        mesh.load(path)
+    assert sorted(mesh.load(path, "net", "nopt", "steps")) == ["net", "nopt", "steps"]
+    got = mesh.exec(FULL).fetch()
+    assert same(got[0], want) and same(got[1], want)
+    assert mesh.exec("steps").fetch() == [[7], [7]]
+    assert mesh.exec("isinstance(net[0].weight, DTensor)").fetch(rank=0)
+    # a slice of the mesh saves and loads over its own ranks
+    one = mesh.slice(dp=1)
+    one.exec("solo = torch.full((2,), 5.0)").fetch()
+    one.save(str(tmp_path / "solo"), "solo")
+    one.exec("solo = None").fetch()
+    assert one.load(str(tmp_path / "solo")) == ["solo"]
+    assert one.exec("solo.tolist()").fetch() == [[5.0, 5.0]]
 
 
 def test_restart_restore_gives_fresh_workers_with_the_state(mesh, tmp_path):
@@ -253,3 +260,25 @@ def test_a_tensor_engine_module_saved_and_loaded_in_place(mesh, tmp_path):
         mesh.load(path, net=other)
     with pytest.raises(TypeError, match="net= takes a module of mesh tensors"):
         mesh.save(path, net=3)
+
+
+@pytest.mark.kernel
+def test_restart_restore_magic(tmp_path):
+    from kernel_helpers import errors, mesh_kernel, plain, stream
+
+    path = str(tmp_path / "ck")
+    (tmp_path / "kernel").mkdir()
+    with mesh_kernel(tmp_path / "kernel") as k:
+        k.ok("%%monarch\nkept = [rank, 'kept']\nmodel = torch.nn.Linear(2, 2)")
+        want = k.value("mnb.get_mesh('default').exec('model.weight.tolist()').fetch()")
+        k.ok(f"mnb.get_mesh('default').save({path!r}, 'kept', 'model')")
+        reply, msgs = k.run("%monarch_mesh --restore " + path)
+        assert reply["content"]["status"] == "error" and not errors(msgs)
+        assert "--restore PATH goes with --restart" in stream(msgs, "stderr")
+        old = k.value("sorted(mnb.get_mesh('default')._controller.worker_pids().values())")
+        k.ok(f"%monarch_mesh --restart --restore {path}", timeout=120)
+        new = k.value("sorted(mnb.get_mesh('default')._controller.worker_pids().values())")
+        assert not set(old) & set(new)
+        _, msgs = k.run("%%monarch\nkept")
+        assert plain(msgs) == ["[rank 0] [0, 'kept']", "[rank 1] [1, 'kept']"]
+        assert k.value("mnb.get_mesh('default').exec('model.weight.tolist()').fetch()") == want

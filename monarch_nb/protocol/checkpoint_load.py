@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import warnings
 
-from .checkpoint_ops import INFO, _agree, _first, _kind, _owner, _problem
+from .checkpoint_ops import INFO, _agree, _first, _kind, _owner, _problem, quiet, where
 
 
 def info(path: str) -> dict:
@@ -41,8 +40,7 @@ def _read(path: str) -> tuple:
              f"load it with torch.distributed.checkpoint.load")
         )
     box = {INFO: b""}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore")
+    with quiet(None):
         dcp.load(box, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return pickle.loads(box[INFO]), md
 
@@ -190,11 +188,10 @@ def load(ns: dict, path: str, names, group, engine: dict | None = None) -> dict:
     """Load ``names`` (all the checkpoint's when None) from ``path`` into ``ns``;
     ``engine``: name -> the state dict of a tensor engine module, loaded in place
     (its shards, here; the values of its host tensors are returned)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    me, world = dist.get_rank(group), dist.get_world_size(group)
+    me, world = where(group)
     problem, sd, keys, made = None, {}, {}, {}
     try:
         saved, md = _read(path)
@@ -237,7 +234,9 @@ def load(ns: dict, path: str, names, group, engine: dict | None = None) -> dict:
     if problem is not None:
         return {"error": problem}
     try:
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(path), process_group=group)
+        reader = dcp.FileSystemReader(path)
+        with quiet(group):
+            dcp.load(sd, storage_reader=reader, process_group=group, no_dist=group is None)
     except (Exception, CheckpointException) as e:
         return {"error": _problem(e, f"reading {path} failed")}
     _bind(ns, saved, keys, sd, made)

@@ -16,10 +16,12 @@ plain module or optimizer on fresh workers).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
 import shutil
+import warnings
 
 INFO = "__monarch_nb__"
 VERSION = 1
@@ -205,10 +207,29 @@ def _digest(value) -> str:
     return h.hexdigest()
 
 
+def where(group) -> tuple:
+    """(this rank's index, the ranks): in ``group``, or (0, 1) for a mesh of one
+    rank and no dims (``group`` None: DCP runs without collectives)."""
+    import torch.distributed as dist
+
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+@contextlib.contextmanager
+def quiet(group):
+    """Without a group, DCP's "assuming the intent is to ... in a single process" unsaid."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
 def _agree(mine: dict, group) -> list:
     """Every rank's ``mine``, in group order, on every rank."""
     import torch.distributed as dist
 
+    if group is None:
+        return [mine]
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, mine, group=group)
     return out
@@ -239,7 +260,7 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group, engine: dict | None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    me = dist.get_rank(group)
+    me = where(group)[0]
     problem, states, entries, digests = None, {}, {}, {}
     try:
         for n in names:
@@ -273,7 +294,8 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group, engine: dict | None
     sd[INFO] = pickle.dumps({"version": VERSION, "world": world, "names": entries})
     try:
         writer = dcp.FileSystemWriter(tmp, overwrite=False)
-        dcp.save(sd, storage_writer=writer, process_group=group)
+        with quiet(group):
+            dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
     except (Exception, CheckpointException) as e:
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)
