@@ -25,7 +25,7 @@ _info = remote(checkpoint_load.info)
 _ERRORS = {
     "OSError": OSError,
     "NameError": NameError,
-    "KeyError": KeyError,
+    "LookupError": LookupError,
     "ValueError": ValueError,
     "FileNotFoundError": FileNotFoundError,
     "RuntimeError": RuntimeError,
@@ -188,8 +188,14 @@ def contents(mesh: DeviceMesh, path, timeout: float | None = None) -> dict:
 
 def restart_and_load(mesh: DeviceMesh, path, timeout: float | None = None) -> list:
     """``mesh.restart(restore=path)``: the path checked first (a restart that could
-    not restore would lose the state for nothing), then fresh workers, then load."""
-    contents(mesh, path, timeout)
+    not restore would lose the state for nothing: by the workers, or here when they
+    are gone), then fresh workers, then load."""
+    if mesh.alive:
+        contents(mesh, path, timeout)
+    else:
+        full = _path(path, "restart(restore=...)")
+        if not os.path.exists(full):
+            raise FileNotFoundError(f"no checkpoint at {full}: it does not exist")
     start = time.monotonic()
     mesh._controller.restart()
     left = None if timeout is None else max(1.0, timeout - (time.monotonic() - start))

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
 import torch
+from wait_helpers import wait_for
 
 import monarch_nb as mnb
 from monarch_nb import config
@@ -93,7 +95,7 @@ def test_round_trip_is_exact(mesh, tmp_path):
     mesh.exec("steps = None").fetch()
     assert mesh.load(path, "steps") == ["steps"]
     assert mesh.exec("steps").fetch() == [[4], [4]]
-    with pytest.raises(KeyError, match="not in the checkpoint at .*: model"):
+    with pytest.raises(LookupError, match="not in the checkpoint at .*: model"):
         mesh.load(path, "model")
 
 
@@ -137,6 +139,10 @@ def test_bad_input_is_refused_and_nothing_is_lost(mesh, tmp_path):
     mesh.exec("with torch.no_grad():\n    [p.zero_() for p in model.parameters()]").fetch()
     mesh.load(path)
     assert same(mesh.exec("model.state_dict()").fetch(), [b[0] for b in before])
+    mesh.exec("import threading\nlock = threading.Lock()").fetch()
+    with pytest.raises(RuntimeError, match="'lock' cannot be saved: TypeError: cannot pickle"):
+        mesh.save(str(tmp_path / "lock"), "lock")
+    assert not os.path.exists(tmp_path / "lock")
     with pytest.raises(ValueError, match="not a variable name"):
         mesh.save(path, "not a name")
     with pytest.raises(ValueError, match="needs the names"):
@@ -175,9 +181,13 @@ def test_resharding_dp4_to_dp2(mesh, tmp_path):
     four = mnb.local_mesh(dp=4, name="four")
     try:
         four.exec(FSDP).fetch()
-        four.exec("x = torch.arange(4.0) + rank\nsteps = [7]").fetch()
+        four.exec(
+            "from torch.distributed.tensor import Shard, distribute_tensor\n"
+            "d = distribute_tensor(torch.arange(12.0).reshape(6, 2), net[0].weight.device_mesh, [Shard(0)])\n"
+            "x = torch.arange(4.0) + rank\nsteps = [7]"
+        ).fetch()
         want = four.exec(FULL).fetch(rank=0)
-        four.save(path, "net", "nopt", "x", "steps")
+        four.save(path, "net", "nopt", "x", "steps", "d")
     finally:
         four.shutdown()
     mesh.exec(FSDP.replace("torch.manual_seed(1)", "torch.manual_seed(2)")).fetch()
@@ -189,6 +199,11 @@ def test_resharding_dp4_to_dp2(mesh, tmp_path):
     assert same(got[0], want) and same(got[1], want)
     assert mesh.exec("steps").fetch() == [[7], [7]]
     assert mesh.exec("isinstance(net[0].weight, DTensor)").fetch(rank=0)
+    # a DTensor where no DTensor is defined: the full tensor
+    assert mesh.load(path, "d") == ["d"]
+    assert mesh.exec("type(d).__name__, d.tolist()").fetch(rank=1) == (
+        "Tensor", torch.arange(12.0).reshape(6, 2).tolist()
+    )
     # a slice of the mesh saves and loads over its own ranks
     one = mesh.slice(dp=1)
     one.exec("solo = torch.full((2,), 5.0)").fetch()
@@ -213,6 +228,12 @@ def test_restart_restore_gives_fresh_workers_with_the_state(mesh, tmp_path):
     # the rebuilt optimizer drives the rebuilt model
     mesh.exec("model(torch.ones(1, 4)).sum().backward(); opt.step()").fetch()
     assert not same(mesh.exec("model.state_dict()").fetch(), [b[0] for b in before])
+    # after a crash: the mesh is broken, the restore brings it back with the state
+    victim = mesh._controller.worker_pids()[1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not mesh.alive, 30, "the mesh to notice the crash")
+    mesh.restart(restore=path)
+    assert same(mesh.exec(STATE).fetch(), before)
 
 
 def test_a_big_save_shows_a_progress_bar(mesh, tmp_path, capfd):

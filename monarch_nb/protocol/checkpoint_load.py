@@ -201,7 +201,7 @@ def load(ns: dict, path: str, names, group, engine: dict | None = None) -> dict:
         unknown = [n for n in chosen if n not in saved["names"]]
         if unknown:
             raise _Refused(
-                ("KeyError", f"not in the checkpoint at {path}: {', '.join(unknown)} "
+                ("LookupError", f"not in the checkpoint at {path}: {', '.join(unknown)} "
                  f"(it holds {', '.join(saved['names'])})")
             )
         # modules before optimizers: an optimizer rebuilt needs its module

@@ -266,7 +266,10 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group, engine: dict | None
         for n in names:
             if n not in ns:
                 raise NameError(f"name {n!r} is not defined on rank {dist.get_rank()}")
-            state, rebuild, owner = _state(ns, n, names)
+            try:
+                state, rebuild, owner = _state(ns, n, names)
+            except Exception as e:
+                raise RuntimeError(f"{n!r} cannot be saved: {type(e).__name__}: {e}") from e
             states[n] = state
             entries[n] = {
                 "kind": _kind(ns[n]),
