@@ -10,7 +10,8 @@ from ..controller.replies import print_output
 from ..protocol import messages as m
 from ..protocol.ndslice import NDSlice
 from ..protocol.wire import RefUseError, function_ref, pack_args
-from . import context
+from . import checkpoint, context
+from .checkpoint import MeshCheckpoints
 from .completion import MeshShell
 from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
 from .insight import MeshInsight
@@ -19,7 +20,7 @@ from .pipe import Pipe
 from .remote import ProcessGroup
 
 
-class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
+class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, MeshCheckpoints, BaseMesh):
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
     def __init__(
@@ -326,10 +327,14 @@ class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, BaseMesh):
                 f"(ranks {list(self.ranks)}): call it on mnb.get_mesh({self.name!r})"
             )
 
-    def restart(self) -> None:
+    def restart(self, restore=None) -> None:
         """Fresh workers on every rank; Refs of the old generation become invalid.
-        (A slice refuses: its workers are its mesh's.)"""
+        ``restore=PATH``: then load the checkpoint at PATH (``mesh.load``), which is
+        checked before the old workers go. (A slice refuses: its workers are its mesh's.)"""
         self._whole("restart()")
+        if restore is not None:
+            checkpoint.restart_and_load(self, restore)
+            return
         self._controller.restart()
 
     def shutdown(self) -> None:

@@ -92,6 +92,11 @@ def mesh_parser() -> Parser:
         help="where the mesh's dashboard shows: under the cell (default), docked in "
         "JupyterLab's side area (the sidecar package), or nowhere (a status line)",
     )
+    p.add_argument(
+        "--restore",
+        metavar="PATH",
+        help="with --restart: load the checkpoint at PATH (mesh.save) into the fresh workers",
+    )
     action = p.add_mutually_exclusive_group()
     action.add_argument(
         "--restart", action="store_true", help="fresh workers for the mesh (--name or active)"

@@ -85,6 +85,8 @@ class MonarchMagics(Magics):
             a = mesh_parser().parse_line(line)
         except HelpShown:
             return None
+        if a.restore is not None and not a.restart:
+            raise UsageError("%monarch_mesh: --restore PATH goes with --restart")
         if a.restart or a.shutdown:
             flag = "--restart" if a.restart else "--shutdown"
             if a.dims or a.backend:
@@ -98,7 +100,7 @@ class MonarchMagics(Magics):
                 self._shutdown(mesh)
                 print(f"mesh {mesh.name!r} shut down")
                 return None
-            mesh.restart()
+            mesh.restart(restore=a.restore)
             self.hub.router(mesh)
             self.views.show(mesh, a.dashboard)
             return None
