@@ -242,7 +242,7 @@ def test_profile_refuses_an_unwritable_dir(mesh, tmp_path):
     assert mnb.remote(busy)(1, mesh=mesh).fetch(rank=0) > 0
 
 
-def test_a_simulated_mesh_has_a_timeline_and_refuses_memory_by_name():
+def test_a_simulated_mesh_has_a_timeline_and_refuses_memory_by_name(tmp_path):
     sim = mnb.local_mesh(host=1, gpu=2, simulate=True, name="insight-sim")
     try:
         mnb.remote(nap)(0, mesh=sim)
@@ -253,5 +253,10 @@ def test_a_simulated_mesh_has_a_timeline_and_refuses_memory_by_name():
         assert set(sim._controller.state.timeline.offsets) == {0, 1}
         with pytest.raises(mnb.RemoteError, match="simulated light rank"):
             sim.memory()
+        with pytest.raises(mnb.RemoteError) as ei:  # refused once for all ranks, folded
+            with sim.profile(tmp_path / "sim"):
+                pass
+        assert str(ei.value).count("StartProfile needs torch") == 1, str(ei.value)
+        assert not (tmp_path / "sim" / "trace.json").exists()
     finally:
         sim.shutdown()

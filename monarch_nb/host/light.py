@@ -169,8 +169,8 @@ class LightRank:
     def _refuse_command(self, ident: int, sid: int, result, name: str):
         """Command ``ident`` fails, naming simulate mode; returns its failure."""
         why = (
-            f"rank {self.rank} is a simulated light rank (monarch-nb-host --simulate, on "
-            f"{self.host}): {name} needs torch or a real worker process (collectives, "
+            f"a simulated light rank (monarch-nb-host --simulate): {name} needs torch or a "
+            f"real worker process (collectives, "
             f"tensors, pdb, pipes and recordings are not simulated)"
         )
 
@@ -249,14 +249,15 @@ class LightRank:
         self._send(m.FetchResult(msg.ident, self.rank, time.time(), None))
 
     def on_ReadMemory(self, msg) -> None:  # and the profiler's: a light rank has no torch
-        why = f"rank {self.rank} is a simulated light rank: {type(msg).__name__} needs torch"
+        # no rank in the text: the failures of every rank fold into one (a 1,024-rank mesh)
+        why = f"a simulated light rank: {type(msg).__name__} needs torch"
         failure = m.RemoteFailure("NotImplementedError", why, "")
         self._send(m.FetchResult(msg.ident, self.rank, None, failure))
 
     on_StartProfile = on_StopProfile = on_ReadMemory
 
     def on_Complete(self, msg) -> None:  # and Inspect: a light rank has no IPython shell
-        why = f"rank {self.rank} is a simulated light rank: it has no IPython shell"
+        why = "a simulated light rank: it has no IPython shell"
         failure = m.RemoteFailure("NotImplementedError", why, "")
         self._send(m.FetchResult(msg.ident, self.rank, None, failure))
 
