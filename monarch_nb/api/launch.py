@@ -9,6 +9,7 @@ from .. import config
 from ..controller import Controller
 from ..launchers import default_launcher
 from ..launchers.host_agent import warm_local_agent
+from ..launchers.kubernetes import k8s_manifest  # noqa: F401 - the API's name for it
 from ..protocol.ndslice import NDSlice
 from . import context
 from .mesh import DeviceMesh
@@ -213,43 +214,3 @@ def slurm_mesh(
     mesh.slurm_job = launcher.job.id if launcher.job is not None else None
     return mesh
 
-
-def k8s_manifest(
-    path: str | None = None,
-    *,
-    nodes: int,
-    ranks_per_node: int,
-    image: str,
-    name: str = "monarch-nb",
-    namespace: str | None = None,
-    secret: str | None = None,
-    gpus: int | None = None,
-    cpus: int | None = None,
-    env: dict | None = None,
-    heartbeat_timeout: float | None = None,
-) -> str:
-    """The Kubernetes manifest of a mesh's host agents, as YAML (written to ``path``
-    too when given): a headless Service ``name`` and an indexed Job ``name`` of
-    ``nodes`` pods, each running ``monarch-nb-host --connection-file ...
-    --local-ranks ranks_per_node --node-rank $(JOB_COMPLETION_INDEX)`` in ``image``
-    (which has this monarch_nb release and torch), with ``gpus`` GPUs (a rank each)
-    and ``cpus`` CPUs (default ``ranks_per_node``) per pod and ``env`` set. The
-    mesh's connection file (its address and key) comes from the Secret ``secret``
-    (default ``NAME-connection``), mounted read-only: make it from the file that
-    ``connect_mesh(world=nodes * ranks_per_node, interface="0.0.0.0",
-    connection_file=F)`` writes with ``kubectl create secret generic SECRET
-    --from-file=connection.json=F``, then ``kubectl apply -f`` the manifest."""
-    import yaml
-
-    from ..launchers.kubernetes import manifest_objects
-
-    objects = manifest_objects(
-        nodes=nodes, ranks_per_node=ranks_per_node, image=image, name=name,
-        namespace=namespace, secret=secret, gpus=gpus, cpus=cpus, env=env,
-        heartbeat_timeout=heartbeat_timeout,
-    )  # fmt: skip
-    text = yaml.safe_dump_all(objects, sort_keys=False)
-    if path is not None:
-        with open(path, "w") as f:
-            f.write(text)
-    return text

@@ -22,17 +22,7 @@ def _positive(what: str, n) -> int:
 
 
 def manifest_objects(
-    *,
-    nodes: int,
-    ranks_per_node: int,
-    image: str,
-    name: str = "monarch-nb",
-    namespace: str | None = None,
-    secret: str | None = None,
-    gpus: int | None = None,
-    cpus: int | None = None,
-    env: dict | None = None,
-    heartbeat_timeout: float | None = None,
+    nodes, ranks_per_node, image, name, namespace, secret, gpus, cpus, env, heartbeat_timeout
 ) -> list[dict]:
     """The Service and the Job, as dicts (``k8s_manifest`` documents the arguments)."""
     _positive("nodes", nodes)
@@ -111,3 +101,39 @@ def secret_command(secret: str, connection_file: str, namespace: str | None = No
     """The kubectl line that makes the Secret from the mesh's connection file."""
     ns = f" -n {namespace}" if namespace else ""
     return f"kubectl{ns} create secret generic {secret} --from-file={FILE_KEY}={connection_file}"
+
+
+def k8s_manifest(
+    path: str | None = None,
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    image: str,
+    name: str = "monarch-nb",
+    namespace: str | None = None,
+    secret: str | None = None,
+    gpus: int | None = None,
+    cpus: int | None = None,
+    env: dict | None = None,
+    heartbeat_timeout: float | None = None,
+) -> str:
+    """The Kubernetes manifest of a mesh's host agents, as YAML (written to ``path``
+    too when given): a headless Service ``name`` and an indexed Job ``name`` of
+    ``nodes`` pods, each running ``monarch-nb-host --connection-file ...
+    --local-ranks ranks_per_node --node-rank $(JOB_COMPLETION_INDEX)`` in ``image``
+    (which has this monarch_nb release and torch), with ``gpus`` GPUs (a rank each)
+    and ``cpus`` CPUs (default ``ranks_per_node``) per pod and ``env`` set. The
+    mesh's connection file (its address and key) comes from the Secret ``secret``
+    (default ``NAME-connection``), mounted read-only: make it from the file that
+    ``connect_mesh(world=nodes * ranks_per_node, interface="0.0.0.0",
+    connection_file=F)`` writes with ``kubectl create secret generic SECRET
+    --from-file=connection.json=F``, then ``kubectl apply -f`` the manifest."""
+    options = {k: v for k, v in locals().items() if k != "path"}  # the keywords, as given
+    import yaml
+
+    objects = manifest_objects(**options)
+    text = yaml.safe_dump_all(objects, sort_keys=False)
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text)
+    return text
