@@ -190,6 +190,37 @@ def test_memory_cuda_counters_and_snapshot(tmp_path):
             assert os.path.getsize(v["snapshot"]) > 0 and v["snapshot"].endswith(f"rank{r}.pickle")
 
 
+def raise_oom():
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def oom_on_rank_1(gb):
+    if mnb.current_rank() == 1:
+        torch.empty(int(gb * 2**30), dtype=torch.uint8, device="cuda")
+    return mnb.current_rank()
+
+
+def test_an_out_of_memory_error_names_the_rank_and_tries_its_memory_summary(mesh):
+    # on CPU the error itself is real (torch.cuda.OutOfMemoryError), the summary is not
+    with pytest.raises(torch.cuda.OutOfMemoryError) as ei:
+        mnb.remote(raise_oom)(mesh=mesh.slice(dp=1)).fetch(rank=1)
+    text = str(ei.value)
+    assert "rank 1" in text and "no memory summary of this rank's GPU" in text, text
+    assert mnb.remote(busy)(1, mesh=mesh).fetch(rank=0) > 0  # the mesh serves on
+
+
+@pytest.mark.gpu
+def test_a_cuda_oom_shows_the_ranks_memory_summary():
+    with mnb.local_mesh(gpu=2) as gmesh:
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        with pytest.raises(torch.cuda.OutOfMemoryError) as ei:
+            mnb.remote(oom_on_rank_1)(total * 2, mesh=gmesh).fetch()
+        text = str(ei.value)
+        assert "rank 1" in text and "when it ran out of memory" in text, text
+        assert "memory summary" in text.lower()
+        assert mnb.remote(oom_on_rank_1)(0, mesh=gmesh).fetch() == [0, 1]
+
+
 # ---------------------------------------------------------------- profiler
 
 

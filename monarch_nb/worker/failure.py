@@ -66,8 +66,27 @@ def describe(e: BaseException) -> RemoteFailure:
         message = str(e)
     except Exception:
         message = "<unprintable exception>"
+    summary = oom_summary(e)
+    if summary:
+        text += summary
     t = type(e)
     module, qualname = getattr(t, "__module__", None), getattr(t, "__qualname__", None)
     if type(module) is not str or type(qualname) is not str:
         module = qualname = ""  # a type that lies about its names: report the name only
     return RemoteFailure(t.__name__, message, text, module, qualname)
+
+
+def oom_summary(e: BaseException) -> str:
+    """For a CUDA out-of-memory error: this rank's memory, the caching allocator's
+    summary of the device it ran on (``torch.cuda.memory_summary``), to put under
+    its traceback; "" for any other error, or when the summary cannot be made."""
+    torch = sys.modules.get("torch")
+    oom = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    if oom is None or not isinstance(e, oom):
+        return ""
+    try:
+        device = torch.cuda.current_device()
+        summary = torch.cuda.memory_summary(device, abbreviated=True)
+    except Exception as why:  # a broken context must not break the report
+        return f"\n(no memory summary of this rank's GPU: {why})\n"
+    return f"\nthis rank's GPU {device} when it ran out of memory:\n{summary}"
