@@ -264,6 +264,16 @@ def test_a_profiled_block_that_fails_keeps_the_trace_of_what_ran(mesh, tmp_path,
     assert again.summary is not None
 
 
+def test_profile_of_a_tensor_engine_block(mesh, tmp_path):
+    with mesh.profile(tmp_path / "engine") as prof:
+        with mesh.activate():
+            x = torch.ones(64, 64)
+            for _ in range(5):
+                x = x @ x / 64
+    trace = (tmp_path / "engine" / "trace.json").read_text()
+    assert "aten::mm" in trace and set(prof.summary["ranks"]) == {0, 1}
+
+
 def test_profile_refuses_an_unwritable_dir(mesh, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
