@@ -158,6 +158,13 @@ def test_display_publishes_the_mime_bundle(mesh):
     assert [d["text/plain"] for d in got[0]["displays"]] == ["'second'", "'kept'"]
 
 
+def test_a_clear_in_a_script_prints_nothing(mesh, capfd):
+    cell(mesh, "from IPython.display import clear_output\nprint('one')\nclear_output(wait=True)\nprint('two')")
+    mesh.wait()
+    out = capfd.readouterr()
+    assert "wait" not in out.out + out.err and "[rank 1] two" in out.out, out
+
+
 def test_matplotlib_inline_and_figures_through_display(mesh):
     got = cell(
         mesh,
@@ -265,3 +272,63 @@ def test_a_shell_command_that_never_ends_stops_on_interrupt(k, args):
     assert "after the command" in stream(msgs)
     reply, msgs = monarch(k, "!pgrep -f 'sleep 102[7]' || echo none left", args)
     assert "none left" in ANSI.sub("", stream(msgs)), text(msgs)
+
+
+def _frontend(msgs) -> str:
+    """What a Jupyter output area shows after ``msgs``: streams appended, displays
+    shown and updated by id, clear_output (wait: at the next output) honoured."""
+    area: list = []  # [display id or None, text]
+    wait = False
+    for m in msgs:
+        kind, c = m["msg_type"], m["content"]
+        if kind == "clear_output":
+            if c["wait"]:
+                wait = True
+            else:
+                area.clear()
+            continue
+        if kind not in ("stream", "display_data", "update_display_data", "execute_result"):
+            continue
+        if wait and kind != "update_display_data":
+            area.clear()
+            wait = False
+        did = c.get("transient", {}).get("display_id") if kind != "stream" else None
+        text = c["text"] if kind == "stream" else c["data"].get("text/plain", "") + "\n"
+        if kind == "update_display_data":
+            for entry in area:
+                if entry[0] == did:
+                    entry[1] = text
+        else:
+            area.append([did, text])
+    return "".join(t for _, t in area)
+
+
+@pytest.mark.kernel
+def test_clear_output_wait_in_a_loop_keeps_only_each_ranks_latest_lines(k):
+    body = (
+        "from IPython.display import clear_output\nimport time\nprint('before')\n"
+        "for i in range(6):\n    clear_output(wait=True)\n    print(f'step {i} of rank {rank}')\n"
+        "    time.sleep(0.15)"
+    )
+    reply, msgs = monarch(k, body)
+    assert reply["content"]["status"] == "ok", text(msgs)
+    shown = _frontend(msgs)
+    assert "[rank 0] step 5 of rank 0" in shown and "[rank 1] step 5 of rank 1" in shown, shown
+    assert "step 4" not in shown and "before" not in shown, shown
+    assert sum(m["msg_type"] == "clear_output" for m in msgs) == 1  # once; the rest is redrawn
+
+
+@pytest.mark.kernel
+def test_clear_output_clears_only_its_own_ranks_lines(k):
+    body = (
+        "from IPython.display import clear_output\nprint('first', flush=True)\n"
+        "if rank == 0:\n    clear_output()\nprint('second')"
+    )
+    reply, msgs = monarch(k, body)
+    assert reply["content"]["status"] == "ok", text(msgs)
+    shown = _frontend(msgs)
+    assert "[rank 1] first" in shown and "second" in shown, shown
+    assert "[rank 0] first" not in shown and "[ranks 0-1] first" not in shown, shown
+    # the next cell starts clean: no clear carries over
+    reply, msgs = monarch(k, "print('third')")
+    assert stream(msgs) == "[ranks 0-1] third\n", text(msgs)

@@ -238,7 +238,10 @@ def _source_fd(frames):
 
 
 def print_output(msg: m.Output) -> None:
-    """Default output handler (scripts, tests): each line prefixed ``[rank r]``."""
+    """Default output handler (scripts, tests): each line prefixed ``[rank r]``; a
+    rank's clear_output() (the output name "clear") clears nothing in a terminal."""
+    if msg.name == "clear":
+        return
     out = sys.stdout if msg.name == "stdout" else sys.stderr
     text = msg.text
     lines = text.splitlines(keepends=True)

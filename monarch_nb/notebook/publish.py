@@ -85,6 +85,11 @@ class Publisher:
         content = {"data": data, "metadata": {}, "transient": {"display_id": display_id}}
         self._send("update_display_data", content, parent, b"update_display_data")
 
+    def clear_output(self, parent, wait: bool = True) -> None:
+        """``clear_output`` of the cell under ``parent`` (in a kernel; else nothing)."""
+        if self.kernel is not None:
+            self._send("clear_output", {"wait": wait}, parent, b"clear_output")
+
     def error(self, parent, ename: str, evalue: str, traceback: list[str]) -> None:
         if self.kernel is None:
             sys.__stderr__.write("\n".join(traceback) + "\n")

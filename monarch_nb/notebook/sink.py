@@ -9,6 +9,12 @@ bytes wait in a sink (beyond that a ``[... N bytes of output dropped ...]``
 line stands where lines were dropped); a cell publishes at most CELL_CAP bytes
 as stream text, after which the live display keeps the latest lines of every
 rank to the end of the cell, with a notice of how much was elided.
+
+``clear_output()`` on a rank (an output event named CLEAR) clears that rank's
+part of the cell, as Jupyter clears a cell: the cell's output leaves the
+frontend once, and from then on the live display draws each rank's *screen*,
+the lines it printed since its last clear (``wait=True``: cleared when it next
+prints), equal screens folded.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from .live import LIVE_AFTER, LiveDisplay, Tails, compact, finished, fold_rows
 from .publish import Publisher
 
 HOLD = 0.3  # seconds a line waits for the same line from the other ranks
+CLEAR = "clear"  # the output name of a rank's clear_output() (text: "wait" or "now")
+SCREEN_LINES = 200  # lines kept per rank after a clear (and before it, to draw them)
 PENDING_CAP = 1 << 20  # per sink: beyond this, incoming output is dropped (above CELL_CAP:
 # a cell keeps its latest lines past its cap instead, only the ambient sink sheds)
 CELL_CAP = 512 << 10  # per cell: stream bytes published before only the latest lines show
@@ -66,6 +74,10 @@ class CellSink:
         self._live = LiveDisplay(publisher, parent)
         self._live_dirty = False
         self._live_names: set[str] = set()  # stream names with rows in the live display
+        self._history: dict[int, deque] = {}  # each rank's latest lines, until a clear
+        self._screens: dict[int, deque] | None = None  # after a clear: each rank's lines
+        self._clear_waits: set[int] = set()  # ranks cleared when they next print
+        self._clear_frontend = False  # the cell's output is to leave the frontend
         self.published = 0  # bytes of text published
         self.dropped = 0  # bytes dropped in all
         self.messages = 0  # stream messages published
@@ -77,6 +89,12 @@ class CellSink:
             return
         now = time.monotonic()
         with self.lock:
+            if name == CLEAR:
+                self._clear(rank, text == "wait")
+                return
+            if rank in self._clear_waits:
+                self._clear_waits.discard(rank)
+                self._screens[rank] = deque()
             queues = self._queues.setdefault(name, {})
             if rank not in queues:
                 queues[rank] = deque()
@@ -98,8 +116,34 @@ class CellSink:
                 self._partial_bytes += len(rest)
             self._live_dirty = True
 
+    def _clear(self, rank: int, wait: bool) -> None:
+        """Rank ``rank`` cleared its output (in a kernel: elsewhere nothing is redrawn)."""
+        if self.ranks is None or not getattr(self.publisher, "in_kernel", False):
+            return
+        if self._screens is None:  # the first clear: what is queued is drawn, not published
+            for queues in self._queues.values():
+                for r, q in queues.items():
+                    for line in q:
+                        if not line.dropped:
+                            self._history.setdefault(r, deque(maxlen=SCREEN_LINES)).append(line.text)
+                    q.clear()
+                self._counts = {n: {r: Counter() for r in qs} for n, qs in self._queues.items()}
+            self._pending = 0
+            self._screens = {r: deque(h, maxlen=SCREEN_LINES) for r, h in self._history.items()}
+            self._clear_frontend = True
+        if wait:
+            self._clear_waits.add(rank)
+        else:
+            self._screens[rank] = deque(maxlen=SCREEN_LINES)
+        self._live_dirty = True
+
     def _line(self, name: str, rank: int, t: float, text: str) -> None:
         """One complete line: queued, or past the cap kept among the latest, or shed."""
+        if self._screens is not None:
+            self._screens.setdefault(rank, deque(maxlen=SCREEN_LINES)).append(text)
+            return
+        if self.ranks is not None:
+            self._history.setdefault(rank, deque(maxlen=SCREEN_LINES)).append(text)
         if self._tails is not None:
             self._tails.add(name, rank, text)
             return
@@ -170,6 +214,33 @@ class CellSink:
             self._partial_bytes = 0
             self._emit(self._collect(now, True, 0), now, True)
 
+    def _screen_rows(self) -> list[str]:
+        """After a clear: each rank's screen and its line in progress, equal ones folded."""
+        screens = {r: list(lines) for r, lines in self._screens.items()}
+        for partials in self._partial.values():
+            for r, (_, rest) in partials.items():
+                if finished(rest) and r not in self._clear_waits:
+                    screens.setdefault(r, []).append(finished(rest))
+        return fold_rows({r: tuple(lines) for r, lines in screens.items() if lines})
+
+    def _emit_screens(self, final: bool) -> int:
+        """Draw the screens in the live display (after the frontend cleared the cell)."""
+        live, sent = self._live, 0
+        if self._clear_frontend:
+            self.publisher.clear_output(self.parent, wait=True)
+            live.release()
+            self._clear_frontend, sent = False, 1
+        if not (self._live_dirty or final):
+            return sent
+        self._live_dirty = False
+        text = "\n".join(self._screen_rows())
+        if live.shown:
+            return sent + live.update(text)
+        if text:
+            live.show(text)
+            sent += 1
+        return sent
+
     def _live_rows(self) -> list[str]:
         rows = self._tails.rows() if self._tails is not None else []
         for name in sorted(self._partial, key=lambda n: (n != "stdout", n)):
@@ -183,6 +254,8 @@ class CellSink:
     def _emit(self, texts: dict, now: float, final: bool) -> int:
         """Publish ``texts`` (stream name -> text) and bring the live display up to date."""
         live = self._live
+        if self._screens is not None:
+            return self._emit_screens(final) + self._publish(texts)
         if not getattr(self.publisher, "in_kernel", False):  # no displays to redraw
             sent = self._publish(texts)
             if final and self._tails is not None:

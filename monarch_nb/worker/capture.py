@@ -23,6 +23,17 @@ def set_outbox(outbox) -> None:
     _current.outbox = outbox
 
 
+CLEAR = "clear"  # the output "name" of a clear_output(): text "wait" or "now", in order
+
+
+def mark_clear(wait: bool) -> None:
+    """``clear_output(wait)`` in the running command: an event in its output, in
+    order with its text, which the kernel turns into this rank's clear."""
+    route = _route_here()
+    if route is not None and _child is None:
+        route[0].write(CLEAR, "wait" if wait else "now", route[1])
+
+
 def _route_here() -> tuple | None:
     """(outbox, ident) of the command this thread runs or was started by."""
     outbox = getattr(_current, "outbox", None)

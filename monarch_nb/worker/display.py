@@ -13,6 +13,8 @@ import pprint
 import sys
 import threading
 
+from . import capture
+
 MAX_TEXT = 200_000  # characters of one text repr kept; the rest is dropped with a notice
 MAX_FIGURES = 20  # figures sent per cell and rank
 MAX_DISPLAYS = 100  # display() bundles sent per cell and rank; later ones are dropped
@@ -64,8 +66,10 @@ def publish(data: dict, metadata=None, transient=None, update: bool = False) -> 
         displays.append(bundle)
 
 
-def clear_output() -> None:
-    """``clear_output()`` in a cell: what it ``display()``ed so far is not shown."""
+def clear_output(wait: bool = False) -> None:
+    """``clear_output()`` in a cell: what it ``display()``ed so far is not shown, and
+    what this rank printed so far leaves the cell (with ``wait``: when it next prints)."""
+    capture.mark_clear(wait)
     displays = getattr(_collecting, "displays", None)
     if displays is not None:
         displays.clear()

@@ -17,7 +17,7 @@ class WorkerDisplayPublisher(DisplayPublisher):
         display.publish(data, metadata, transient, update)
 
     def clear_output(self, wait=False):
-        display.clear_output()
+        display.clear_output(wait)
 
 
 def register_formatters(formatter) -> None:
