@@ -144,7 +144,7 @@ class TaskStream(W.VBox):
         )  # fmt: skip
         self.zoom = W.ToggleButtons(
             options=list(WINDOWS), value="10 s", _dom_classes=("mnb-ts-zoom",),
-            style={"button_width": "72px"}, layout=W.Layout(display="none"),
+            style={"button_width": "72px"},
         )  # fmt: skip
         self.b_stacks = W.Button(
             description="stacks", icon="list", _dom_classes=("mnb-ts-stacks",),
@@ -152,17 +152,19 @@ class TaskStream(W.VBox):
         )  # fmt: skip
         self.view = W.HTML(_dom_classes=("mnb-ts-view",))
         self.stacks = W.HTML(_dom_classes=("mnb-ts-stacks-out",))
-        row = W.HBox([self.toggle, self.zoom, self.b_stacks])
-        super().__init__([row, self.view, self.stacks], _dom_classes=("mnb-ts",))
+        # the zoom is in the row only while the view is open (a narrow panel shows the rest)
+        self.row = W.HBox([self.toggle, self.b_stacks], layout=W.Layout(flex_flow="row wrap"))
+        super().__init__([self.row, self.view, self.stacks], _dom_classes=("mnb-ts",))
         self.toggle.observe(self._toggled, "value")
         self.zoom.observe(lambda _c: self.draw(), "value")
         self.b_stacks.on_click(self._click_stacks)
 
     def widgets(self) -> list:
-        return [self.toggle, self.zoom, self.b_stacks, self.view, self.stacks, *self.children]
+        return [self.toggle, self.zoom, self.b_stacks, self.view, self.stacks, self.row]
 
     def _toggled(self, change) -> None:
-        self.zoom.layout.display = "flex" if change["new"] else "none"
+        shown = [self.toggle, self.zoom, self.b_stacks] if change["new"] else [self.toggle, self.b_stacks]
+        self.row.children = shown
         if not change["new"]:
             self._last = None
             self.view.value = ""
