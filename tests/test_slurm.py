@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from kernel_helpers import Kernel, errors, stream
+from kernel_helpers import Kernel, errors, errors_text, plain, stream
 from slurm_helpers import slurm_cluster
 from wait_helpers import wait_for
 
@@ -284,29 +284,74 @@ def test_the_srun_line_connect_mesh_prints_runs_as_printed(cluster, job_env, cap
              show=cluster.queue)  # fmt: skip
 
 
+def quickstart_cells() -> list[str]:
+    """The code cells of notebooks/01_quickstart.ipynb from its first %%monarch
+    cell to the remote call (not the mesh's start, the plot, the shutdown)."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / "01_quickstart.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    keep = [c for c in cells if not c.startswith(("%load_ext", "%monarch_mesh"))]
+    keep = [c.replace("(dp={dp})", "(hosts={hosts})") for c in keep if "matplotlib" not in c]
+    assert len(keep) == 6, keep
+    return keep
+
+
+class Typist:
+    """Answers each pdb input request with the next line; records the prompts."""
+
+    def __init__(self, kern, answers):
+        self.kern, self.answers, self.prompts = kern, list(answers), []
+
+    def __call__(self, msg):
+        self.prompts.append(msg["content"]["prompt"])
+        self.kern.kc.input(self.answers.pop(0) if self.answers else "continue")
+
+
 @pytest.mark.kernel
-def test_the_magic_runs_a_mesh_on_slurm_and_cancels_it_at_shutdown(cluster, job_env, tmp_path):
-    """``%monarch_mesh --slurm nodes=2 ranks_per_node=1`` in a real kernel, a
-    ``%%monarch`` cell on both nodes, ``--shutdown``: nothing left in squeue; a bad
-    word is a UsageError naming it."""
+def test_the_magic_runs_the_quickstart_on_slurm_and_cancels_it_at_shutdown(
+    cluster, job_env, tmp_path
+):
+    """``%monarch_mesh --slurm nodes=4 ranks_per_node=2`` in a real kernel: the
+    quickstart notebook's cells (data-parallel training over the 8 ranks of 4
+    nodes, gloo across them), a ``breakpoint()`` on rank 5 (node n2) served inline
+    through stdin, ``--shutdown``: nothing left in squeue; a bad word is a
+    UsageError naming it."""
     kern = Kernel(tmp_path)
     try:
-        kern.ok("%load_ext monarch_nb")
+        kern.ok("%load_ext monarch_nb\nimport monarch_nb as mnb")
         _, msgs = kern.run("%monarch_mesh --slurm nodes=2 ranks=1")
         assert not errors(msgs)  # a UsageError: its text on stderr
         assert stream(msgs, "stderr").startswith("UsageError: %monarch_mesh --slurm: unexpected")
         assert "'ranks=1'" in stream(msgs, "stderr")
         kern.ok(
-            f"%monarch_mesh --slurm nodes=2 ranks_per_node=1 time=5:00 --name s2 "
+            f"%monarch_mesh --slurm nodes=4 ranks_per_node=2 time=5:00 --name s4 "
             f"--advertise {job_env['advertise']} --connection-file {job_env['connection_file']} "
             f"--dashboard none",
             timeout=180,
         )
         assert len(cluster.queue()) == 1
         msgs = kern.ok("%%monarch\nimport os\nprint(os.environ['SLURMD_NODENAME'])", timeout=60)
-        out = stream(msgs, "stdout")
-        assert "n0" in out and "n1" in out
-        kern.ok("%monarch_mesh --name s2 --shutdown", timeout=60)
+        assert all(f"[ranks {2 * i}-{2 * i + 1}] n{i}" in stream(msgs) for i in range(4)), stream(msgs)
+        hello, shard, setup, train, pull, remote_call = quickstart_cells()
+        assert "hello from rank 7 of 8 (hosts=3)" in stream(kern.ok(hello, timeout=60))
+        kern.ok(shard, timeout=60)
+        assert "(7, 8, 256)" in "".join(plain(kern.ok(setup, timeout=60)))
+        assert "(3.0, 1.0)" in "".join(plain(kern.ok(train, timeout=180)))
+        assert "in 60 steps" in stream(kern.ok(pull, timeout=60))
+        assert "8000.0" in "".join(plain(kern.ok(remote_call, timeout=60)))
+        # a breakpoint on a rank of node n2, answered at the notebook's stdin
+        typist = Typist(kern, ["p node", "p rank * 10", "continue"])
+        reply, msgs = kern.run(
+            "%%monarch --ranks 5\nimport os\nnode = os.environ['SLURMD_NODENAME']\n"
+            "breakpoint()\nprint('after the breakpoint on', node)",
+            timeout=90, allow_stdin=True, stdin_hook=typist,
+        )  # fmt: skip
+        assert reply["content"]["status"] == "ok", errors_text(msgs)
+        assert typist.prompts[:3] == ["(Pdb r5) "] * 3
+        out = stream(msgs)
+        assert "'n2'" in out and "50" in out and "[rank 5] after the breakpoint on n2" in out
+        kern.ok("%monarch_mesh --name s4 --shutdown", timeout=60)
     finally:
         kern.shutdown()
     wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
