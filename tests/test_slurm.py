@@ -116,7 +116,7 @@ def test_a_bad_partition_shows_slurms_own_message(cluster, job_env):
          r"ranks_per_node=3 asks 3 CPUs per node \(one a rank\), but the nodes of partition "
          r"'debug' have at most 2 CPUs \(sinfo\)"),
         ({"nodes": 1, "ranks_per_node": 1, "gpus": 1}, SlurmError,
-         r"gpus=1 per node, but the nodes of partition 'debug' have at most 0 GPUs \(sinfo\)"),
+         r"gpus=1 per node, but the nodes of partition 'debug' have no GPUs \(sinfo\)"),
         # where sinfo cannot tell (extra places the job), sbatch's own message
         ({"nodes": 1, "ranks_per_node": 1, "extra": ["--cpus-per-task=3"]}, SlurmError,
          "(?s)sbatch refused.*CPU count per node can not be satisfied.*Requested node configuration"),

@@ -114,9 +114,10 @@ def check_fits(name, ranks_per_node, gpus, partition, extra) -> None:
         )
     most = max(_gpus(row[2]) for row in rows)
     if gpus and gpus > most:
+        has = f"at most {most} GPUs" if most else "no GPUs"
         raise SlurmError(
             f"mesh {name!r}: gpus={gpus} per node, but the nodes of partition {part!r} have "
-            f"at most {most} GPUs (sinfo): ask gpus <= {most} or another partition"
+            f"{has} (sinfo): ask " + (f"gpus <= {most}" if most else "no gpus") + " or another partition"
         )
 
 
