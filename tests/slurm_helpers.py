@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from netns_helpers import Net, bridged
@@ -34,6 +34,8 @@ class Cluster:
     dir: str
     nodes: list  # node names, node i in namespace i
     cpus: int  # CPUs per node
+    procs: list = field(default_factory=list)  # the daemons (stopped on the way out)
+    slurmd: dict = field(default_factory=dict)  # node index -> its slurmd's Popen
 
     def env(self) -> dict:
         return {**os.environ, "SLURM_CONF": self.conf}
@@ -52,6 +54,39 @@ class Cluster:
     def node_states(self) -> dict:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %T").stdout
         return dict(line.split() for line in out.splitlines() if line.strip())
+
+    def start_slurmd(self, i: int) -> None:
+        """slurmd of node ``i`` in namespace ``i``. nsenter, not ``ip netns exec``:
+        that remounts /sys, and slurmd wants the host's /sys/fs/cgroup even with its
+        cgroup plugins off."""
+        n = self.nodes[i]
+        os.makedirs(f"{self.dir}/spool-{n}", exist_ok=True)
+        cmd = ["nsenter", f"--net=/run/netns/{self.net.spaces[i]}",
+               "slurmd", "-D", "-N", n, "-f", self.conf]  # fmt: skip
+        p = subprocess.Popen(cmd, env=self.env(), stdout=subprocess.DEVNULL,
+                             stderr=open(f"{self.dir}/slurmd-{n}.err.log", "a"))  # fmt: skip
+        self.procs.append(p)
+        self.slurmd[i] = p
+
+    def power_off(self, i: int) -> list:
+        """Node ``i`` lost as a machine is lost: every process of its namespace
+        (slurmd, slurmstepd, the job's tasks) killed at once. Returns their pids."""
+        out = subprocess.run(["ip", "netns", "pids", self.net.spaces[i]], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        pids = [int(x) for x in out.split()]
+        self.slurmd[i].kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.slurmd[i].wait(10)
+        assert pids_gone(pids, timeout=10) == [], f"node {i}'s processes outlived SIGKILL"
+        return pids
+
+    def power_on(self, i: int, timeout: float = 60) -> None:
+        """Start node ``i``'s slurmd again and wait until Slurm has it idle."""
+        self.start_slurmd(i)
+        wait_for(lambda: self.node_states().get(self.nodes[i]) == "idle", timeout,
+                 f"node {self.nodes[i]} idle again", interval=0.5, show=self.logs)  # fmt: skip
 
     def logs(self) -> str:
         text = []
@@ -140,7 +175,7 @@ def slurm_cluster(nodes: int = 4, subnet: str = "10.213.31", cpus: int = 2):
         os.chmod(key, 0o400)
         cluster = Cluster(net, conf, d, names, cpus)
         env = cluster.env()
-        procs: list = []
+        procs = cluster.procs
         try:
             munge = [
                 "munged", "--foreground", "--force", f"--socket={d}/munge.socket",
@@ -154,14 +189,8 @@ def slurm_cluster(nodes: int = 4, subnet: str = "10.213.31", cpus: int = 2):
             procs.append(subprocess.Popen(["slurmctld", "-D", "-f", conf], env=env,
                                           stdout=subprocess.DEVNULL,
                                           stderr=open(f"{d}/slurmctld.err.log", "w")))  # fmt: skip
-            for i, n in enumerate(names):
-                os.makedirs(f"{d}/spool-{n}")
-                # nsenter, not ``ip netns exec``: that remounts /sys, and slurmd wants
-                # the host's /sys/fs/cgroup even with its cgroup plugins off
-                cmd = ["nsenter", f"--net=/run/netns/{net.spaces[i]}",
-                       "slurmd", "-D", "-N", n, "-f", conf]  # fmt: skip
-                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                              stderr=open(f"{d}/slurmd-{n}.err.log", "w")))  # fmt: skip
+            for i in range(nodes):
+                cluster.start_slurmd(i)
 
             def all_idle():
                 if any(p.poll() is not None for p in procs):

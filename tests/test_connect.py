@@ -214,3 +214,49 @@ def test_monarch_mesh_connect_magic(tmp_path):
         k.shutdown()
         if p is not None:
             p.kill()
+
+
+@pytest.mark.kernel
+def test_the_torchrun_line_the_magic_prints_runs_as_printed(tmp_path):
+    """``%monarch_mesh --connect --world 2`` prints ``torchrun --standalone
+    --nproc-per-node 2 -m monarch_nb.worker --connection-file F``; that line, run
+    by a shell exactly as printed (torchrun and python from the notebook's
+    environment on PATH), forms the mesh: a cell runs on both ranks, and torchrun
+    exits 0 at the mesh's shutdown."""
+    from kernel_helpers import Kernel, idle, stream
+
+    k = Kernel(tmp_path)
+    conn = tmp_path / "printed.json"
+    p = None
+    try:
+        k.ok("%load_ext monarch_nb")
+        msg_id = k.kc.execute(
+            f"%monarch_mesh --connect --world 2 --name printed --dashboard none "
+            f"--connection-file {conn} --timeout 120"
+        )
+
+        def printed(msgs):
+            for line in stream(msgs).splitlines():
+                if "(one host: torchrun --standalone" in line:
+                    return True
+            return idle(msgs)
+
+        msgs = k.drain(msg_id, printed, timeout=60)
+        line = next(x for x in stream(msgs).splitlines() if "(one host: torchrun" in x)
+        command = line.strip().removeprefix("(one host: ").removesuffix(")")
+        assert command == (
+            f"torchrun --standalone --nproc-per-node 2 -m monarch_nb.worker --connection-file {conn}"
+        )
+        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+        p = subprocess.Popen(["sh", "-c", command], env={**TESTS_ENV, "PATH": path},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        msgs += k.drain(msg_id, idle, timeout=120)
+        assert "waits for 2 workers" in stream(msgs)
+        out = stream(k.ok("%%monarch --mesh printed\nimport os\nprint('local', os.environ['LOCAL_RANK'])"))
+        assert "[rank 0] local 0" in out and "[rank 1] local 1" in out
+        k.ok("%monarch_mesh --shutdown --name printed")
+        assert p.wait(30) == 0, p.stderr.read()
+    finally:
+        k.shutdown()
+        if p is not None and p.poll() is None:
+            p.kill()

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from kernel_helpers import Kernel, errors, stream
+from kernel_helpers import Kernel, errors, errors_text, plain, stream
 from slurm_helpers import slurm_cluster
 from wait_helpers import wait_for
 
@@ -50,6 +50,12 @@ def where():
     import os
 
     return int(os.environ["RANK"]), os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
+
+
+def task():
+    import os
+
+    return mnb.current_rank(), int(os.environ["SLURM_PROCID"]), os.environ["SLURMD_NODENAME"]
 
 
 def test_quickstart_on_four_nodes_of_two_ranks(cluster, job_env):
@@ -107,9 +113,16 @@ def test_a_bad_partition_shows_slurms_own_message(cluster, job_env):
         ({"nodes": 5, "ranks_per_node": 1}, RuntimeError,
          r"cannot start: pending \(PartitionNodeLimit\): it asks more nodes than the partition"),
         ({"nodes": 1, "ranks_per_node": 3}, SlurmError,
+         r"ranks_per_node=3 asks 3 CPUs per node \(one a rank\), but the nodes of partition "
+         r"'debug' have at most 2 CPUs \(sinfo\)"),
+        ({"nodes": 1, "ranks_per_node": 1, "gpus": 1}, SlurmError,
+         r"gpus=1 per node, but the nodes of partition 'debug' have no GPUs \(sinfo\)"),
+        # where sinfo cannot tell (extra places the job), sbatch's own message
+        ({"nodes": 1, "ranks_per_node": 1, "extra": ["--cpus-per-task=3"]}, SlurmError,
          "(?s)sbatch refused.*CPU count per node can not be satisfied.*Requested node configuration"),
     ],
-    ids=["more-nodes-than-the-partition", "more-ranks-than-cpus"],
+    ids=["more-nodes-than-the-partition", "more-ranks-than-cpus", "more-gpus-than-the-nodes",
+         "sbatch-says-it"],
 )  # fmt: skip
 def test_a_job_slurm_cannot_place_is_refused_with_its_reason(cluster, job_env, ask, error, said):
     with pytest.raises(error, match=said):
@@ -118,6 +131,96 @@ def test_a_job_slurm_cannot_place_is_refused_with_its_reason(cluster, job_env, a
     # the cluster serves on: a one-node mesh starts right after
     with mnb.slurm_mesh(nodes=1, ranks_per_node=1, **job_env) as mesh:
         assert mnb.remote(where)(mesh=mesh).fetch(timeout=60)[0][0] == 0
+
+
+def test_fewer_nodes_granted_than_asked_is_refused_naming_both(cluster, job_env):
+    """Two of the four nodes held by another job, a mesh of 4 nodes that would
+    take 2 (``--nodes=2-4`` in extra): Slurm grants 2 and the start fails naming
+    both numbers; the job is cancelled, squeue empty after."""
+    held = cluster.run("sbatch", "--parsable", "-N", "2", "--exclusive", "--output=/dev/null",
+                       "--wrap", "sleep 300").stdout.strip()  # fmt: skip
+    try:
+        wait_for(lambda: cluster.queue() == [f"{held} RUNNING"], 30, "the other job running",
+                 show=cluster.queue)  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"Slurm job \d+ was granted 2 nodes, 4 asked"):
+            mnb.slurm_mesh(nodes=4, ranks_per_node=1, extra=["--nodes=2-4"], **job_env)
+        wait_for(lambda: cluster.queue() == [f"{held} RUNNING"], 30, "the mesh's job cancelled",
+                 show=cluster.queue)  # fmt: skip
+    finally:
+        cluster.run("scancel", held)
+    wait_for(lambda: cluster.queue() == [], 30, "the jobs gone from squeue", show=cluster.queue)
+
+
+def test_a_lost_node_fails_its_ranks_and_the_other_meshes_serve_on(cluster, job_env, tmp_path):
+    """A node lost as a machine is (its slurmd, slurmstepd and tasks killed at
+    once): the ranks it held fail naming it; a mesh of another job (on another
+    node) serves on. The node's slurmd started again, Slurm has it idle."""
+    other = mnb.slurm_mesh(nodes=1, ranks_per_node=2, name="bystander",
+                           **{**job_env, "connection_file": str(tmp_path / "other.json")})  # fmt: skip
+    lost = None
+    try:
+        mesh = mnb.slurm_mesh(nodes=2, ranks_per_node=2, name="pair", **job_env)
+        try:
+            nodes = [s[1] for s in mnb.remote(where)(mesh=mesh).fetch(timeout=60)]
+            mine = mnb.remote(where)(mesh=other).fetch(timeout=60)[0][1]
+            assert mine not in nodes and nodes[0] == nodes[1] != nodes[2] == nodes[3]
+            busy = mesh.exec("import time\ntime.sleep(120)")
+            lost = cluster.nodes.index(nodes[2])
+            cluster.power_off(lost)
+            with pytest.raises(WorkerCrashed, match=f"(?s)rank [23].*host {nodes[2]}"):
+                busy.fetch(timeout=60)
+            # the other job's mesh serves on
+            assert [s[:2] for s in mnb.remote(where)(mesh=other).fetch(timeout=60)] == [
+                (0, mine), (1, mine)
+            ]
+            assert mnb.remote(torch.ones)(2, mesh=other).reduce("ranks").fetch(timeout=60)[
+                0
+            ].tolist() == [2.0, 2.0]
+        finally:
+            mesh.shutdown()
+    finally:
+        other.shutdown()
+        if lost is not None:
+            cluster.power_on(lost)
+    wait_for(lambda: cluster.queue() == [], 60, "the jobs gone from squeue", show=cluster.queue)
+    assert set(cluster.node_states().values()) == {"idle"}
+
+
+def test_the_srun_line_for_plain_workers_runs_as_printed(cluster, job_env, capfd, monkeypatch):
+    """``srun --ntasks 4 python -m monarch_nb.worker --connection-file F`` as
+    ``connect_mesh`` prints it, run inside ``salloc -N 2 -n 4``: a worker per
+    task (its rank SLURM_PROCID), two per node, gloo across the nodes."""
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    seen: list = []
+    salloc: list = []
+
+    def run_printed_line():
+        def line():
+            seen.append(capfd.readouterr().out)
+            for text in "".join(seen).splitlines():
+                if text.strip().startswith("srun --ntasks 4 python -m monarch_nb.worker"):
+                    return text.strip()
+
+        printed = wait_for(line, 60, "the printed srun line", interval=0.1)
+        salloc.append(subprocess.Popen(["salloc", "-N", "2", "-n", "4", "sh", "-c", printed],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True, env=cluster.env()))  # fmt: skip
+
+    t = threading.Thread(target=run_printed_line, daemon=True)
+    t.start()
+    mesh = mnb.connect_mesh(world=4, name="workers", interface="0.0.0.0", timeout=120, **job_env)
+    try:
+        t.join(60)
+        seen_ranks = mnb.remote(task)(mesh=mesh).fetch(timeout=60)
+        assert seen_ranks == [(r, r, f"n{r // 2}") for r in range(4)]
+        total = mnb.remote(torch.ones)(2, mesh=mesh).reduce("world").fetch(timeout=60)
+        assert [x.tolist() for x in total] == [[4.0, 4.0]] * 4
+    finally:
+        mesh.shutdown()
+        for p in salloc:
+            p.wait(60)
+    wait_for(lambda: cluster.queue() == [], 30, "the allocation gone from squeue",
+             show=cluster.queue)  # fmt: skip
 
 
 def test_ctrl_c_while_pending_cancels_the_job(cluster, job_env, capfd):
@@ -181,29 +284,74 @@ def test_the_srun_line_connect_mesh_prints_runs_as_printed(cluster, job_env, cap
              show=cluster.queue)  # fmt: skip
 
 
+def quickstart_cells() -> list[str]:
+    """The code cells of notebooks/01_quickstart.ipynb from its first %%monarch
+    cell to the remote call (not the mesh's start, the plot, the shutdown)."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / "01_quickstart.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    keep = [c for c in cells if not c.startswith(("%load_ext", "%monarch_mesh"))]
+    keep = [c.replace("(dp={dp})", "(hosts={hosts})") for c in keep if "matplotlib" not in c]
+    assert len(keep) == 6, keep
+    return keep
+
+
+class Typist:
+    """Answers each pdb input request with the next line; records the prompts."""
+
+    def __init__(self, kern, answers):
+        self.kern, self.answers, self.prompts = kern, list(answers), []
+
+    def __call__(self, msg):
+        self.prompts.append(msg["content"]["prompt"])
+        self.kern.kc.input(self.answers.pop(0) if self.answers else "continue")
+
+
 @pytest.mark.kernel
-def test_the_magic_runs_a_mesh_on_slurm_and_cancels_it_at_shutdown(cluster, job_env, tmp_path):
-    """``%monarch_mesh --slurm nodes=2 ranks_per_node=1`` in a real kernel, a
-    ``%%monarch`` cell on both nodes, ``--shutdown``: nothing left in squeue; a bad
-    word is a UsageError naming it."""
+def test_the_magic_runs_the_quickstart_on_slurm_and_cancels_it_at_shutdown(
+    cluster, job_env, tmp_path
+):
+    """``%monarch_mesh --slurm nodes=4 ranks_per_node=2`` in a real kernel: the
+    quickstart notebook's cells (data-parallel training over the 8 ranks of 4
+    nodes, gloo across them), a ``breakpoint()`` on rank 5 (node n2) served inline
+    through stdin, ``--shutdown``: nothing left in squeue; a bad word is a
+    UsageError naming it."""
     kern = Kernel(tmp_path)
     try:
-        kern.ok("%load_ext monarch_nb")
+        kern.ok("%load_ext monarch_nb\nimport monarch_nb as mnb")
         _, msgs = kern.run("%monarch_mesh --slurm nodes=2 ranks=1")
         assert not errors(msgs)  # a UsageError: its text on stderr
         assert stream(msgs, "stderr").startswith("UsageError: %monarch_mesh --slurm: unexpected")
         assert "'ranks=1'" in stream(msgs, "stderr")
         kern.ok(
-            f"%monarch_mesh --slurm nodes=2 ranks_per_node=1 time=5:00 --name s2 "
+            f"%monarch_mesh --slurm nodes=4 ranks_per_node=2 time=5:00 --name s4 "
             f"--advertise {job_env['advertise']} --connection-file {job_env['connection_file']} "
             f"--dashboard none",
             timeout=180,
         )
         assert len(cluster.queue()) == 1
         msgs = kern.ok("%%monarch\nimport os\nprint(os.environ['SLURMD_NODENAME'])", timeout=60)
-        out = stream(msgs, "stdout")
-        assert "n0" in out and "n1" in out
-        kern.ok("%monarch_mesh --name s2 --shutdown", timeout=60)
+        assert all(f"[ranks {2 * i}-{2 * i + 1}] n{i}" in stream(msgs) for i in range(4)), stream(msgs)
+        hello, shard, setup, train, pull, remote_call = quickstart_cells()
+        assert "hello from rank 7 of 8 (hosts=3)" in stream(kern.ok(hello, timeout=60))
+        kern.ok(shard, timeout=60)
+        assert "(7, 8, 256)" in "".join(plain(kern.ok(setup, timeout=60)))
+        assert "(3.0, 1.0)" in "".join(plain(kern.ok(train, timeout=180)))
+        assert "in 60 steps" in stream(kern.ok(pull, timeout=60))
+        assert "8000.0" in "".join(plain(kern.ok(remote_call, timeout=60)))
+        # a breakpoint on a rank of node n2, answered at the notebook's stdin
+        typist = Typist(kern, ["p node", "p rank * 10", "continue"])
+        reply, msgs = kern.run(
+            "%%monarch --ranks 5\nimport os\nnode = os.environ['SLURMD_NODENAME']\n"
+            "breakpoint()\nprint('after the breakpoint on', node)",
+            timeout=90, allow_stdin=True, stdin_hook=typist,
+        )  # fmt: skip
+        assert reply["content"]["status"] == "ok", errors_text(msgs)
+        assert typist.prompts[:3] == ["(Pdb r5) "] * 3
+        out = stream(msgs)
+        assert "'n2'" in out and "50" in out and "[rank 5] after the breakpoint on n2" in out
+        kern.ok("%monarch_mesh --name s4 --shutdown", timeout=60)
     finally:
         kern.shutdown()
     wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)

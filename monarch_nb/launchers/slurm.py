@@ -5,8 +5,10 @@ allocation: SLURM_JOB_ID set), and cancels them at shutdown.
 The agents join through the connection file like any others (``remote_hosts.py``);
 ``mesh.restart()`` forks their ranks again in the same job. While the job waits,
 a bar shows its id, state and reason ("pending (Resources), 35 s"); a job that
-ends before its agents joined fails the start with Slurm's state and reason; an
-agent lost while its job ended says how the job ended (TIMEOUT, NODE_FAIL, ...).
+ends before its agents joined, or is granted fewer nodes than asked, fails the
+start with Slurm's state and reason; an agent lost while its job ended says how
+the job ended (TIMEOUT, NODE_FAIL, ...). More ranks per node than a node of the
+partition has CPUs (or GPUs) is refused before anything is submitted (sinfo).
 """
 
 from __future__ import annotations
@@ -55,14 +57,68 @@ def _run(args: list) -> subprocess.CompletedProcess:
         raise SlurmError(f"{shlex.join(args[:2])} did not answer in {CMD_TIMEOUT_S:g} s") from None
 
 
+def job_fields(job: str) -> dict:
+    """Slurm job ``job`` as ``scontrol -o show job`` says (JobState, Reason,
+    NumNodes, ...); ``{"JobState": "GONE"}`` when Slurm no longer knows it."""
+    r = _run(["scontrol", "-o", "show", "job", job])
+    if r.returncode != 0:
+        return {"JobState": "GONE", "Reason": r.stderr.strip()}
+    return dict(f.split("=", 1) for f in r.stdout.split() if "=" in f)
+
+
 def job_state(job: str) -> tuple[str, str]:
     """``(STATE, reason)`` of Slurm job ``job`` (scontrol), ("GONE", "") when Slurm
     no longer knows it."""
-    r = _run(["scontrol", "-o", "show", "job", job])
-    if r.returncode != 0:
-        return "GONE", r.stderr.strip()
-    fields = dict(f.split("=", 1) for f in r.stdout.split() if "=" in f)
+    fields = job_fields(job)
     return fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None")
+
+
+def _gpus(gres: str) -> int:
+    """GPUs in a node's Gres (``gpu:8``, ``gpu:a100:4(S:0-1),gpu:h100:2``, ``(null)``)."""
+    total = 0
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and len(parts) > 1 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+# options in ``extra`` that change where the job may run: then only sbatch can tell
+PLACING = ("-p", "--partition", "-C", "--constraint", "-w", "--nodelist", "-c",
+           "--cpus-per-task", "--gres", "--gpus-per-node", "-M", "--clusters")  # fmt: skip
+
+
+def check_fits(name, ranks_per_node, gpus, partition, extra) -> None:
+    """Refuse, before anything is submitted, ``ranks_per_node`` above the CPUs (or
+    ``gpus`` above the GPUs) of every node of the partition (``sinfo``), naming both
+    numbers; where sinfo cannot tell, sbatch's own message says it later."""
+    if any(str(x).split("=")[0] in PLACING for x in extra):
+        return
+    args = ["sinfo", "-h", "-N", "-o", "%N %c %G %P"]
+    try:
+        r = _run(args + (["-p", str(partition)] if partition is not None else []))
+    except SlurmError:
+        return
+    rows = [line.split() for line in r.stdout.splitlines() if len(line.split()) == 4]
+    if partition is None:  # the default partition: sinfo marks it with a *
+        rows = [row for row in rows if row[3].endswith("*")]
+    if r.returncode != 0 or not rows:
+        return
+    part = rows[0][3].rstrip("*")
+    cpus = max((int(row[1]) for row in rows if row[1].isdigit()), default=0)
+    if cpus and ranks_per_node > cpus:
+        raise SlurmError(
+            f"mesh {name!r}: ranks_per_node={ranks_per_node} asks {ranks_per_node} CPUs per "
+            f"node (one a rank), but the nodes of partition {part!r} have at most {cpus} "
+            f"CPUs (sinfo): ask ranks_per_node <= {cpus} or another partition"
+        )
+    most = max(_gpus(row[2]) for row in rows)
+    if gpus and gpus > most:
+        has = f"at most {most} GPUs" if most else "no GPUs"
+        raise SlurmError(
+            f"mesh {name!r}: gpus={gpus} per node, but the nodes of partition {part!r} have "
+            f"{has} (sinfo): ask " + (f"gpus <= {most}" if most else "no gpus") + " or another partition"
+        )
 
 
 class SlurmJob:
@@ -91,12 +147,17 @@ class SlurmJob:
             self.id = r.stdout.strip().split(";")[0]
             self.submitted = shlex.join(args)
         self.started = time.monotonic()
+        self.granted: int | None = None  # nodes Slurm gave the job (NumNodes), once known
 
     def state(self) -> tuple[str, str]:
         """``(STATE, reason)``; a step of an allocation is RUNNING until srun ends
         (then FAILED, with srun's own message)."""
         if self.step is None:
-            return job_state(self.id)
+            fields = job_fields(self.id)
+            state = fields.get("JobState", "UNKNOWN")
+            if state != "PENDING" and fields.get("NumNodes", "").isdigit():
+                self.granted = int(fields["NumNodes"])
+            return state, fields.get("Reason", "None")
         if self.step.poll() is None:
             return "RUNNING", "None"
         said = self.step.stderr.read().strip() if self.step.stderr else ""
@@ -160,6 +221,7 @@ class SlurmLauncher(ExternalLauncher):
         self.nodes, self.ranks_per_node = nodes, ranks_per_node
         self.opts = job_options(nodes, ranks_per_node, gpus, partition, time_limit, account, name)
         self.opts += [str(x) for x in extra]
+        check_fits(name, ranks_per_node, gpus, partition, extra)
         self.python = python or sys.executable
         self.job: SlurmJob | None = None
         self._failure: str | None = None
@@ -216,6 +278,12 @@ class SlurmLauncher(ExternalLauncher):
                     self._failure = str(e)
                     return
                 waited = time.monotonic() - job.started
+                if job.granted is not None and job.granted < self.nodes:
+                    self._failure = (f"mesh {self.name!r}: Slurm job {job.id} was granted "
+                                     f"{job.granted} nodes, {self.nodes} asked: the mesh needs "
+                                     f"all {self.nodes} (a min-max --nodes in extra?); "
+                                     f"the job is cancelled")  # fmt: skip
+                    return
                 if state in ENDED or state == "GONE":
                     self._failure = (f"mesh {self.name!r}: Slurm job {job.id} ended before its "
                                      f"host agents joined: {state} ({reason})")  # fmt: skip
