@@ -357,6 +357,33 @@ def test_the_magic_runs_the_quickstart_on_slurm_and_cancels_it_at_shutdown(
     wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
 
 
+def test_the_tensor_engine_tour_runs_on_slurm_nodes(cluster, job_env):
+    """notebooks/05_tensor_engine.ipynb's code, unmodified but for its mesh: a
+    slurm_mesh of 2 nodes x 2 ranks named as the tour's (host=2, gpu=2), so that
+    host=1 is another node: mesh tensors, inspect, reductions over a node's ranks
+    and across nodes, slices, a training step op by op and compiled, borrows on a
+    comms stream, remote functions with propagators; every assert of the tour holds."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / "05_tensor_engine.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    first = 'mesh = mnb.local_mesh(host=2, gpu=2, name="tour")'
+    assert first in cells[0], cells[0]
+    mesh = mnb.slurm_mesh(nodes=2, ranks_per_node=2, name="tour", host=2, gpu=2, **job_env)
+    try:
+        nodes = mnb.remote(where)(mesh=mesh).fetch(timeout=60)
+        assert [n[1] for n in nodes][::2] != [nodes[0][1]] * 2  # host=1 is another node
+        ns = {"__name__": "__main__", "mesh": mesh}  # as a notebook's: its functions go by value
+        exec(cells[0].replace(first, ""), ns)
+        for cell in cells[1:]:
+            exec(cell, ns)  # the tour's own asserts
+        assert mesh.closed  # its last cell shuts the mesh down
+    finally:
+        if not mesh.closed:
+            mesh.shutdown()
+    wait_for(lambda: cluster.queue() == [], 30, "the job gone from squeue", show=cluster.queue)
+
+
 def test_the_time_limit_reached_mid_cell_fails_the_ranks_naming_it(cluster, job_env):
     """A job of one minute (Slurm's least), a cell that outlasts it: Slurm ends
     the agents and the cell fails naming the job and its time limit; another
