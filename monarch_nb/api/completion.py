@@ -1,7 +1,8 @@
 """Completion and inspection from a rank: ``mesh.complete(...)`` and
 ``mesh.inspect_code(...)``, a part of DeviceMesh (Tab and Shift-Tab in a ``%%monarch``
 cell ask them). The rank's IPython shell answers off its streams, so an answer
-comes while a cell runs there."""
+comes while a cell runs there. And the comms of the ranks' ipywidgets
+(``widget_handler``, ``send_widget_event``: notebook/widgets.py bridges them)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,34 @@ class MeshShell:
         msg = make(ctrl.next_ident())
         asked = f"{what} on rank {rank}"
         return ctrl.request(msg, [rank], asked, single=True, timeout=timeout).result()
+
+
+class MeshWidgets:
+    """DeviceMesh's bridge to the comms of ipywidgets made on its ranks."""
+
+    @property
+    def widget_handler(self):
+        """``fn(WidgetMessage)``, called on the IO thread with what a rank's widget comm
+        sends (``rank``, ``ident``: the command that ran or None, ``comm_id``,
+        ``msg_type``: "comm_open" / "comm_msg" / "comm_close", ``data``, ``metadata``,
+        ``buffers``, ``target_name``); None (the default): dropped."""
+        return self._controller.replies.on_widget
+
+    @widget_handler.setter
+    def widget_handler(self, fn) -> None:
+        self._controller.replies.on_widget = fn
+
+    def send_widget_event(
+        self, rank: int, comm_id: str, msg_type: str, data=None, metadata=None, buffers=()
+    ) -> None:
+        """Hand the frontend's ``msg_type`` ("comm_msg" or "comm_close") to comm
+        ``comm_id`` of global ``rank``; its widget thread runs the handlers."""
+        if msg_type not in ("comm_msg", "comm_close"):
+            raise ValueError(f"send_widget_event: msg_type is comm_msg or comm_close, got {msg_type!r}")
+        event = m.WidgetEvent(
+            comm_id, msg_type, data or {}, metadata or {}, [bytes(b) for b in buffers or ()]
+        )
+        self._controller.send(event, [rank], check=False)
 
 
 def _cursor(code: str, cursor_pos: int | None) -> int:

@@ -12,7 +12,7 @@ from ..protocol.ndslice import NDSlice
 from ..protocol.wire import RefUseError, function_ref, pack_args
 from . import checkpoint, context
 from .checkpoint import MeshCheckpoints
-from .completion import MeshShell
+from .completion import MeshShell, MeshWidgets
 from .context import BaseMesh, Stream, all_meshes, get_mesh, resolve_target
 from .insight import MeshInsight
 from .namespace import NamespaceCommands
@@ -20,7 +20,9 @@ from .pipe import Pipe
 from .remote import ProcessGroup
 
 
-class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, MeshCheckpoints, BaseMesh):
+class DeviceMesh(
+    NamespaceCommands, MeshInsight, MeshShell, MeshWidgets, MeshCheckpoints, BaseMesh
+):
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
     def __init__(

@@ -85,6 +85,24 @@ class Publisher:
         content = {"data": data, "metadata": {}, "transient": {"display_id": display_id}}
         self._send("update_display_data", content, parent, b"update_display_data")
 
+    def comm(
+        self, parent, msg_type: str, content: dict, metadata: dict, buffers: list
+    ) -> None:
+        """A ``comm_open`` / ``comm_msg`` / ``comm_close`` (in a kernel; else nothing)."""
+        k = self.kernel
+        if k is None:
+            return
+        if parent is None:
+            parent = self.current_parent()
+        topic = f"comm-{content['comm_id']}".encode()
+        try:
+            k.session.send(
+                k.iopub_socket, msg_type, content, parent=parent, ident=topic,
+                metadata=metadata, buffers=buffers,
+            )
+        except Exception:  # the kernel is shutting down
+            logger.debug("publishing %s failed", msg_type, exc_info=True)
+
     def error(self, parent, ename: str, evalue: str, traceback: list[str]) -> None:
         if self.kernel is None:
             sys.__stderr__.write("\n".join(traceback) + "\n")

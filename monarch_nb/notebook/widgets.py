@@ -1,0 +1,95 @@
+"""ipywidgets made on the ranks, live in the notebook: each rank's widget comm
+(worker/widget_comm.py) gets a twin in this kernel with the same ``comm_id``.
+
+A rank's ``comm_open`` is published to the frontend under the cell that made the
+widget (before that cell's displays, which come with its result), its ``comm_msg``
+and ``comm_close`` follow; the twin is registered with the kernel's comm manager,
+so what the frontend sends to it (a slider moved, a button clicked, the view
+closed) goes back to the rank (``mesh.send_widget_event``), whose widget thread
+runs the widget's handlers. A comm the frontend closed is forgotten on both sides:
+later changes of that widget on the rank go nowhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("monarch_nb.notebook")
+
+
+class WidgetBridge:
+    """The ``widget_handler`` of one mesh: its ranks' comms <-> the frontend's."""
+
+    def __init__(self, publisher, mesh, parent_of):
+        self.publisher = publisher
+        self.mesh = mesh
+        self.parent_of = parent_of  # ident -> the parent header of its cell (or None)
+        self.twins: dict[str, object] = {}  # comm_id -> its KernelComm
+        mesh.widget_handler = self.on_widget
+
+    def on_widget(self, msg) -> None:
+        """A WidgetMessage from a rank (IO thread)."""
+        if not self.publisher.in_kernel:
+            return
+        content = {"comm_id": msg.comm_id, "data": msg.data}
+        if msg.msg_type == "comm_open":
+            content.update(target_name=msg.target_name, target_module=None)
+            self.twins[msg.comm_id] = _twin(self, msg.rank, msg.comm_id, msg.target_name)
+        elif msg.comm_id not in self.twins:
+            return  # its frontend closed it
+        elif msg.msg_type == "comm_close":
+            self._forget(msg.comm_id)
+        parent = self.parent_of(msg.ident)
+        self.publisher.comm(parent, msg.msg_type, content, msg.metadata, msg.buffers)
+
+    def to_rank(self, rank: int, comm_id: str, msg_type: str, msg: dict) -> None:
+        """The frontend spoke to a twin (the kernel's shell thread): on to its rank."""
+        if msg_type == "comm_close":
+            self.twins.pop(comm_id, None)
+        content = msg.get("content", {})
+        try:
+            self.mesh.send_widget_event(
+                rank, comm_id, msg_type, content.get("data"), msg.get("metadata"),
+                msg.get("buffers") or (),
+            )
+        except Exception:  # the mesh is gone or restarting: the widget is dead
+            logger.debug("widget message to rank %s dropped", rank, exc_info=True)
+
+    def _forget(self, comm_id: str) -> None:
+        twin = self.twins.pop(comm_id, None)
+        if twin is not None:
+            twin._closed = True
+            _manager().comms.pop(comm_id, None)
+
+    def close(self) -> None:
+        """The mesh is forgotten: its widgets die with it."""
+        for comm_id in list(self.twins):
+            self._forget(comm_id)
+        if self.mesh.widget_handler == self.on_widget:
+            self.mesh.widget_handler = None
+
+
+def _manager():
+    import comm
+
+    return comm.get_comm_manager()
+
+
+def _twin(bridge: WidgetBridge, rank: int, comm_id: str, target_name):
+    """The kernel's end of comm ``comm_id`` of ``rank``, registered with the kernel's
+    comm manager (which hands it the frontend's messages)."""
+    from comm.base_comm import BaseComm
+
+    class KernelComm(BaseComm):
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+            pass  # what the rank's comm says is published by the bridge
+
+        def handle_msg(self, msg):
+            bridge.to_rank(rank, comm_id, "comm_msg", msg)
+
+        def handle_close(self, msg):
+            bridge.to_rank(rank, comm_id, "comm_close", msg)
+
+    twin = KernelComm(comm_id=comm_id, primary=False, target_name=target_name)
+    _manager().register_comm(twin)
+    return twin
