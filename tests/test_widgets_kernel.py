@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kernel_helpers import displays, errors_text, mesh_kernel, stream
+from kernel_helpers import displays, errors_text, idle, mesh_kernel, stream
 
 VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -139,3 +139,48 @@ def test_a_widget_whose_frontend_closes_is_dropped_and_the_mesh_serves(k):
     sent = [c for c in _comms(msgs, "comm_msg") if c["comm_id"] in models]
     assert sent == []
     assert "served" in stream(msgs)
+
+
+def test_a_displayed_progress_bar_is_seen_while_its_cell_runs(k, tmp_path):
+    flag = tmp_path / "go"
+    code = (
+        "%%monarch\nimport os, time, ipywidgets as widgets\n"
+        "p = widgets.IntProgress(max=10)\ndisplay(p)\np.value = 3\n"
+        f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.02)\n"
+        "p.value = 10\n"
+    )
+    msg_id = k.kc.execute(code, allow_stdin=False)
+    shown = k.drain(msg_id, lambda ms: len([m for m in ms if m["msg_type"] == "display_data"
+                                            and VIEW in m["content"]["data"]]) >= 2, timeout=60)
+    # both ranks' bars are on the page while the cell still runs, their comms first
+    opened = {c["comm_id"] for c in _comms(shown, "comm_open")}
+    views = {m["content"]["data"][VIEW]["model_id"] for m in shown
+             if m["msg_type"] == "display_data" and VIEW in m["content"]["data"]}
+    assert views <= opened and len(views) == 2
+    flag.write_text("")
+    rest = k.drain(msg_id, idle, timeout=60)
+    done = [c for c in _comms(rest, "comm_msg")
+            if c["comm_id"] in views and c["data"].get("state", {}).get("value") == 10]
+    assert {c["comm_id"] for c in done} == views
+
+
+def test_tqdm_notebook_bars_render_as_widgets_one_per_rank(k):
+    msgs = k.ok("%%monarch\nfrom tqdm.notebook import tqdm\nfor i in tqdm(range(4), desc='steps'):\n    pass")
+    assert "steps" not in stream(msgs, "stderr")  # not the text bar
+    bars = {
+        c["comm_id"] for c in _comms(msgs, "comm_open")
+        if c["data"]["state"]["_model_name"] == "FloatProgressModel"
+    }
+    assert len(bars) == 2  # one per rank
+    boxes = {
+        c["comm_id"] for c in _comms(msgs, "comm_open")
+        if c["data"]["state"]["_model_name"] == "HBoxModel"
+    }
+    views = {m["content"]["data"][VIEW]["model_id"] for m in msgs
+             if m["msg_type"] == "display_data" and VIEW in m["content"]["data"]}
+    assert views == boxes and len(views) == 2
+    finished = {
+        c["comm_id"] for c in _comms(msgs, "comm_msg")
+        if c["comm_id"] in bars and c["data"].get("state", {}).get("value") == 4
+    }
+    assert finished == bars

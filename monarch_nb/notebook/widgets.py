@@ -2,8 +2,9 @@
 (worker/widget_comm.py) gets a twin in this kernel with the same ``comm_id``.
 
 A rank's ``comm_open`` is published to the frontend under the cell that made the
-widget (before that cell's displays, which come with its result), its ``comm_msg``
-and ``comm_close`` follow; the twin is registered with the kernel's comm manager,
+widget, then its view where the cell ``display()``s it ("display": at once, so that
+a progress bar moves while its cell runs; a widget that is the cell's value comes
+with the result), its ``comm_msg`` and ``comm_close`` follow; the twin is registered with the kernel's comm manager,
 so what the frontend sends to it (a slider moved, a button clicked, the view
 closed) goes back to the rank (``mesh.send_widget_event``), whose widget thread
 runs the widget's handlers. A comm the frontend closed is forgotten on both sides:
@@ -31,6 +32,10 @@ class WidgetBridge:
         """A WidgetMessage from a rank (IO thread)."""
         if not self.publisher.in_kernel:
             return
+        parent = self.parent_of(msg.ident)
+        if msg.msg_type == "display":  # display(widget) in a cell: its view, now
+            self.publisher.display(parent, msg.data, msg.metadata)
+            return
         content = {"comm_id": msg.comm_id, "data": msg.data}
         if msg.msg_type == "comm_open":
             content.update(target_name=msg.target_name, target_module=None)
@@ -39,7 +44,6 @@ class WidgetBridge:
             return  # its frontend closed it
         elif msg.msg_type == "comm_close":
             self._forget(msg.comm_id)
-        parent = self.parent_of(msg.ident)
         self.publisher.comm(parent, msg.msg_type, content, msg.metadata, msg.buffers)
 
     def to_rank(self, rank: int, comm_id: str, msg_type: str, msg: dict) -> None:

@@ -17,7 +17,8 @@ _MESSAGES = "monarch_nb.protocol.messages"
 @sent_to(CONTROLLER)
 class WidgetMessage(NamedTuple):
     """A rank's comm spoke: ``msg_type`` "comm_open" (with ``target_name``),
-    "comm_msg" or "comm_close"; ``ident``: the command that ran (None: none)."""
+    "comm_msg" or "comm_close"; or a cell ``display()``ed a widget: "display", its
+    MIME bundle in ``data``. ``ident``: the command that ran (None: none)."""
 
     rank: int
     ident: int | None

@@ -3,7 +3,9 @@
 ipywidgets opens each widget's comm with ``comm.create_comm``; ``install`` (run when
 the rank's IPython shell is made, never at start) replaces it with ``WorkerComm``,
 whose messages go to the controller as WidgetMessage records: on the socket of the
-command that runs (in order with its output), else on the widget thread's own. The
+command that runs (in order with its output), else on the widget thread's own; and
+``display()`` of a widget in a cell is sent at once that way ("display"), not with
+the cell's result, so that a progress bar is seen as it moves. The
 kernel opens the comm's twin for the frontend (notebook/widgets.py) and sends back
 what the frontend says (WidgetEvent), which the widget thread hands to the comm:
 widget callbacks are user code, so neither the receiver nor a stream runs them.
@@ -20,7 +22,7 @@ from ..protocol import encode
 from ..protocol import messages as m
 from ..protocol.envelope import Sealer
 from ..protocol.wire import send_frames
-from . import capture
+from . import capture, display
 
 _worker = None  # the Worker of this process (``attach``)
 _thread: _WidgetThread | None = None
@@ -53,6 +55,7 @@ def install() -> bool:
             send(self.comm_id, msg_type, data, metadata, buffers, keys.get("target_name"))
 
     comm.create_comm = WorkerComm
+    display.show_widget = _show
     _installed = True
     return True
 
@@ -78,6 +81,13 @@ def send(comm_id: str, msg_type: str, data, metadata, buffers, target_name=None)
         route[0].send(msg)
     else:
         _widget_thread().send(msg)
+
+
+def _show(bundle: dict, metadata) -> None:
+    """``display(widget)`` in a cell: its view is shown now (a "display" WidgetMessage),
+    behind its comm_open on the same socket, not with the cell's result."""
+    model = bundle[display.WIDGET_VIEW].get("model_id", "")
+    send(model, "display", bundle, metadata, ())
 
 
 def deliver(msg: m.WidgetEvent) -> None:
