@@ -9,6 +9,8 @@ import time
 import pytest
 from kernel_helpers import displays, errors_text, idle, mesh_kernel, stream
 
+pytestmark = pytest.mark.kernel
+
 VIEW = "application/vnd.jupyter.widget-view+json"
 
 
