@@ -54,7 +54,7 @@ class OutputRouter:
         self._late: OrderedDict = OrderedDict()  # ident -> sink of their late output
         mesh.debugger.listeners.append(self.on_debugger)
         mesh.liveness_listeners.append(self.on_liveness)
-        self.widgets = WidgetBridge(hub.publisher, mesh, self.parent_of)
+        self.widgets = WidgetBridge(hub.publisher, mesh, self.parent_of, hub.ticker)
 
     def on_output(self, msg) -> None:
         sink = self.sinks.get(msg.ident) if msg.ident is not None else None

@@ -8,12 +8,15 @@ with the result), its ``comm_msg`` and ``comm_close`` follow; the twin is regist
 so what the frontend sends to it (a slider moved, a button clicked, the view
 closed) goes back to the rank (``mesh.send_widget_event``), whose widget thread
 runs the widget's handlers. A comm the frontend closed is forgotten on both sides:
-later changes of that widget on the rank go nowhere.
+later changes of that widget on the rank go nowhere. Progress bars of more than
+FOLD ranks in one cell fold into one (widget_fold.py).
 """
 
 from __future__ import annotations
 
 import logging
+
+from .widget_fold import Folds
 
 logger = logging.getLogger("monarch_nb.notebook")
 
@@ -21,11 +24,14 @@ logger = logging.getLogger("monarch_nb.notebook")
 class WidgetBridge:
     """The ``widget_handler`` of one mesh: its ranks' comms <-> the frontend's."""
 
-    def __init__(self, publisher, mesh, parent_of):
+    def __init__(self, publisher, mesh, parent_of, ticker):
         self.publisher = publisher
         self.mesh = mesh
         self.parent_of = parent_of  # ident -> the parent header of its cell (or None)
         self.twins: dict[str, object] = {}  # comm_id -> its KernelComm
+        self.folds = Folds(publisher)  # progress bars of many ranks, folded
+        self.ticker = ticker
+        self._token = ticker.add(self.folds.tick)
         mesh.widget_handler = self.on_widget
 
     def on_widget(self, msg) -> None:
@@ -34,16 +40,21 @@ class WidgetBridge:
             return
         parent = self.parent_of(msg.ident)
         if msg.msg_type == "display":  # display(widget) in a cell: its view, now
-            self.publisher.display(parent, msg.data, msg.metadata)
+            if not self.folds.show(parent, msg.ident, msg.rank, msg.comm_id, msg.data, msg.metadata):
+                self.publisher.display(parent, msg.data, msg.metadata)
             return
         content = {"comm_id": msg.comm_id, "data": msg.data}
         if msg.msg_type == "comm_open":
             content.update(target_name=msg.target_name, target_module=None)
             self.twins[msg.comm_id] = _twin(self, msg.rank, msg.comm_id, msg.target_name)
+            self.folds.on_open(msg.rank, msg.comm_id, msg.data)
         elif msg.comm_id not in self.twins:
             return  # its frontend closed it
         elif msg.msg_type == "comm_close":
             self._forget(msg.comm_id)
+            self.folds.on_close(msg.comm_id)
+        elif self.folds.on_update(msg.comm_id, msg.data):
+            return  # a bar folded into its cell's aggregate
         self.publisher.comm(parent, msg.msg_type, content, msg.metadata, msg.buffers)
 
     def to_rank(self, rank: int, comm_id: str, msg_type: str, msg: dict) -> None:
@@ -67,6 +78,7 @@ class WidgetBridge:
 
     def close(self) -> None:
         """The mesh is forgotten: its widgets die with it."""
+        self.ticker.remove(self._token)
         for comm_id in list(self.twins):
             self._forget(comm_id)
         if self.mesh.widget_handler == self.on_widget:
