@@ -106,13 +106,21 @@ def _rank_comm_ids(k) -> list[str]:
 def test_a_button_click_runs_its_callback_on_the_rank(k):
     k.ok(
         "%%monarch\nimport ipywidgets as widgets\nclicks = []\n"
-        "b = widgets.Button(description='go')\nb.on_click(lambda _: clicks.append(1))\n"
+        "b = widgets.Button(description='go')\n"
+        "b.on_click(lambda _: (clicks.append(1), print('clicked on', rank)))\n"
         "print('model', b.model_id)\nb"
     )
     msgs = k.ok("%%monarch\nprint('model', b.model_id)")
     ids = [line.split("model ")[1] for line in stream(msgs).splitlines() if "model " in line]
     for comm_id in ids:
         _send_to_comm(k, "comm_msg", comm_id, {"method": "custom", "content": {"event": "click"}})
+    # what the callbacks print is the mesh's output (under the request the kernel serves)
+    k.collect(
+        lambda groups: all(
+            f"clicked on {r}" in stream(sum(groups.values(), [])) for r in (0, 1)
+        ),
+        timeout=30,
+    )
     deadline = time.monotonic() + 30
     while True:  # the widget thread runs the callback soon after
         out = stream(k.ok("%%monarch\nprint(len(clicks))"))

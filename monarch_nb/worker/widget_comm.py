@@ -8,7 +8,8 @@ command that runs (in order with its output), else on the widget thread's own; a
 the cell's result, so that a progress bar is seen as it moves. The
 kernel opens the comm's twin for the frontend (notebook/widgets.py) and sends back
 what the frontend says (WidgetEvent), which the widget thread hands to the comm:
-widget callbacks are user code, so neither the receiver nor a stream runs them.
+widget callbacks are user code, so neither the receiver nor a stream runs them;
+what they print is the mesh's output (shown under the cell that runs).
 
 This module imports ``comm`` only (in ``install``), never ipywidgets.
 """
@@ -20,6 +21,7 @@ import threading
 
 from ..protocol import encode
 from ..protocol import messages as m
+from ..protocol.constants import DEFAULT_STREAM
 from ..protocol.envelope import Sealer
 from ..protocol.wire import send_frames
 from . import capture, display
@@ -54,6 +56,9 @@ def install() -> bool:
                 return  # its frontend closed it: state changes stay on the rank
             send(self.comm_id, msg_type, data, metadata, buffers, keys.get("target_name"))
 
+        def __del__(self):
+            pass  # never a send from the collector (it may run inside a send)
+
     comm.create_comm = WorkerComm
     display.show_widget = _show
     _installed = True
@@ -63,8 +68,8 @@ def install() -> bool:
 def send(comm_id: str, msg_type: str, data, metadata, buffers, target_name=None) -> None:
     """One WidgetMessage to the controller (dropped outside a worker)."""
     w = _worker
-    if w is None:
-        return
+    if w is None or capture._child is not None:
+        return  # not a worker, or a process forked from one (its sockets are the parent's)
     route = capture._route_here()
     ident = route[1] if route is not None else None
     msg = m.WidgetMessage(
@@ -111,7 +116,11 @@ class _WidgetThread:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.sock = self.sealer = None
-        threading.Thread(target=self._run, name="monarch-widgets", daemon=True).start()
+        thread = threading.Thread(target=self._run, name="monarch-widgets", daemon=True)
+        default = worker.streams.get(DEFAULT_STREAM)
+        if default is not None:  # what callbacks print: the mesh's output, as a thread's
+            setattr(thread, capture._ROUTE, (default.outbox, None))
+        thread.start()
 
     def send(self, msg) -> None:
         w = self.worker
