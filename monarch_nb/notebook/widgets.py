@@ -91,21 +91,30 @@ def _manager():
     return comm.get_comm_manager()
 
 
+_KernelComm = None
+
+
 def _twin(bridge: WidgetBridge, rank: int, comm_id: str, target_name):
     """The kernel's end of comm ``comm_id`` of ``rank``, registered with the kernel's
     comm manager (which hands it the frontend's messages)."""
-    from comm.base_comm import BaseComm
+    global _KernelComm
+    if _KernelComm is None:
+        from comm.base_comm import BaseComm
 
-    class KernelComm(BaseComm):
-        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
-            pass  # what the rank's comm says is published by the bridge
+        class KernelComm(BaseComm):
+            """A rank's comm as the kernel's comm manager sees it."""
 
-        def handle_msg(self, msg):
-            bridge.to_rank(rank, comm_id, "comm_msg", msg)
+            def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+                pass  # what the rank's comm says is published by the bridge
 
-        def handle_close(self, msg):
-            bridge.to_rank(rank, comm_id, "comm_close", msg)
+            def handle_msg(self, msg):
+                self.bridge.to_rank(self.rank, self.comm_id, "comm_msg", msg)
 
-    twin = KernelComm(comm_id=comm_id, primary=False, target_name=target_name)
+            def handle_close(self, msg):
+                self.bridge.to_rank(self.rank, self.comm_id, "comm_close", msg)
+
+        _KernelComm = KernelComm
+    twin = _KernelComm(comm_id=comm_id, primary=False, target_name=target_name)
+    twin.bridge, twin.rank = bridge, rank
     _manager().register_comm(twin)
     return twin
