@@ -1,6 +1,6 @@
 """Browser tier: ipywidgets made on the ranks are live widgets in JupyterLab (issue 27
-item 3): an IntProgress per rank that a later cell moves, and a Button whose click
-runs its callback on the rank. Screenshots: artifacts/."""
+item 3): an IntProgress per rank that a later cell moves, a Button whose click
+runs its callback on the rank, and tqdm.notebook bars per rank. Screenshots: artifacts/."""
 
 from __future__ import annotations
 
@@ -76,4 +76,19 @@ def test_a_progress_bar_per_rank_moves_and_a_click_reaches_the_rank(page, server
         timeout=T,
     )
     assert "[rank 0] clicks 1" in lab.output_text(n)
+    lab.wait_idle(T)
+    # tqdm.notebook: a bar per rank, each finished
+    n = lab.add_cell(
+        "%%monarch\nfrom tqdm.notebook import tqdm\nfor i in tqdm(range(10), desc=f'rank {rank}'):\n"
+        "    pass"
+    )
+    lab.run_cell(n)
+    page.wait_for_function(
+        f"() => (document.querySelectorAll('.jp-Notebook .jp-Cell')[{n}]"
+        ".querySelector('.jp-OutputArea').innerText.match(/10\\/10/g) || []).length === 2",
+        timeout=T,
+    )
+    out = lab.output_text(n).replace("\u2007", " ")  # tqdm's figure spaces
+    assert "rank 0" in out and "rank 1" in out, out
+    lab.shot("widgets_tqdm", lab.cells().nth(n))
     assert lab.stderr_outputs() == []
