@@ -1,7 +1,8 @@
 """Completion and inspection from a rank: ``mesh.complete(...)`` and
 ``mesh.inspect_code(...)``, a part of DeviceMesh (Tab and Shift-Tab in a ``%%monarch``
 cell ask them). The rank's IPython shell answers off its streams, so an answer
-comes while a cell runs there."""
+comes while a cell runs there. And the comms of the ranks' ipywidgets
+(``widget_handler``, ``send_widget_event``: notebook/widgets.py bridges them)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,12 @@ from .insight import MeshInsight
 from .namespace import NamespaceCommands
 from .pipe import Pipe
 from .remote import ProcessGroup
+from .widgets import MeshWidgets
 
 
-class DeviceMesh(NamespaceCommands, MeshInsight, MeshShell, MeshCheckpoints, BaseMesh):
+class DeviceMesh(
+    NamespaceCommands, MeshInsight, MeshShell, MeshWidgets, MeshCheckpoints, BaseMesh
+):
     """Ranks arranged on named dims. ``local_mesh(dp=2)`` makes one."""
 
     def __init__(

@@ -30,6 +30,7 @@ class Replies:
         self._version_refused: set[bytes] = set()
         self._handlers = handler_table(self, receivers.CONTROLLER)  # fails here if one is missing
         self.hosts = HostLinks(ctrl, self)
+        self.on_widget = None  # fn(WidgetMessage) on the IO thread (mesh.widget_handler)
 
     def on_frames(self, frames) -> None:
         """One ZeroMQ message from a worker socket: its envelope is opened and checked
@@ -214,6 +215,15 @@ class Replies:
             self.ctrl.on_output(msg)
         except Exception:
             logger.exception("output handler failed")
+
+    def WidgetMessage(self, msg: m.WidgetMessage) -> None:
+        fn = self.on_widget
+        if fn is None:
+            return  # no notebook: a rank's widget has no frontend
+        try:
+            fn(msg)
+        except Exception:
+            logger.exception("widget handler failed")
 
     def DebuggerMessage(self, msg: m.DebuggerMessage) -> None:
         self.ctrl.debugger.on_message(msg)

@@ -207,6 +207,9 @@ class LightRank:
             msg.ident, msg.stream, lambda: run_source(msg.source, msg.filename, ns), msg.result
         )
 
+    def on_WidgetEvent(self, msg: m.WidgetEvent) -> None:
+        pass  # a light rank runs no cells, so it has no widgets
+
     def on_SetNames(self, msg: m.SetNames) -> None:
         self._run(
             msg.ident,

@@ -29,6 +29,7 @@ from collections import OrderedDict
 
 from .publish import Publisher, Ticker
 from .sink import CELL_CAP, HOLD, CellSink, dropped_notice
+from .widgets import WidgetBridge
 
 BYTES_PER_TICK = 48 << 10  # all sinks together, per tick (<= 480 KB/s)
 MAX_MESSAGES_PER_TICK = 40  # all sinks together (<= 400 stream messages/s)
@@ -53,12 +54,21 @@ class OutputRouter:
         self._late: OrderedDict = OrderedDict()  # ident -> sink of their late output
         mesh.debugger.listeners.append(self.on_debugger)
         mesh.liveness_listeners.append(self.on_liveness)
+        self.widgets = WidgetBridge(hub.publisher, mesh, self.parent_of, hub.ticker)
 
     def on_output(self, msg) -> None:
         sink = self.sinks.get(msg.ident) if msg.ident is not None else None
         if sink is None or sink.closed:
             sink = self._late_sink(msg.ident) or self.ambient
         sink.add(msg.rank, msg.name, msg.text)
+
+    def parent_of(self, ident):
+        """The parent header of the cell that ran command ``ident`` (None: unknown)."""
+        sink = self.sinks.get(ident) if ident is not None else None
+        if sink is not None:
+            return sink.parent
+        parent = self._ended.get(ident, _NONE)
+        return None if parent is _NONE else parent
 
     def _late_sink(self, ident) -> CellSink | None:
         """Output of a cell that ended (a thread or a child process it started goes
@@ -131,6 +141,7 @@ class OutputRouter:
 
     def close(self) -> None:
         """Publish what is left of the ambient and late output; stop ticking them."""
+        self.widgets.close()
         for sink in [self.ambient, *list(self._late.values())]:
             sink.finish()
             self.hub.live.discard(sink)
@@ -168,6 +179,7 @@ class OutputHub:
                 r = self._routers[mesh.key] = OutputRouter(self, mesh)
             elif mesh.output_handler != r.on_output:
                 mesh.output_handler = r.on_output
+                mesh.widget_handler = r.widgets.on_widget
             return r
 
     def forget(self, mesh) -> None:

@@ -90,6 +90,24 @@ class Publisher:
         if self.kernel is not None:
             self._send("clear_output", {"wait": wait}, parent, b"clear_output")
 
+    def comm(
+        self, parent, msg_type: str, content: dict, metadata: dict, buffers: list
+    ) -> None:
+        """A ``comm_open`` / ``comm_msg`` / ``comm_close`` (in a kernel; else nothing)."""
+        k = self.kernel
+        if k is None:
+            return
+        if parent is None:
+            parent = self.current_parent()
+        topic = f"comm-{content['comm_id']}".encode()
+        try:
+            k.session.send(
+                k.iopub_socket, msg_type, content, parent=parent, ident=topic,
+                metadata=metadata, buffers=buffers,
+            )
+        except Exception:  # the kernel is shutting down
+            logger.debug("publishing %s failed", msg_type, exc_info=True)
+
     def error(self, parent, ename: str, evalue: str, traceback: list[str]) -> None:
         if self.kernel is None:
             sys.__stderr__.write("\n".join(traceback) + "\n")

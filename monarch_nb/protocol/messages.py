@@ -19,6 +19,7 @@ from .recording_messages import CallRecording, DefineRecording, DeleteRecording 
 from .shell_messages import Complete, Inspect  # noqa: F401
 from .store_messages import StoreReply, StoreRequest  # noqa: F401 - records of the store
 from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - their fields
+from .widget_messages import WidgetEvent, WidgetMessage  # noqa: F401
 
 # ---------------------------------------------------------------- controller -> worker
 

@@ -19,6 +19,10 @@ MAX_TEXT = 200_000  # characters of one text repr kept; the rest is dropped with
 MAX_FIGURES = 20  # figures sent per cell and rank
 MAX_DISPLAYS = 100  # display() bundles sent per cell and rank; later ones are dropped
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# fn(bundle, metadata) that shows a widget's view at once (widget_comm sets it), or None
+show_widget = None
+
 # while a cell runs on this thread: .figures, .displays (bundles in order) and
 # .display_ids (transient display_id -> index in .displays)
 _collecting = threading.local()
@@ -45,8 +49,9 @@ def end_collecting() -> None:
 
 def publish(data: dict, metadata=None, transient=None, update: bool = False) -> None:
     """``display()`` of a bundle: shown with the running cell's results (``update``:
-    in place of the one shown under the same ``transient`` display_id). Outside a
-    cell (a thread it started, a remote function) its ``text/plain`` is printed."""
+    in place of the one shown under the same ``transient`` display_id); a widget's
+    view at once (``show_widget``). Outside a cell (a thread it started, a remote
+    function) its ``text/plain`` is printed."""
     displays = getattr(_collecting, "displays", None)
     if displays is None:
         text = data.get("text/plain")
@@ -54,6 +59,9 @@ def publish(data: dict, metadata=None, transient=None, update: bool = False) -> 
             print(text)
         return
     bundle = _checked({k: _jsonable(k, v) for k, v in data.items() if v is not None})
+    if WIDGET_VIEW in bundle and show_widget is not None and not update:
+        show_widget(bundle, metadata)  # live at once, as its comm is (a progress bar)
+        return
     display_id = (transient or {}).get("display_id")
     ids = _collecting.display_ids
     if update:

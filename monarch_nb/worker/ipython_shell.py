@@ -33,6 +33,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
+from . import widget_comm
 from .ipython_display import WorkerDisplayPublisher, register_formatters
 
 # magics that need what a worker has not: the reason, said in the error
@@ -133,6 +134,7 @@ def _make(namespace: dict) -> WorkerShell:
                 sh.user_ns_hidden.pop(name, None)
             sh.set_hook("show_in_pager", _show_page)
             register_formatters(sh.display_formatter)
+            widget_comm.install()  # ipywidgets made by the cells reach the notebook
             _shell = sh
     return _shell
 

@@ -1,6 +1,7 @@
 """The worker's handlers of Complete and Inspect (a part of Worker, which
 dispatches each message to the handler of its name): Tab and Shift-Tab in a
-``%%monarch`` cell, answered by the rank's IPython shell off the streams.
+``%%monarch`` cell, answered by the rank's IPython shell off the streams; and of
+WidgetEvent, a frontend's message to a widget of the rank (``widget_comm``).
 
 Completing reads user objects (``__dir__``, ``__getattr__``, properties), which
 may raise or hang, so neither the receiver nor a stream runs it: one service
@@ -21,6 +22,7 @@ import time
 from ..protocol import messages as m
 from ..protocol.envelope import Sealer
 from ..protocol.wire import encode_result, send_frames
+from . import widget_comm
 from .failure import describe
 
 LIMIT = 2.0  # seconds one request may run on the rank before it is interrupted
@@ -37,6 +39,9 @@ class ShellHandlers:
 
     def Inspect(self, msg: m.Inspect) -> None:
         self._serve(msg.ident, _inspect, msg.code, msg.cursor_pos, msg.detail_level)
+
+    def WidgetEvent(self, msg: m.WidgetEvent) -> None:
+        widget_comm.deliver(msg)
 
     def _serve(self, ident: int, fn, *args) -> None:
         if self._service is None:

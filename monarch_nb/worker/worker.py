@@ -23,7 +23,7 @@ from ..protocol import messages as m
 from ..protocol.constants import DEFAULT_STREAM
 from ..protocol.pickling import resolve_function, unpack_args
 from ..protocol.receivers import WORKER, handler_table
-from . import breakpoints, capture, cell_runner, current, remote_pdb
+from . import breakpoints, capture, cell_runner, current, remote_pdb, widget_comm
 from .code import run_source
 from .comm_handlers import CommHandlers
 from .connection import Connection
@@ -68,6 +68,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
         self.cuda = _cuda_available()
         self._exiting = False
         self._handlers = handler_table(self, WORKER)  # fails here if one is missing
+        widget_comm.attach(self)
         self.borrows: dict[int, tuple] = {}  # borrow id -> (Borrow, result cell)
         self.recordings: dict[int, object] = {}
         self.ops: dict[int, object] = {}  # DefineOp's templates
