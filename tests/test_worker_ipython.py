@@ -332,3 +332,17 @@ def test_clear_output_clears_only_its_own_ranks_lines(k):
     # the next cell starts clean: no clear carries over
     reply, msgs = monarch(k, "print('third')")
     assert stream(msgs) == "[ranks 0-1] third\n", text(msgs)
+
+
+@pytest.mark.kernel
+def test_monarch_mesh_autoreload_reloads_before_each_remote_call(k, tmp_path):
+    mod = tmp_path / "kernel_ar.py"
+    mod.write_text("def f():\n    return 'v1'\n")
+    os.utime(mod, (2, 2))
+    monarch(k, f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport kernel_ar")
+    k.ok("%monarch_mesh --autoreload")
+    k.ok("import importlib\ndef ask():\n    return importlib.import_module('kernel_ar').f()")
+    mod.write_text("def f():\n    return 'v2'\n")
+    os.utime(mod, (4, 4))
+    assert k.value("mnb.remote(ask)().fetch()") == ["v2", "v2"]
+    monarch(k, "%autoreload 0")

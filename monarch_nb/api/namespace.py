@@ -88,6 +88,13 @@ class NamespaceCommands:
             failed_by=ident,
         )
 
+    def autoreload(self, on: bool = True, timeout: float | None = 60.0) -> None:
+        """Reload the user's changed modules on every rank before each command
+        (IPython's ``%autoreload 2`` in each rank's shell, which also covers remote
+        functions and ``exec``); ``on=False``: ``%autoreload 0``."""
+        source = "%load_ext autoreload\n%autoreload 2" if on else "%autoreload 0"
+        self.run_cell("# %%monarch\n" + source, what="autoreload").result(timeout=timeout)
+
     def push(self, **names) -> None:
         """Bind ``names`` in every worker's namespace (Refs become their per-rank values)."""
         ctrl = self._controller

@@ -93,6 +93,12 @@ def mesh_parser() -> Parser:
         "JupyterLab's side area (the sidecar package), or nowhere (a status line)",
     )
     p.add_argument(
+        "--autoreload",
+        action="store_true",
+        help="reload your changed modules on every rank before each command "
+        "(IPython's %%autoreload 2 on the ranks; again after a --restart)",
+    )
+    p.add_argument(
         "--restore",
         metavar="PATH",
         help="with --restart: load the checkpoint at PATH (mesh.save) into the fresh workers",

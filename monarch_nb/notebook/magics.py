@@ -101,9 +101,7 @@ class MonarchMagics(Magics):
                 print(f"mesh {mesh.name!r} shut down")
                 return None
             mesh.restart(restore=a.restore)
-            self.hub.router(mesh)
-            self.views.show(mesh, a.dashboard)
-            return None
+            return self._started(mesh, a)
         if a.connect:
             return self._connect(a)
         if a.slurm:
@@ -114,7 +112,10 @@ class MonarchMagics(Magics):
                     "%monarch_mesh: --backend needs the dims of a new mesh, "
                     "e.g. %monarch_mesh dp=2 --backend gloo"
                 )
-            self.views.show(self._mesh(a.name, "%monarch_mesh"), a.dashboard)
+            mesh = self._mesh(a.name, "%monarch_mesh")
+            if a.autoreload:
+                mesh.autoreload()
+            self.views.show(mesh, a.dashboard)
             return None
         if a.world is not None or a.connection_file is not None:
             raise UsageError("%monarch_mesh: --world and --connection-file go with --connect")
@@ -129,9 +130,14 @@ class MonarchMagics(Magics):
             mesh = launch.local_mesh(name=name, backend=a.backend, **dims)
         except ValueError as e:
             raise UsageError(f"%monarch_mesh: {e}") from None
+        return self._started(mesh, a)
+
+    def _started(self, mesh, a) -> None:
+        """A new (or restarted) mesh: its output routed here, ``--autoreload`` on, shown."""
         self.hub.router(mesh)
+        if a.autoreload:
+            mesh.autoreload()
         self.views.show(mesh, a.dashboard)
-        return None
 
     def _connect(self, a):
         """``--connect --world N dp=...``: wait for workers another launcher starts."""
@@ -155,9 +161,7 @@ class MonarchMagics(Magics):
             )
         except ValueError as e:
             raise UsageError(f"%monarch_mesh --connect: {e}") from None
-        self.hub.router(mesh)
-        self.views.show(mesh, a.dashboard)
-        return None
+        return self._started(mesh, a)
 
     def _slurm(self, a):
         """``--slurm nodes=4 ranks_per_node=2``: host agents as a Slurm job."""
@@ -175,9 +179,7 @@ class MonarchMagics(Magics):
                                      advertise=a.advertise, **kw)  # fmt: skip
         except ValueError as e:
             raise UsageError(f"%monarch_mesh --slurm: {e}") from None
-        self.hub.router(mesh)
-        self.views.show(mesh, a.dashboard)
-        return None
+        return self._started(mesh, a)
 
     def _shutdown(self, mesh) -> None:
         mesh.shutdown()

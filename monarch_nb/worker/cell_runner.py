@@ -16,7 +16,7 @@ host agent (``preload``), never by this module at import.
 
 from __future__ import annotations
 
-from . import breakpoints, current, display
+from . import autoreload, breakpoints, current, display
 
 _results: dict = {}  # key -> {"data": bundle or None, "figures": [...], "displays": [...]}
 _auto: dict = {}  # name -> the object last bound automatically under that name
@@ -68,6 +68,7 @@ def _run(source: str, filename: str, ns: dict):
         raise
     finally:
         _ipython.after_cell(sh, info, value, error)
+        autoreload.follow(sh)  # %autoreload 2 in a cell: every later command reloads too
 
 
 def _shell(ns: dict):

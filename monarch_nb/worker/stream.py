@@ -19,7 +19,7 @@ from ..protocol.constants import BIG_SEND, PROGRESS_BYTES
 from ..protocol.envelope import Sealer
 from ..protocol.messages import FetchResult, Output, RemoteFunctionFailed, TransferBegin
 from ..protocol.wire import send_frames
-from . import capture, remote_pdb
+from . import autoreload, capture, remote_pdb
 from .failure import describe
 from .ref_cell import DependentOnError
 
@@ -317,7 +317,11 @@ class Stream:
         try:
             try:
                 self.in_user_code = not replies
+                if autoreload.ACTIVE and not replies:
+                    autoreload.before_command()  # the user's changed modules, reloaded
                 value = work()
+                if autoreload.ACTIVE:
+                    autoreload.after_command()  # what it imported: the baseline of edits
             finally:
                 self.in_user_code = False
                 self._settle_interrupt()
