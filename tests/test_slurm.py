@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from dap_helpers import start as dap_start
 from kernel_helpers import Kernel, errors, errors_text, plain, stream
 from slurm_helpers import slurm_cluster
 from wait_helpers import wait_for
@@ -351,6 +352,30 @@ def test_the_magic_runs_the_quickstart_on_slurm_and_cancels_it_at_shutdown(
         assert typist.prompts[:3] == ["(Pdb r5) "] * 3
         out = stream(msgs)
         assert "'n2'" in out and "50" in out and "[rank 5] after the breakpoint on n2" in out
+        # the same pause through JupyterLab's debugger protocol (DAP): rank 5 is a thread
+        dap = dap_start(kern)
+        dap.ok("configurationDone")
+        kern.ok(
+            "%%monarch --noblock --ranks 5 -o held\nimport os\n"
+            "node = os.environ['SLURMD_NODENAME']\nbreakpoint()\nafter = node + '!'\nafter",
+            output_hook=dap.hook,
+        )
+        ev = dap.wait_event(
+            lambda ev: ev["event"] == "stopped" and "rank 5 " in ev["body"].get("description", ""),
+            timeout=60,
+        )
+        tid = ev["body"]["threadId"]
+        names = {t["id"]: t["name"] for t in dap.ok("threads")["threads"]}
+        assert names[tid] == "rank 5 · default"
+        top = dap.ok("stackTrace", threadId=tid)["stackFrames"][0]
+        scopes = dap.ok("scopes", frameId=top["id"])["scopes"]
+        local = dap.ok("variables", variablesReference=scopes[0]["variablesReference"])
+        assert {v["name"]: v["value"] for v in local["variables"]}["node"] == "'n2'"
+        assert dap.ok("evaluate", expression="node * 2", frameId=top["id"])["result"] == "'n2n2'"
+        dap.ok("continue", threadId=tid)
+        got = kern.value("held.result(timeout=60)[0]['data']['text/plain']", output_hook=dap.hook)
+        assert got == "'n2!'"
+        dap.request("disconnect", restart=False, terminateDebuggee=False)
         kern.ok("%monarch_mesh --name s4 --shutdown", timeout=60)
     finally:
         kern.shutdown()
