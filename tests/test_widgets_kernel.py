@@ -174,8 +174,10 @@ def test_a_displayed_progress_bar_is_seen_while_its_cell_runs(k, tmp_path):
     assert {c["comm_id"] for c in done} == views
 
 
-def test_tqdm_notebook_bars_render_as_widgets_one_per_rank(k):
-    msgs = k.ok("%%monarch\nfrom tqdm.notebook import tqdm\nfor i in tqdm(range(4), desc='steps'):\n    pass")
+@pytest.mark.parametrize("module", ["tqdm.notebook", "tqdm.auto"])
+def test_tqdm_notebook_bars_render_as_widgets_one_per_rank(k, module):
+    # tqdm.auto picks its notebook bar on a rank too: a rank's cell is a notebook cell
+    msgs = k.ok(f"%%monarch\nfrom {module} import tqdm\nfor i in tqdm(range(4), desc='steps'):\n    pass")
     assert "steps" not in stream(msgs, "stderr")  # not the text bar
     bars = {
         c["comm_id"] for c in _comms(msgs, "comm_open")

@@ -33,6 +33,12 @@ from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
+try:  # a rank's cell is a notebook cell: libraries that choose their notebook form by
+    # ipykernel's shell being imported (tqdm.auto's widget bar) choose it here too
+    import ipykernel.zmqshell  # noqa: F401 - imported before widget_comm installs its comms
+except ImportError:
+    pass
+
 from . import widget_comm
 from .ipython_display import WorkerDisplayPublisher, register_formatters
 
