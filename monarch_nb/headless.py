@@ -173,6 +173,11 @@ def _source(cell) -> list[str]:
     return [(cont if i else prompt) + _clip(ln, LINE_CHARS) for i, ln in enumerate(lines)]
 
 
+_DEFAULT_REPR = re.compile(r"<[\w.]+ object(?: at 0x[0-9a-f]+)?>")  # an object without a text form
+_TAG = re.compile(r"<[^>]+>")
+_SPACES = re.compile(r"[ \t]+")
+
+
 def _outputs(cell, states: dict) -> list[str]:
     lines: list[str] = []
     for out in cell.get("outputs", []):
@@ -187,6 +192,9 @@ def _outputs(cell, states: dict) -> list[str]:
                 text = _progress(states, view["model_id"])
             else:
                 text = str(data.get("text/plain", ""))
+                if "text/html" in data and _DEFAULT_REPR.search(text):  # display(HTML(...))
+                    text = html.unescape(_SPACES.sub(" ", _TAG.sub(" ", str(data["text/html"]))))
+                    text = text.strip()
                 if view:
                     text = text.splitlines()[0] if text else ""
         elif out.output_type == "error":

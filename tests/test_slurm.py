@@ -294,7 +294,7 @@ def quickstart_cells() -> list[str]:
     cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     keep = [c for c in cells if not c.startswith(("%load_ext", "%monarch_mesh"))]
     keep = [c.replace("(dp={dp})", "(hosts={hosts})") for c in keep if "matplotlib" not in c]
-    assert len(keep) == 6, keep
+    assert len(keep) == 7, keep
     return keep
 
 
@@ -334,13 +334,15 @@ def test_the_magic_runs_the_quickstart_on_slurm_and_cancels_it_at_shutdown(
         assert len(cluster.queue()) == 1
         msgs = kern.ok("%%monarch\nimport os\nprint(os.environ['SLURMD_NODENAME'])", timeout=60)
         assert all(f"[ranks {2 * i}-{2 * i + 1}] n{i}" in stream(msgs) for i in range(4)), stream(msgs)
-        hello, shard, setup, train, pull, remote_call = quickstart_cells()
+        hello, shard, setup, train, pull, remote_call, ipython_cell = quickstart_cells()
         assert "hello from rank 7 of 8 (hosts=3)" in stream(kern.ok(hello, timeout=60))
         kern.ok(shard, timeout=60)
         assert "(7, 8, 256)" in "".join(plain(kern.ok(setup, timeout=60)))
         assert "(3.0, 1.0)" in "".join(plain(kern.ok(train, timeout=180)))
         assert "in 60 steps" in stream(kern.ok(pull, timeout=60))
         assert "8000.0" in "".join(plain(kern.ok(remote_call, timeout=60)))
+        shown = kern.ok(ipython_cell, timeout=60)  # %timeit and display() on every rank
+        assert "per loop" in stream(shown) and "y = 3.00 x + 1.00" in str(shown)
         # a breakpoint on a rank of node n2, answered at the notebook's stdin
         typist = Typist(kern, ["p node", "p rank * 10", "continue"])
         reply, msgs = kern.run(
