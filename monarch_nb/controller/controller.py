@@ -59,10 +59,9 @@ _keys = itertools.count(1)  # Controller.key: never reused in a process
 @atexit.register
 def _shutdown_all() -> None:
     for c in list(_live):
-        if getattr(c.workers.launcher, "keep_alive", None) is not None:
-            continue  # a kept-alive mesh outlives this process (its agent ends it later)
         with contextlib.suppress(Exception):
-            c.shutdown(timeout=2.0)
+            if getattr(c.workers.launcher, "keep_alive", None) is None:  # kept alive: lives on
+                c.shutdown(timeout=2.0)
 
 
 class Controller:
