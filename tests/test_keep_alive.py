@@ -139,13 +139,17 @@ def test_bad_keep_alive_starts_nothing(mesh_dir):
     assert after <= before
 
 
-def test_shutdown_ends_a_kept_alive_mesh(mesh_dir):
+def test_restart_and_shutdown_of_a_kept_alive_mesh(mesh_dir):
     m = mnb.local_mesh(dp=1, keep_alive="10m", name="ka_shut")
     try:
         entry = keepalive.read_entry("ka_shut")
         assert entry["world"] == 1 and entry["controller_pid"] == os.getpid()
         assert m.exec("6 * 7").fetch(rank=0) == 42
-        pids = [entry["agent_pid"], *m._controller.worker_pids().values()]
+        first = list(m._controller.worker_pids().values())
+        m.restart()  # forked again by the same agent
+        assert m.exec("6 * 7").fetch(rank=0) == 42
+        assert keepalive.read_entry("ka_shut")["agent_pid"] == entry["agent_pid"]
+        pids = [entry["agent_pid"], *first, *m._controller.worker_pids().values()]
         assert "ka_shut" in _cli("list").stdout
     finally:
         m.shutdown()
