@@ -14,7 +14,7 @@ import weakref
 
 import psutil
 import pytest
-from kernel_helpers import Kernel
+from kernel_helpers import Kernel, errors_text, text
 from wait_helpers import alive, pids_gone, wait_for
 
 import monarch_nb as mnb
@@ -208,6 +208,10 @@ def test_kernel_sigkilled_keeps_the_mesh_until_expiry(tmp_path, mesh_dir):
         assert reply["content"]["status"] == "error"
         reply, msgs = k.run("%monarch_mesh dp=2 --keep-alive soon --name kk")
         assert reply["content"]["status"] == "error"
+        assert "keep_alive='soon' is not a duration" in text(msgs) + errors_text(msgs)
+        reply, msgs = k.run("%monarch_mesh --restart --keep-alive 3s")
+        assert "--keep-alive is for a new local mesh" in text(msgs) + errors_text(msgs)
+        assert k.value("sorted(mnb.api.mesh.all_meshes())") == []  # nothing half-made
         k.ok("%monarch_mesh dp=2 --keep-alive 4s --name kk --dashboard none", timeout=120)
         k.ok(
             "%%monarch --noblock\nimport time\n"
