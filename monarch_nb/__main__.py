@@ -1,10 +1,13 @@
 """``python -m monarch_nb demo``: a headless tour of a local mesh.
 ``python -m monarch_nb quickstart``: notebooks/01_quickstart.ipynb executed in a real
-kernel, each cell printed under the heading of its section, with its output."""
+kernel, each cell printed under the heading of its section, with its output.
+``monarch-nb list`` / ``monarch-nb kill NAME``: the kept-alive meshes of this user
+(``local_mesh(..., keep_alive="30m")``), shown or ended."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -73,8 +76,62 @@ def _fail_on_one():
     return "ok"
 
 
+def list_meshes() -> int:
+    """Print the live kept-alive meshes: name, ranks, age, idle time, last controller."""
+    from .protocol import keepalive as ka
+
+    rows = [ka.describe(e) for e in ka.live_entries()]
+    if not rows:
+        print("no kept-alive mesh is live")
+        return 0
+    head = ("NAME", "RANKS", "AGE", "IDLE", "CONTROLLER", "EXPIRES IN")
+    lines = [head]
+    for r in rows:
+        ctl = f"{r['controller']}" + ("" if r["attached"] else " (gone)")
+        left = ka.fmt_seconds(r["expires_in"]) + ("" if not r["attached"] else " after it ends")
+        lines.append(
+            (r["name"], str(r["ranks"]), ka.fmt_seconds(r["age"]), ka.fmt_seconds(r["idle"]),
+             ctl, left)
+        )  # fmt: skip
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    for row in lines:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def kill_mesh(name: str, timeout: float = 10.0) -> int:
+    """End the kept-alive mesh ``name``: its agent kills its ranks and exits."""
+    import signal
+
+    from .protocol import keepalive as ka
+
+    entry = ka.read_entry(name)
+    if entry is None:
+        names = [e["name"] for e in ka.live_entries()]
+        print(
+            f"monarch-nb: no live kept-alive mesh named {name!r} (live: "
+            f"{', '.join(names) or 'none'})",
+            file=sys.stderr,
+        )
+        return 1
+    pid = entry["agent_pid"]
+    for sig, grace in ((signal.SIGTERM, timeout), (signal.SIGKILL, timeout)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + grace
+        while ka.agent_alive(entry) and time.monotonic() < end:
+            time.sleep(0.02)
+        if not ka.agent_alive(entry):
+            break
+    ka.remove_entry(name)
+    print(f"killed mesh {name!r} ({entry['world']} rank(s), agent pid {pid})")
+    return 0
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m monarch_nb")
+    p = argparse.ArgumentParser(prog="monarch-nb")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run a demo on a local mesh")
     d.add_argument("--ranks", type=int, default=2)
@@ -84,7 +141,14 @@ def main(argv=None) -> None:
         "section's heading) and its output",
     )
     q.add_argument("--output", metavar="PATH", help="also save the executed notebook here")
+    sub.add_parser("list", help="the live kept-alive meshes: name, ranks, age, idle, controller")
+    k = sub.add_parser("kill", help="end a kept-alive mesh (its agent and ranks)")
+    k.add_argument("name")
     a = p.parse_args(argv)
+    if a.cmd == "list":
+        return list_meshes()
+    if a.cmd == "kill":
+        return kill_mesh(a.name)
     if a.cmd == "demo":
         demo(a.ranks)
     elif a.cmd == "quickstart":

@@ -25,7 +25,10 @@ from .hooks import Hook
 PREFIX = "MONARCH_NB_"
 _POSITIVE = ("heartbeat_timeout", "collective_timeout", "stall_seconds")
 # variables of that prefix that are not settings: the mesh secret (a worker's key)
-NOT_SETTINGS = {"MONARCH_NB_KEY": "a worker's mesh secret (hex), when no other source is given"}
+NOT_SETTINGS = {
+    "MONARCH_NB_KEY": "a worker's mesh secret (hex), when no other source is given",
+    "MONARCH_NB_MESH_DIR": "the directory of kept-alive meshes (default: in the Jupyter runtime dir)",
+}
 
 
 class ConfigError(ValueError):

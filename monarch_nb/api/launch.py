@@ -4,12 +4,15 @@ workers another launcher started. Both register the mesh by name (``context.py``
 from __future__ import annotations
 
 import math
+import os
+import time
 
 from .. import config
 from ..controller import Controller
 from ..launchers import default_launcher
 from ..launchers.host_agent import warm_local_agent
 from ..launchers.kubernetes import k8s_manifest  # noqa: F401 - the API's name for it
+from ..protocol import keepalive
 from ..protocol.ndslice import NDSlice
 from . import context
 from .mesh import DeviceMesh
@@ -48,6 +51,7 @@ def local_mesh(
     heartbeat_timeout: float | None = None,
     liveness_timeout: float | None = None,
     simulate: bool | int = False,
+    keep_alive: str | float | None = None,
     **dims: int,
 ) -> DeviceMesh:
     """Spawn ``prod(dims)`` local workers (one per GPU when there are GPUs) on the
@@ -63,12 +67,26 @@ def local_mesh(
     ``simulate=True`` gives light ranks instead (no torch: the control path
     only, to measure the controller at scale), as many per simulated host (a
     process each) as the last dim's size: ``local_mesh(host=32, gpu=32,
-    simulate=True)`` is 32 hosts of 32 ranks; ``simulate=K``: K per host."""
+    simulate=True)`` is 32 hosts of 32 ranks; ``simulate=K``: K per host.
+
+    ``keep_alive="30m"`` (s, m, h, d, or seconds as a number): the mesh gets a host
+    agent of its own that, with its ranks, outlives this process by that long (its
+    death or a restart; ``mesh.shutdown()`` still ends it), listed by ``monarch-nb
+    list`` and ended by ``monarch-nb kill NAME`` (see api.md, Keep-alive)."""
     if not dims:
         raise ValueError("local_mesh() needs at least one named dim, e.g. local_mesh(dp=2)")
     _check_dims(dims)
     _check_backend(backend)
+    if keep_alive is not None:
+        keep_alive = keepalive.parse_keep_alive(keep_alive)
+        if simulate is not False:
+            raise ValueError("keep_alive is for real ranks: leave out simulate")
     name = context.new_name(name)
+    if keep_alive is not None and keepalive.read_entry(name) is not None:
+        raise ValueError(
+            f"a kept-alive mesh named {name!r} is live (monarch-nb list): pick another "
+            f"name, or end it with `monarch-nb kill {name}`"
+        )
     world = math.prod(dims.values())
     launcher = None
     if simulate is not False:
@@ -77,13 +95,34 @@ def local_mesh(
         per_host = list(dims.values())[-1] if simulate is True else simulate
         launcher = SimLauncher(name, world, per_host)  # refuses a mesh beyond the slots
         backend = backend or "simulated"
+    elif keep_alive is not None:
+        from ..launchers.host_agent import HostAgent, HostLauncher
+
+        agent = HostAgent(wait=False, keep_alive=keep_alive, mesh_name=name)
+        launcher = HostLauncher(agent, keep_alive=keep_alive)
+        backend = backend or _default_backend(world)
     else:
         warm_local_agent()  # its import of torch overlaps ours (_default_backend)
         backend = backend or _default_backend(world)
-    return _mesh(
+    mesh = _mesh(
         name, dims, backend, launcher, interface=interface,
         heartbeat_timeout=heartbeat_timeout, liveness_timeout=liveness_timeout,
     )  # fmt: skip
+    if keep_alive is not None:
+        _register_kept(mesh, launcher.agent, keep_alive, dims)
+    return mesh
+
+
+def _register_kept(mesh: DeviceMesh, agent, keep_alive: float, dims: dict) -> None:
+    """The registry entry of a kept-alive mesh (0600: it holds the key)."""
+    ctrl = mesh._controller
+    entry = {
+        "name": mesh.name, "world": math.prod(dims.values()), "dims": dict(dims),
+        "agent_pid": agent.pid, "controller_pid": os.getpid(), "created": time.time(),
+        "keep_alive": keep_alive, "address": ctrl.address, "key": ctrl._secret.hex(),
+        "orphaned_at": None,
+    }  # fmt: skip
+    keepalive.write_entry(mesh.name, entry)
 
 
 def _mesh(name: str, dims: dict, backend, launcher, **controller) -> DeviceMesh:

@@ -60,7 +60,8 @@ _keys = itertools.count(1)  # Controller.key: never reused in a process
 def _shutdown_all() -> None:
     for c in list(_live):
         with contextlib.suppress(Exception):
-            c.shutdown(timeout=2.0)
+            if getattr(c.workers.launcher, "keep_alive", None) is None:  # kept alive: lives on
+                c.shutdown(timeout=2.0)
 
 
 class Controller:

@@ -70,6 +70,14 @@ def main(argv: list[str] | None = None) -> None:
         "long (s; default: the setting heartbeat_timeout)",
     )
     p.add_argument("--parent-pid", type=int, help="exit when this process (the controller) is gone")
+    p.add_argument(
+        "--keep-alive",
+        type=float,
+        metavar="S",
+        help="with --stdio: keep the ranks S seconds after the controller goes (a kept-alive "
+        "mesh's own agent; no --parent-pid)",
+    )
+    p.add_argument("--mesh-name", help="with --keep-alive: the mesh's name in the registry")
     # the relay's child: --local-ranks is this host's ranks, one per GPU (the local agent's
     # is a bound on the ranks of all its meshes, which share the GPUs)
     p.add_argument("--one-per-gpu", action="store_true", help=argparse.SUPPRESS)
@@ -83,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--local-ranks N (or --simulate N) is required")
     elif a.local_ranks < 1:
         p.error(f"--local-ranks must be at least 1 (got {a.local_ranks}): a host runs its ranks")
+    if a.keep_alive is not None and (a.keep_alive <= 0 or a.parent_pid or not a.stdio):
+        p.error("--keep-alive S needs --stdio, a positive S and no --parent-pid")
     if a.connect or a.connection_file:
         sys.exit(_relay(p, a))
     from ..worker.__main__ import set_parent_death_signal
@@ -123,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"monarch-nb-host: {why}", file=sys.stderr, flush=True)
         os._exit(2)
 
-    Agent(a.local_ranks, ctl_in, ctl_out, a.parent_pid).serve()
+    Agent(a.local_ranks, ctl_in, ctl_out, a.parent_pid, a.keep_alive, a.mesh_name).serve()
     sys.stdout.flush()
     os._exit(0)
 

@@ -4,7 +4,10 @@ ranks' output pipes and a SIGCHLD wake-up pipe.
 A rank that ends is reaped at once (SIGCHLD wakes the poll) and reported with
 its exit status after the output it wrote. When the controller goes (its
 channel closes, or the agent's parent changes) the agent kills its ranks and
-exits.
+exits, unless it keeps its ranks alive (``--keep-alive S``, a kept-alive mesh's
+own agent): then it serves on, orphaned, keeping the last ``ORPHAN_OUTPUT`` bytes
+each rank prints, until S seconds after its controller went (or its ranks all
+ended, or a SIGTERM: ``monarch-nb kill``), then kills its ranks and exits.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import select
 import signal
 import socket
 import sys
+import time
 
 from .._version import __version__
 from ..protocol import host_messages as hm
+from ..protocol import keepalive
 from .child import fork_rank
 from .control import ControlChannel
 
 POLL_MS = 500  # the longest the loop sleeps: the parent check runs at least this often
+ORPHAN_OUTPUT = 1 << 20  # bytes of each rank's output kept while no controller listens
 
 
 class Rank:
@@ -33,8 +39,20 @@ class Rank:
 class Agent(ControlChannel):
     """Serves one controller over ``ctl_in``/``ctl_out`` (host_messages lines)."""
 
-    def __init__(self, local_ranks: int, ctl_in: int, ctl_out: int, parent_pid: int | None):
+    def __init__(
+        self,
+        local_ranks: int,
+        ctl_in: int,
+        ctl_out: int,
+        parent_pid: int | None,
+        keep_alive: float | None = None,
+        mesh_name: str | None = None,
+    ):
         self.local_ranks = local_ranks
+        self.keep_alive, self.mesh_name = keep_alive, mesh_name
+        self.orphaned_at: float | None = None  # monotonic: when the controller went
+        self.stopped = False  # SIGTERM: no keeping alive
+        self.pending: dict[int, bytearray] = {}  # slot -> output kept while orphaned
         self.ctl_in, self.ctl_out = ctl_in, ctl_out
         self.parent_pid = parent_pid
         self.ranks: dict[int, Rank] = {}  # pid -> rank
@@ -69,11 +87,42 @@ class Agent(ControlChannel):
                 self._reap()
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.running = False  # the controller is gone
+                if self.keep_alive is not None:
+                    self._keep_alive()
         finally:
             self._kill_all()
+            if self.mesh_name is not None:
+                keepalive.remove_entry(self.mesh_name)
 
     def _stop(self) -> None:
         self.running = False
+        self.stopped = True
+
+    def _on_Quit(self, msg: hm.Quit) -> None:
+        self.running = False
+        self.stopped = True  # the controller ended the mesh: nothing to keep
+
+    def _keep_alive(self) -> None:
+        """Orphaned (the controller went): serve on until the keep-alive passes."""
+        now = time.monotonic()
+        if self.orphaned_at is None:
+            if self.running or self.stopped:
+                return
+            self.orphaned_at, self.running = now, True
+            self.poll.unregister(self.ctl_in)
+            if self.mesh_name is not None:
+                keepalive.update_entry(self.mesh_name, orphaned_at=time.time())
+            log(f"controller gone; keeping {len(self.ranks)} rank(s) for {self.keep_alive:g} s")
+        elif not self.ranks or now - self.orphaned_at > self.keep_alive:
+            self.running = False
+
+    def send(self, msg) -> None:
+        if self.orphaned_at is None:
+            super().send(msg)
+        elif isinstance(msg, hm.Output):  # kept, within a bound, for a later controller
+            buf = self.pending.setdefault(msg.slot, bytearray())
+            buf += hm.output_bytes(msg)
+            del buf[: max(0, len(buf) - ORPHAN_OUTPUT)]
 
     # ------------------------------------------------------------ the controller
 

@@ -45,11 +45,16 @@ class HostAgent(RankBook):
         simulate: int = 0,
         host_name: str | None = None,
         prefix: tuple = (),
+        keep_alive: float | None = None,
+        mesh_name: str | None = None,
     ):
         """Start the agent; with ``wait``, return once it takes Spawns (else call
         ``wait_ready``, as ``HostLauncher`` does). ``simulate=N``: a simulated host
-        of N light ranks named ``host_name``; ``prefix``: before its command (netns)."""
+        of N light ranks named ``host_name``; ``prefix``: before its command (netns).
+        ``keep_alive=S``: the agent of one kept-alive mesh, ``mesh_name``, that
+        outlives this process by S seconds (no parent-death signal)."""
         self.local_ranks, self.prefix = simulate or local_ranks, tuple(prefix)
+        self.keep_alive, self.mesh_name = keep_alive, mesh_name
         self.simulate, self.host_name = simulate, host_name
         self.label = f"simulated host {host_name}" if simulate else "the host agent"
         self._init_ranks()  # slot -> rank not ended yet
@@ -100,7 +105,11 @@ class HostAgent(RankBook):
         else:
             cmd = [sys.executable, "-m", "monarch_nb.host", "--stdio"]
             cmd += ["--local-ranks", str(self.local_ranks)]
-        cmd = [*self.prefix, *cmd, "--parent-pid", str(os.getpid())]
+        if self.keep_alive is None:
+            cmd = [*self.prefix, *cmd, "--parent-pid", str(os.getpid())]
+        else:
+            cmd = [*self.prefix, *cmd, "--keep-alive", repr(self.keep_alive)]
+            cmd += ["--mesh-name", str(self.mesh_name)]
         try:
             self.popen = subprocess.Popen(
                 cmd,
@@ -281,8 +290,9 @@ class HostLauncher(Launcher):
 
     external = False  # the agent watches them and reports their end at once
 
-    def __init__(self, agent: HostAgent | None = None):
+    def __init__(self, agent: HostAgent | None = None, keep_alive: float | None = None):
         self.agent = agent
+        self.keep_alive = keep_alive  # the agent is the mesh's own and outlives this process
 
     def launch(self, address: str, key: bytes, world: int) -> dict[int, AgentRank]:
         agent = self.agent or local_agent()
@@ -297,7 +307,15 @@ class HostLauncher(Launcher):
         return ranks
 
     def close(self) -> None:
-        """Nothing to clean up: the agent stays warm for the next mesh."""
+        """Nothing to clean up: the agent stays warm for the next mesh (a kept-alive
+        mesh's own agent is told to end: the mesh was shut down)."""
+        if self.keep_alive is not None and self.agent is not None:
+            self.agent.retire()  # it ends (and drops the mesh's registry entry) with its ranks
+            if self.agent.popen is not None:
+                try:
+                    self.agent.popen.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.agent.popen.kill()
 
 
 def await_spawned(ranks: dict, world: int, agent_of, what: str) -> None:

@@ -62,6 +62,12 @@ def mesh_parser() -> Parser:
     )
     p.add_argument("--backend", choices=BACKENDS, help="collectives backend (default: gloo on CPU)")
     p.add_argument(
+        "--keep-alive",
+        metavar="DURATION",
+        help="a new local mesh outlives this kernel (its death or restart) by DURATION, "
+        "e.g. 30m or 3s (monarch-nb list, monarch-nb kill NAME)",
+    )
+    p.add_argument(
         "--connect",
         action="store_true",
         help="wait for workers started by another launcher (torchrun, srun) instead of spawning",

@@ -87,6 +87,8 @@ class MonarchMagics(Magics):
             return None
         if a.restore is not None and not a.restart:
             raise UsageError("%monarch_mesh: --restore PATH goes with --restart")
+        if a.keep_alive is not None and (a.connect or a.slurm or a.restart or a.shutdown):
+            raise UsageError("%monarch_mesh: --keep-alive is for a new local mesh (dims only)")
         if a.restart or a.shutdown:
             flag = "--restart" if a.restart else "--shutdown"
             if a.dims or a.backend:
@@ -127,7 +129,9 @@ class MonarchMagics(Magics):
         if old is not None:
             self._shutdown(old)
         try:
-            mesh = launch.local_mesh(name=name, backend=a.backend, **dims)
+            mesh = launch.local_mesh(
+                name=name, backend=a.backend, keep_alive=a.keep_alive, **dims
+            )
         except ValueError as e:
             raise UsageError(f"%monarch_mesh: {e}") from None
         return self._started(mesh, a)

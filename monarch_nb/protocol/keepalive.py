@@ -1,0 +1,162 @@
+"""Kept-alive meshes: the duration ``keep_alive="30m"`` and the registry of live ones.
+
+A mesh started with ``local_mesh(..., keep_alive=D)`` has a host agent of its own
+that outlives its controller by ``D``. Each such mesh has one JSON entry, mode
+0600, in a 0700 directory (``MONARCH_NB_MESH_DIR``, else ``monarch-nb-meshes`` in
+the Jupyter runtime dir): its name, ranks, agent pid, controller pid, times and
+key. The controller writes it at launch; the agent marks it orphaned when its
+controller goes and removes it when it ends. ``monarch-nb list`` and
+``monarch-nb kill NAME`` read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*$")
+
+
+def parse_keep_alive(value) -> float:
+    """Seconds from ``"30m"``, ``"3s"``, ``"1.5h"``, ``"2d"`` or a number of seconds;
+    ValueError naming the value for 0, a negative or a nonsense duration."""
+    if isinstance(value, bool):
+        raise ValueError(f"keep_alive={value!r}: expected a duration such as '30m' or '3s'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        m = _DURATION.match(value.lower())
+        if m is None:
+            raise ValueError(
+                f"keep_alive={value!r} is not a duration: expected a number with s, m, h "
+                "or d, such as '30m' or '3s'"
+            )
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise ValueError(f"keep_alive={value!r}: expected a duration such as '30m' or '3s'")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(
+            f"keep_alive={value!r}: must be a positive duration (leave it out, or None, "
+            "for a mesh that ends with its kernel)"
+        )
+    return seconds
+
+
+def registry_dir(create: bool = True) -> str:
+    """The directory of kept-alive meshes' entries (0700, made when ``create``)."""
+    base = os.environ.get("MONARCH_NB_MESH_DIR")
+    if not base:
+        try:
+            from jupyter_core.paths import jupyter_runtime_dir
+
+            root = jupyter_runtime_dir()
+        except Exception:
+            root = os.path.join(os.path.expanduser("~"), ".local", "share", "jupyter", "runtime")
+        base = os.path.join(root, "monarch-nb-meshes")
+    if create:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        os.chmod(base, 0o700)
+    return base
+
+
+def entry_path(name: str) -> str:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"{name!r} is not a mesh name")
+    return os.path.join(registry_dir(), f"{name}.json")
+
+
+def write_entry(name: str, entry: dict) -> str:
+    """Write (replace) the entry of mesh ``name``, mode 0600; returns its path."""
+    path = entry_path(name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(entry, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_entry(name: str) -> dict | None:
+    """The entry of a live mesh ``name``, or None (an entry whose agent is gone is removed)."""
+    try:
+        with open(entry_path(name)) as f:
+            entry = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not agent_alive(entry):
+        remove_entry(name)
+        return None
+    return entry
+
+
+def update_entry(name: str, **fields) -> None:
+    """Set ``fields`` in the entry of ``name`` (nothing when there is none)."""
+    try:
+        with open(entry_path(name)) as f:
+            entry = json.load(f)
+    except (OSError, ValueError):
+        return
+    entry.update(fields)
+    write_entry(name, entry)
+
+
+def remove_entry(name: str) -> None:
+    try:
+        os.unlink(entry_path(name))
+    except (OSError, ValueError):
+        pass
+
+
+def live_entries() -> list[dict]:
+    """Every live kept-alive mesh of this user, by name (stale entries removed)."""
+    out = []
+    for f in sorted(os.listdir(registry_dir())):
+        if f.endswith(".json"):
+            entry = read_entry(f[: -len(".json")])
+            if entry is not None:
+                out.append(entry)
+    return out
+
+
+def agent_alive(entry: dict) -> bool:
+    """Whether the entry's agent runs (its pid, and a host agent's command line)."""
+    pid = entry.get("agent_pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and b"monarch_nb.host" in cmd
+
+
+def describe(entry: dict, now: float | None = None) -> dict:
+    """The columns ``monarch-nb list`` shows: name, ranks, age, idle, controller."""
+    now = time.time() if now is None else now
+    orphaned = entry.get("orphaned_at")
+    idle = now - orphaned if orphaned else 0.0
+    left = entry["keep_alive"] - idle if orphaned else entry["keep_alive"]
+    return {
+        "name": entry["name"],
+        "ranks": entry["world"],
+        "age": now - entry["created"],
+        "idle": idle,
+        "controller": entry.get("controller_pid"),
+        "attached": not orphaned,
+        "expires_in": max(0.0, left),
+    }
+
+
+def fmt_seconds(s: float) -> str:
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
