@@ -7,6 +7,7 @@ cluster for the module; skipped (with the reason) without Slurm, munge or root."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -192,36 +193,17 @@ def test_the_srun_line_for_plain_workers_runs_as_printed(cluster, job_env, capfd
     ``connect_mesh`` prints it, run inside ``salloc -N 2 -n 4``: a worker per
     task (its rank SLURM_PROCID), two per node, gloo across the nodes."""
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
-    seen: list = []
-    salloc: list = []
-
-    def run_printed_line():
-        def line():
-            seen.append(capfd.readouterr().out)
-            for text in "".join(seen).splitlines():
-                if text.strip().startswith("srun --ntasks 4 python -m monarch_nb.worker"):
-                    return text.strip()
-
-        printed = wait_for(line, 60, "the printed srun line", interval=0.1)
-        salloc.append(subprocess.Popen(["salloc", "-N", "2", "-n", "4", "sh", "-c", printed],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                       text=True, env=cluster.env()))  # fmt: skip
-
-    t = threading.Thread(target=run_printed_line, daemon=True)
-    t.start()
-    mesh = mnb.connect_mesh(world=4, name="workers", interface="0.0.0.0", timeout=120, **job_env)
-    try:
-        t.join(60)
-        seen_ranks = mnb.remote(task)(mesh=mesh).fetch(timeout=60)
-        assert seen_ranks == [(r, r, f"n{r // 2}") for r in range(4)]
-        total = mnb.remote(torch.ones)(2, mesh=mesh).reduce("world").fetch(timeout=60)
-        assert [x.tolist() for x in total] == [[4.0, 4.0]] * 4
-    finally:
-        mesh.shutdown()
-        for p in salloc:
-            p.wait(60)
-    wait_for(lambda: cluster.queue() == [], 30, "the allocation gone from squeue",
-             show=cluster.queue)  # fmt: skip
+    with printed_line_under_salloc(
+        cluster, capfd, "srun --ntasks 4 python -m monarch_nb.worker", ["-N", "2", "-n", "4"]
+    ):
+        mesh = mnb.connect_mesh(world=4, name="workers", interface="0.0.0.0", timeout=120, **job_env)
+        try:
+            seen_ranks = mnb.remote(task)(mesh=mesh).fetch(timeout=60)
+            assert seen_ranks == [(r, r, f"n{r // 2}") for r in range(4)]
+            total = mnb.remote(torch.ones)(2, mesh=mesh).reduce("world").fetch(timeout=60)
+            assert [x.tolist() for x in total] == [[4.0, 4.0]] * 4
+        finally:
+            mesh.shutdown()
 
 
 def test_ctrl_c_while_pending_cancels_the_job(cluster, job_env, capfd):
@@ -255,6 +237,22 @@ def test_the_srun_line_connect_mesh_prints_runs_as_printed(cluster, job_env, cap
     ``salloc -N 1 sh -c LINE``; its agent forks the 8 ranks (``--local-ranks 8``)."""
     bin_dir = os.path.dirname(sys.executable)  # monarch-nb-host: the notebook's environment
     monkeypatch.setenv("PATH", os.pathsep.join([bin_dir, os.environ["PATH"]]))
+    with printed_line_under_salloc(
+        cluster, capfd, "srun --ntasks-per-node 1 monarch-nb-host", ["-N", "1"]
+    ):
+        mesh = mnb.connect_mesh(world=8, name="printed", interface="0.0.0.0", timeout=120, **job_env)
+        try:
+            seen_ranks = mnb.remote(where)(mesh=mesh).fetch(timeout=60)
+            assert [s[:2] for s in seen_ranks] == [(r, "n0") for r in range(8)]
+        finally:
+            mesh.shutdown()
+
+
+@contextlib.contextmanager
+def printed_line_under_salloc(cluster, capfd, prefix: str, salloc_args: list):
+    """Run, as ``salloc ARGS sh -c LINE``, the line starting with ``prefix`` that
+    ``connect_mesh`` prints once the block calls it; at the end, the allocation
+    is gone from squeue."""
     seen: list = []
     salloc: list = []
 
@@ -262,23 +260,20 @@ def test_the_srun_line_connect_mesh_prints_runs_as_printed(cluster, job_env, cap
         def line():
             seen.append(capfd.readouterr().out)
             for text in "".join(seen).splitlines():
-                if text.strip().startswith("srun --ntasks-per-node 1 monarch-nb-host"):
+                if text.strip().startswith(prefix):
                     return text.strip()
 
         printed = wait_for(line, 60, "the printed srun line", interval=0.1)
-        salloc.append(subprocess.Popen(["salloc", "-N", "1", "sh", "-c", printed],
+        salloc.append(subprocess.Popen(["salloc", *salloc_args, "sh", "-c", printed],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                        text=True, env=cluster.env()))  # fmt: skip
 
     t = threading.Thread(target=run_printed_line, daemon=True)
     t.start()
-    mesh = mnb.connect_mesh(world=8, name="printed", interface="0.0.0.0", timeout=120, **job_env)
     try:
-        t.join(60)
-        seen_ranks = mnb.remote(where)(mesh=mesh).fetch(timeout=60)
-        assert [s[:2] for s in seen_ranks] == [(r, "n0") for r in range(8)]
+        yield
     finally:
-        mesh.shutdown()
+        t.join(60)
         for p in salloc:
             p.wait(60)
     wait_for(lambda: cluster.queue() == [], 30, "the allocation gone from squeue",
