@@ -120,6 +120,50 @@ def test_timeline_last_and_bad_input(mesh):
     assert mnb.remote(busy)(1, mesh=mesh).fetch(rank=0) > 0  # the mesh goes on
 
 
+@pytest.mark.unit
+def test_records_since_keep_only_what_ended_then_or_later():
+    from monarch_nb.controller.timeline import Timeline
+
+    ring = Timeline()
+    ring.add(0, ((0, (1, 2), ("f", "g"), (10.0, 12.0), (11.0, 13.0)),))
+    ring.add(0, ((0, (3,), ("h",), (20.0,), (21.0,)),))
+    ring.offsets = {0: (1.0, 0.0)}  # the rank's clock runs 1 s ahead of ours
+    assert [r["ident"] for r in ring.records(since=11.5)] == [2, 3]  # ended at 12, 20
+    assert [r["ident"] for r in ring.records(since=20.5)] == []
+    assert [r["ident"] for r in ring.records()] == [1, 2, 3]
+
+
+def test_timeline_since_and_without_asking_the_ranks(mesh, caplog):
+    import signal
+    import threading
+
+    mnb.remote(nap)(0, mesh=mesh)
+    mesh.wait()
+    mesh.timeline()  # every rank's clock read once
+    cut = time.time()
+    mnb.remote(nap)([0.05, 0.05], mesh=mesh)
+    mesh.wait()
+    recent = mesh.timeline(since=cut)
+    assert {r["rank"] for r in recent} == {0, 1} and all(r["end"] >= cut for r in recent)
+    assert len(recent) < len(mesh.timeline())
+    with pytest.raises(TypeError, match="since"):
+        mesh.timeline(since="now")
+    # measure=False reads what the controller holds: a stopped rank cannot hold it up
+    pid = mesh._controller.worker_pids()[1]
+    got: list = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: got.append(mesh.timeline(measure=False)))
+        t.start()
+        t.join(30)
+        assert got and {r["rank"] for r in got[0]} == {0, 1}
+        # asked, the stopped rank would not answer its ReadClock: that is logged
+        assert "clocks were not read" not in caplog.text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert mnb.remote(busy)(1, mesh=mesh).fetch(rank=1) > 0
+
+
 def test_timeline_ring_is_bounded(mesh):
     old = mesh.timeline_size
     try:

@@ -19,24 +19,31 @@ logger = logging.getLogger("monarch_nb.api.insight")
 class MeshInsight:
     """DeviceMesh's timeline, memory and profiler (it sets ``_controller``, ``targets``)."""
 
-    def timeline(self, last: int | None = None) -> list[dict]:
+    def timeline(
+        self, last: int | None = None, since: float | None = None, measure: bool = True
+    ) -> list[dict]:
         """Every command's start and end on this mesh's ranks, oldest first (the ``last``
         ones with ``last=N``): plain dicts of rank, stream, ident, kind ("cell", "op",
         "call", "collective", "fetch", "push", "exec"), name (the function, op or
         cell), start and end (seconds, the controller's wall clock) and straggler
         (it took over 1.5x the median of its peers' runs of the same command). The
-        controller keeps the last ``timeline_size`` records (100,000 by default)."""
+        controller keeps the last ``timeline_size`` records (100,000 by default).
+        ``since``: only the commands that ended then or later (``time.time()``'s clock).
+        ``measure=False``: what the controller holds now, without the round trip to
+        every rank that reads its clock and its latest records (a live view's redraw)."""
         last = check_last(last)
+        if since is not None and not isinstance(since, (int, float)):
+            raise TypeError(f"timeline(since=...) takes a time in seconds, got {since!r}")
         ctrl = self._controller
         timeline = ctrl.state.timeline
-        if ctrl.usable:
+        if measure and ctrl.usable:
             # a round trip per rank: the clocks, and what finished since the last report
             rounds = 1 if all(r in timeline.offsets for r in self.targets) else 3
             try:
                 measure_offsets(ctrl, self.targets, timeline.offsets, rounds)
             except Exception as e:  # a rank gone: what is recorded still stands
                 logger.warning("timeline: the workers' clocks were not read (%s)", e)
-        return timeline.records(last, dict(ctrl.state.stream_names), self.targets)
+        return timeline.records(last, dict(ctrl.state.stream_names), self.targets, since)
 
     @property
     def timeline_size(self) -> int:

@@ -60,7 +60,7 @@ _keys = itertools.count(1)  # Controller.key: never reused in a process
 def _shutdown_all() -> None:
     for c in list(_live):
         with contextlib.suppress(Exception):
-            if getattr(c.workers.launcher, "keep_alive", None) is None:  # kept alive: lives on
+            if c.workers.launcher.keep_alive is None:  # a kept-alive mesh lives on
                 c.shutdown(timeout=2.0)
 
 

@@ -116,11 +116,17 @@ class Timeline:
             self.offsets = {}
 
     def records(
-        self, last: int | None = None, stream_names: dict | None = None, ranks=None
+        self,
+        last: int | None = None,
+        stream_names: dict | None = None,
+        ranks=None,
+        since: float | None = None,
     ) -> list[dict]:
         """The records (of ``ranks``, default all) as plain dicts, ordered by start (the
         controller's clock, s): rank, stream, ident, kind, name, start, end, and
-        straggler (``stragglers``); the ``last`` ones only, when given."""
+        straggler (``stragglers``, among the records returned); the ``last`` ones only,
+        when given; with ``since``, only those that ended then or later (a batch that
+        ended before is skipped whole: a live view reads its window, not the ring)."""
         with self._lock:
             batches = list(self._batches)
             offsets = dict(self.offsets)
@@ -131,8 +137,12 @@ class Timeline:
             if keep is not None and rank not in keep:
                 continue
             shift = offsets.get(rank, (0.0, 0.0))[0]
+            if since is not None and max(ends) - shift < since:
+                continue
             stream = names.get(sid, str(sid))
             for ident, what, start, end in zip(idents, whats, starts, ends):
+                if since is not None and end - shift < since:
+                    continue
                 out.append(
                     {
                         "rank": rank,

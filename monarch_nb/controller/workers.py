@@ -23,6 +23,7 @@ class Launcher:
     here, with what a launcher that has no such part does."""
 
     external: bool = False  # True: not our children (no process to watch; they get pings)
+    keep_alive: float | None = None  # seconds its workers outlive this process (None: they die with it)
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
         """Start ``world`` workers that join ``address`` with ``key``: rank -> process
