@@ -52,9 +52,10 @@ def test_a_thousand_ranks_fold_by_host_and_close_bars_merge():
         _rec(r, 90 + i * 0.001, 90 + i * 0.001 + 0.0005, "op", "aten.mul", ident=i)
         for r in range(1024) for i in range(10)
     ]  # fmt: skip
-    svg = task_stream_html(recs, now, 10.0, per_host=32)
+    hosts = {r: f"sim-{r // 32}" for r in range(1024)}  # as grid.host_rows names them
+    svg = task_stream_html(recs, now, 10.0, hosts)
     rows = _rows(svg)
-    assert len(rows) == 32 and rows[0] == "ranks 0-31 default" and rows[-1] == "ranks 992-1023 default"
+    assert len(rows) == 32 and rows[0] == "sim-0 default" and rows[-1] == "sim-31 default"
     assert svg.count("<rect") == 32 * 2  # a background and one merged bar per host row
     assert len(svg) < 20_000  # 10,240 commands drawn in a bounded page
 

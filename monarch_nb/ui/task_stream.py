@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ipywidgets as W
 
+from . import grid
+
 COLOURS = {
     "cell": "#4e79a7",
     "op": "#59a14f",
@@ -30,35 +32,35 @@ ROW = 14  # px per row
 MAX_ROWS = 32  # past this many ranks, rows fold by host
 
 
-def _fold(records: list, per_host: int) -> tuple[list, dict]:
-    """Row keys and labels: (rank, stream) rows, or (host, stream) past MAX_ROWS ranks."""
-    ranks = sorted({r["rank"] for r in records})
-    if len(ranks) <= MAX_ROWS:
+def _fold(records: list, hosts: dict) -> tuple[list, dict]:
+    """Row keys and labels: (rank, stream) rows, or, past MAX_ROWS ranks, (host,
+    stream) rows by ``hosts`` (rank -> its host's row name, the grid's)."""
+    ranks = {r["rank"] for r in records}
+    if len(ranks) <= MAX_ROWS or not hosts:
         keys = sorted({(r["rank"], r["stream"]) for r in records})
         return keys, {k: f"rank {k[0]} {k[1]}" for k in keys}
-    per_host = max(1, per_host)
-    keys = sorted({(r["rank"] // per_host, r["stream"]) for r in records})
-    labels = {
-        k: f"ranks {k[0] * per_host}-{(k[0] + 1) * per_host - 1} {k[1]}" for k in keys
-    }
-    return keys, labels
+    order = {h: i for i, h in enumerate(dict.fromkeys(hosts[r] for r in sorted(hosts)))}
+    keys = sorted({(hosts.get(r["rank"], "-"), r["stream"]) for r in records},
+                  key=lambda k: (order.get(k[0], len(order)), k[1]))  # fmt: skip
+    return keys, {k: f"{k[0]} {k[1]}" for k in keys}
 
 
-def task_stream_html(records: list, now: float, window: float, per_host: int = 1) -> str:
+def task_stream_html(records: list, now: float, window: float, hosts: dict | None = None) -> str:
     """The last ``window`` seconds before ``now`` of ``records`` (``mesh.timeline()``'s
-    dicts) as an SVG: a row per rank and stream (per host and stream past 32 ranks),
+    dicts) as an SVG: a row per rank and stream (past 32 ranks, per host and stream:
+    ``hosts`` maps a rank to its host, as the grid's rows do),
     a bar per command, neighbouring bars closer than a pixel merged."""
     start = now - window
     shown = [r for r in records if r["end"] >= start and r["start"] <= now]
     if not shown:
         return f'<div class="mnb-ts-empty">nothing ran in the last {window:g} s</div>'
-    folded = len({r["rank"] for r in shown}) > MAX_ROWS
-    keys, labels = _fold(shown, per_host)
+    keys, labels = _fold(shown, hosts or {})
+    folded = isinstance(keys[0][0], str)
     row_of = {k: i for i, k in enumerate(keys)}
     scale = WIDTH / window
     bars: dict = {}  # row -> [x0, x1, kind, straggler, title] in time order
     for r in sorted(shown, key=lambda r: r["start"]):
-        key = (r["rank"] // per_host if folded else r["rank"], r["stream"])
+        key = (hosts.get(r["rank"], "-") if folded else r["rank"], r["stream"])
         x0 = max(0.0, (r["start"] - start) * scale)
         x1 = min(WIDTH, (r["end"] - start) * scale)
         row = bars.setdefault(row_of[key], [])
@@ -182,8 +184,8 @@ class TaskStream(W.VBox):
             text = f"<i>no timeline: {html.escape(str(e))}</i>"
         else:
             now = self._now()
-            per_host = list(self.mesh.dims.values())[-1] if self.mesh.dims else 1
-            text = task_stream_html(records + running(status, now), now, window, per_host)
+            hosts = {r: h for h, rs in grid.host_rows(status) for r in rs} if status else None
+            text = task_stream_html(records + running(status, now), now, window, hosts)
         if text == self._last:
             return False
         self._last = self.view.value = text

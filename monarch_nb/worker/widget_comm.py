@@ -28,6 +28,7 @@ from . import capture, display
 
 _worker = None  # the Worker of this process (``attach``)
 _thread: _WidgetThread | None = None
+_thread_lock = threading.Lock()
 _installed = False
 
 
@@ -102,8 +103,9 @@ def deliver(msg: m.WidgetEvent) -> None:
 
 def _widget_thread() -> _WidgetThread:
     global _thread
-    if _thread is None:
-        _thread = _WidgetThread(_worker)
+    with _thread_lock:  # the receiver (an event) and a widget's own thread may both ask
+        if _thread is None:
+            _thread = _WidgetThread(_worker)
     return _thread
 
 
