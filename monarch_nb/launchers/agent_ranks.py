@@ -77,8 +77,9 @@ class RankBook:
     def send(self, msg) -> None:
         raise NotImplementedError
 
-    def exit_note(self, r: AgentRank) -> str:
-        """A line after a rank's output when it ends (where it ran, for a remote host)."""
+    def exit_note(self, r: AgentRank, code: int | None) -> str:
+        """A line after a rank's output when it ends with ``code`` (where it ran, for a
+        remote host; why, when its launcher knows: a job that reached its time limit)."""
         return ""
 
     def spawn_note(self, r: AgentRank, error: str) -> str:
@@ -105,7 +106,7 @@ class RankBook:
         r.spawned.set()
 
     def _rank_Exited(self, r: AgentRank, msg: hm.Exited) -> None:
-        r.end(msg.code, self.exit_note(r))
+        r.end(msg.code, self.exit_note(r, msg.code))
 
     def _rank_SpawnFailed(self, r: AgentRank, msg: hm.SpawnFailed) -> None:
         r.spawn_error = msg.error

@@ -79,8 +79,11 @@ class RemoteAgent(RankBook):
             raise RuntimeError(self.lost)
         self.channel.post(self.identity, msg)
 
-    def exit_note(self, r: AgentRank) -> str:
-        return f"[rank {r.rank} ran on {self.label}; its host agent reported its end]"
+    def exit_note(self, r: AgentRank, code: int | None) -> str:
+        # killed by a signal, the job's end may be why (a time limit signals ranks first)
+        note = self.channel.lost_note
+        why = note() if note is not None and code is not None and code < 0 else None
+        return f"[rank {r.rank} ran on {self.label}; its host agent reported its end{'; ' + why if why else ''}]"
 
     def spawn_note(self, r: AgentRank, error: str) -> str:
         return f"[{self.label} could not start rank {r.rank}: {error}]"

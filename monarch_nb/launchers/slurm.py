@@ -73,6 +73,20 @@ def job_state(job: str) -> tuple[str, str]:
     return fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None")
 
 
+def slurm_seconds(text: str) -> int | None:
+    """Slurm's ``[D-]HH:MM:SS`` / ``MM:SS`` in seconds; None for UNLIMITED or not a time."""
+    days, _, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if not (days.isdigit() or not days) or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    if len(parts) == 2 and not days:
+        return seconds  # MM:SS
+    return seconds + (int(days) * 86400 if days else 0)
+
+
 def _gpus(gres: str) -> int:
     """GPUs in a node's Gres (``gpu:8``, ``gpu:a100:4(S:0-1),gpu:h100:2``, ``(null)``)."""
     total = 0
@@ -260,11 +274,23 @@ class SlurmLauncher(ExternalLauncher):
             state, reason = self.job.state()
         except SlurmError:
             return None
-        if state == "RUNNING":
+        if state == "RUNNING" and not self._past_time_limit():
             return None
-        if state == "TIMEOUT" or reason == "TimeLimit":
+        if state in ("TIMEOUT", "RUNNING") or reason == "TimeLimit":
             return f"Slurm job {self.job.id} reached its time limit ({state})"
         return f"Slurm job {self.job.id} is {state} ({reason})"
+
+    def _past_time_limit(self) -> bool:
+        """The job has run its whole time limit (Slurm signals its tasks then, and may
+        say TIMEOUT only a moment later)."""
+        if self.job.step is not None:
+            return False
+        try:
+            fields = job_fields(self.job.id)
+        except SlurmError:
+            return False
+        limit, ran = slurm_seconds(fields.get("TimeLimit", "")), slurm_seconds(fields.get("RunTime", ""))
+        return limit is not None and ran is not None and ran >= limit
 
     def _watch_job(self) -> None:
         """Show the job's state while it waits; record why, if it ends first."""
