@@ -4,10 +4,12 @@ cell as one command), push and pull. A base of DeviceMesh."""
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 from ..protocol import messages as m
 from ..protocol.wire import pack_args
+from .code_sync import follow_code
 from .context import Stream, resolve_target
 from .remote import Ref, check_refs
 
@@ -74,6 +76,8 @@ class NamespaceCommands:
         if what is None:
             first = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
             what = f"cell: {first[:40]}"
+        if "%autoreload" in source and (on := _autoreload_on(source)) is not None:
+            follow_code(ctrl, on, None)  # the cell turns the ranks' autoreload on or off
         ident = ctrl.next_ident()
         filename = filename or _exec_filename(source)
         if before_send is not None:
@@ -88,10 +92,16 @@ class NamespaceCommands:
             failed_by=ident,
         )
 
-    def autoreload(self, on: bool = True, timeout: float | None = 60.0) -> None:
+    def autoreload(
+        self, on: bool = True, timeout: float | None = 60.0, ship_files: bool | None = None
+    ) -> None:
         """Reload the user's changed modules on every rank before each command
         (IPython's ``%autoreload 2`` in each rank's shell, which also covers remote
-        functions and ``exec``); ``on=False``: ``%autoreload 0``."""
+        functions and ``exec``); ``on=False``: ``%autoreload 0``. ``ship_files``: the
+        sources of the kernel's own modules travel to the ranks, changed ones before
+        each command (default: on a mesh whose hosts may not share this filesystem,
+        ``connect_mesh``'s)."""
+        follow_code(self._controller, on, ship_files)
         source = "%load_ext autoreload\n%autoreload 2" if on else "%autoreload 0"
         self.run_cell("# %%monarch\n" + source, what="autoreload").result(timeout=timeout)
 
@@ -129,3 +139,11 @@ def _exec_filename(source: str) -> str:
     so that a loop of exec calls does not grow the workers' linecache."""
     digest = hashlib.sha1(source.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return f"<monarch-exec-{digest}>"
+
+
+def _autoreload_on(source: str) -> bool | None:
+    """Whether the last ``%autoreload`` line of a cell turns it on (IPython: no
+    argument or 1, 2, 3, explicit, all, complete; 0 and off turn it off); None
+    when no line is one."""
+    modes = re.findall(r"^\s*%autoreload\b[ \t]*(\S*)", source, re.M)
+    return None if not modes else modes[-1] not in ("0", "off")

@@ -22,6 +22,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from .. import config
@@ -118,6 +119,7 @@ class Controller:
         self.debugger = DebugSessions(self)
         self.interrupts = Interrupts(self)
         self.transfers = Transfers()
+        self.before_command: Callable[[], None] | None = None  # a hook (api/code_sync.py)
         self._begin_generation()
         self.io.start()
         _live.add(self)
@@ -199,6 +201,8 @@ class Controller:
         trace = recording_trace.anyone and recording_trace.active  # a compiled call may hold it
         if stream is not None and trace is not None and trace.observe(msg, targets, what):
             return None
+        if stream is not None and self.before_command is not None:
+            self.before_command()  # (its own messages go first: they have no stream)
         frames = encode(msg, self.signer)
         if stream is not None:
             self.state.record_sent(msg.ident, stream, tuple(targets), what)
@@ -345,11 +349,9 @@ class Controller:
         self.workers.stop(timeout)
         err = MeshClosedError(f"mesh {self.name!r} was shut down")
         if self.io.thread.is_alive() and not self.io.on_io_thread:
-            try:
+            with contextlib.suppress(Exception):
                 self.io.call(lambda: self.table.fail_all(err)).result(timeout=10)
                 return
-            except Exception:
-                pass
         self.table.fail_all(err)
 
     def restart(self) -> None:
@@ -368,10 +370,8 @@ class Controller:
             start_generation(self, self._secret, self._startup_timeout)
         except BaseException as e:
             # broken with the reason until the next restart, never usable-looking
-            why = e
-            if not isinstance(e, RemoteError):
-                text = f"mesh {self.name!r}: the restart failed: {type(e).__name__}: {e}"
-                why = RemoteError({}, None, text)
+            text = f"mesh {self.name!r}: the restart failed: {type(e).__name__}: {e}"
+            why = e if isinstance(e, RemoteError) else RemoteError({}, None, text)
             self.io.call(lambda: self.break_mesh(why)).result(timeout=30)
             raise
         for name, sid in streams.items():

@@ -24,6 +24,7 @@ class Launcher:
 
     external: bool = False  # True: not our children (no process to watch; they get pings)
     keep_alive: float | None = None  # seconds its workers outlive this process (None: they die with it)
+    shares_files: bool = True  # its ranks see this process's files (else the user's code travels)
 
     def launch(self, address: str, key: bytes, world: int) -> dict:
         """Start ``world`` workers that join ``address`` with ``key``: rank -> process

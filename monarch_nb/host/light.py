@@ -29,7 +29,7 @@ HEALTH_PERIOD = 1.0
 REFUSED = (
     "Reduce SendTensor RunOps RunCell PostMortem PipeRecv CallRecording BorrowCreate "
     "DefineOp CreateProcessGroup CreatePipe ClosePipe DefineRecording DebuggerMessage "
-    "BorrowFirstUse BorrowDrop DeleteRecording"
+    "BorrowFirstUse BorrowDrop DeleteRecording SyncFiles"
 ).split()
 _REPLIES = {"RunCell", "PostMortem"}  # their caller waits for a FetchResult too
 

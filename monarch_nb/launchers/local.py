@@ -177,6 +177,7 @@ class ExternalLauncher(Launcher):
     prints the command lines, and removes the file at shutdown."""
 
     external = True
+    shares_files = False  # ranks anywhere: autoreload ships the user's changed sources
 
     def __init__(
         self,

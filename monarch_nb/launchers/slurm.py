@@ -228,6 +228,8 @@ class SlurmLauncher(ExternalLauncher):
     launch (``sbatch``, or ``srun`` in an allocation), watches the job while it
     waits, and cancels it at close."""
 
+    shares_files = True  # a cluster's nodes share the submitting host's home and work folders
+
     def __init__(self, name, dims, *, nodes, ranks_per_node, gpus=None, partition=None,
                  time_limit=None, account=None, extra=(), python=None, out=print,
                  **kwargs):  # fmt: skip

@@ -16,7 +16,7 @@ from .insight_messages import ReadClock, ReadMemory, StartProfile, StopProfile, 
 from .ndslice import NDSlice
 from .receivers import CONTROLLER, WORKER, sent_to
 from .recording_messages import CallRecording, DefineRecording, DeleteRecording  # noqa: F401
-from .shell_messages import Complete, Inspect  # noqa: F401
+from .shell_messages import Complete, Inspect, SyncFiles  # noqa: F401
 from .store_messages import StoreReply, StoreRequest  # noqa: F401 - records of the store
 from .values import Args, DependentOn, Function, RemoteFailure  # noqa: F401 - their fields
 from .widget_messages import WidgetEvent, WidgetMessage  # noqa: F401

@@ -1,5 +1,6 @@
 """The records of completion and inspection on a rank (worker/shell_handlers.py,
-monarch_nb/api/completion.py).
+monarch_nb/api/completion.py), and of the user's code files that travel to ranks
+on hosts that do not share the controller's filesystem (api/code_sync.py).
 
 They are messages like those of ``messages`` (which imports them, and whose name
 they carry, so the wire's codes and the handler tables include them); they live
@@ -36,4 +37,15 @@ class Inspect(NamedTuple):
     detail_level: int
 
 
-Complete.__module__ = Inspect.__module__ = _MESSAGES
+@sent_to(WORKER)
+class SyncFiles(NamedTuple):
+    """Write the user's changed sources into the mesh's code folder ``folder`` (a
+    name, under the rank's temporary directory, first on its ``sys.path``), before
+    the command that follows: ``files`` are ``(path under it, sha256 hex, bytes, the
+    controller's file)``."""
+
+    folder: str
+    files: tuple
+
+
+Complete.__module__ = Inspect.__module__ = SyncFiles.__module__ = _MESSAGES

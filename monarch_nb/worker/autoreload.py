@@ -16,10 +16,11 @@ for a module whose file is gone.
 from __future__ import annotations
 
 import os
-import site
 import sys
-import sysconfig
 import threading
+
+from ..protocol.user_files import user_file
+from .synced_code import origin_of
 
 ACTIVE = False  # read by every command: reload before it (set by follow())
 
@@ -29,20 +30,6 @@ _seen = 0  # len(sys.modules) when the user modules were last looked for
 _user: set = set()  # names of the user's modules
 _binary: dict = {}  # user extension module file -> mtime first seen
 _noted: set = set()  # (file, mtime) said once
-_roots: tuple | None = None
-
-
-def _system_roots() -> tuple:
-    global _roots
-    if _roots is None:
-        paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()}
-        paths |= {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-        paths.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # monarch_nb
-        user_site = site.getusersitepackages()
-        if isinstance(user_site, str):
-            paths.add(user_site)
-        _roots = tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
-    return _roots
 
 
 def _refresh() -> list:
@@ -51,13 +38,12 @@ def _refresh() -> list:
     if len(sys.modules) == _seen:
         return []
     new = []
-    roots = _system_roots()
     for name, mod in list(sys.modules.items()):
-        if name in _user or name in ("__main__", "__mp_main__"):
+        if name in _user:
             continue
-        f = getattr(mod, "__file__", None)
-        if not isinstance(f, str) or not os.path.isabs(f) or os.path.realpath(f).startswith(roots):
-            continue  # (torch.ops names a bare "_ops.py")
+        f = user_file(name, mod)
+        if f is None:
+            continue
         _user.add(name)
         new.append(name)
         if not f.endswith(".py"):
@@ -124,13 +110,13 @@ def _report_failures(r, before: dict) -> None:
             continue
         try:
             with open(path, encoding="utf-8") as f:
-                compile(f.read(), path, "exec")
+                compile(f.read(), origin_of(path), "exec")  # a copy names the user's file
         except SyntaxError as e:
             why = f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}"
         except OSError as e:
-            why = f"{path}: {e}"
+            why = f"{origin_of(path)}: {e}"
         else:
-            why = f"{path}: its code raised when reloaded (run importlib.reload to see how)"
+            why = f"{origin_of(path)}: its code raised when reloaded (importlib.reload shows how)"
         print(f"[autoreload] {why}; the module keeps its old code", file=sys.stderr)
 
 

@@ -1,7 +1,8 @@
 """The worker's handlers of Complete and Inspect (a part of Worker, which
 dispatches each message to the handler of its name): Tab and Shift-Tab in a
-``%%monarch`` cell, answered by the rank's IPython shell off the streams; and of
-WidgetEvent, a frontend's message to a widget of the rank (``widget_comm``).
+``%%monarch`` cell, answered by the rank's IPython shell off the streams; of
+WidgetEvent, a frontend's message to a widget of the rank (``widget_comm``); and of
+SyncFiles, the user's changed sources (``synced_code``).
 
 Completing reads user objects (``__dir__``, ``__getattr__``, properties), which
 may raise or hang, so neither the receiver nor a stream runs it: one service
@@ -22,7 +23,7 @@ import time
 from ..protocol import messages as m
 from ..protocol.envelope import Sealer
 from ..protocol.wire import encode_result, send_frames
-from . import widget_comm
+from . import synced_code, widget_comm
 from .failure import describe
 
 LIMIT = 2.0  # seconds one request may run on the rank before it is interrupted
@@ -42,6 +43,9 @@ class ShellHandlers:
 
     def WidgetEvent(self, msg: m.WidgetEvent) -> None:
         widget_comm.deliver(msg)
+
+    def SyncFiles(self, msg: m.SyncFiles) -> None:
+        synced_code.write(msg.folder, msg.files, self.rank)
 
     def _serve(self, ident: int, fn, *args) -> None:
         if self._service is None:
