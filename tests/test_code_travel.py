@@ -42,23 +42,25 @@ def write(path, text: str) -> None:
     os.utime(path, (before + 2, before + 2))
 
 
-@pytest.fixture(scope="module")
-def remote(tmp_path_factory):
+@pytest.fixture(scope="module", params=["joined workers", "a host agent"])
+def remote(request, tmp_path_factory):
     code = tmp_path_factory.mktemp("kernel_code")
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     conn = elsewhere / "mesh.json"
     w = Waiting(world=2, dp=2, connection_file=str(conn), timeout=120, name="code-travel")
     wait_file(conn)
-    worker = [sys.executable, "-m", "monarch_nb.worker", "--connection-file", str(conn)]
+    hidden = ["unshare", "--mount", "--propagation", "private", "sh", "-c", HIDE, "sh", str(code)]
+    if request.param == "joined workers":
+        worker = [sys.executable, "-m", "monarch_nb.worker", "--connection-file", str(conn)]
+        commands = [[*worker, "--rank", str(rank), "--world", "2"] for rank in range(2)]
+    else:  # one host agent that forks both ranks
+        commands = [[sys.executable, "-m", "monarch_nb.host", "--connection-file", str(conn),
+                     "--local-ranks", "2"]]  # fmt: skip
     procs = [
         subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", HIDE, "sh", str(code)]
-            + [*worker, "--rank", str(rank), "--world", "2"],
-            env=TESTS_ENV,
-            cwd=elsewhere,
-            stderr=subprocess.DEVNULL,
+            hidden + command, env=TESTS_ENV, cwd=elsewhere, stderr=subprocess.DEVNULL
         )
-        for rank in range(2)
+        for command in commands
     ]
     sys.path.insert(0, str(code))
     mesh = w.mesh()
