@@ -83,11 +83,13 @@ class Timeline:
             self._trim()
 
     def add(self, rank: int, streams: tuple) -> None:
-        """A worker's Timings: ``(stream, idents, whats, starts, ends)`` per stream."""
+        """A worker's Timings: ``(stream, idents, whats, starts, ends)`` per stream (the
+        numbers packed in arrays: 8 bytes each, not a Python object, ~100 B, a record)."""
         with self._lock:
             for sid, idents, whats, starts, ends in streams:
-                # packed: 8 bytes a number, not a Python object each (~100 B a record)
-                batch = (rank, sid, array("q", idents), whats, array("d", starts), array("d", ends))
+                if type(idents) is not array:  # (a simulated rank's, or a test's: tuples)
+                    idents, starts, ends = array("q", idents), array("d", starts), array("d", ends)
+                batch = (rank, sid, idents, whats, starts, ends)
                 self._batches.append(batch)
                 self._count += len(idents)
             self._trim()

@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -22,13 +21,14 @@ from ..protocol.wire import send_frames
 from . import autoreload, capture, remote_pdb
 from .failure import describe
 from .ref_cell import DependentOnError
+from .timings import FinishedCommands
 
 OUTPUT_CHUNK = 64 << 10  # flush buffered output at this size
 # messages a stream may have on their way before its sends block: with the
 # controller's receive limit, a flood of output (a 1 GB print) waits for the
 # controller instead of piling up in either process's memory
 SEND_HWM = 256
-TIMES_KEPT = 20_000  # (ident, what, start, end) of finished commands kept until reported
+TIMES_KEPT = 20_000  # finished commands kept until reported (more: the newest are not kept)
 
 _STOP = object()
 _RUNNING = object()  # Outbox.write's default ident: the running command's
@@ -194,9 +194,7 @@ class Stream:
         self.finished = 0  # last ident finished
         self.done = 0  # commands finished
         self.running: tuple | None = None  # (ident, what, since)
-        # (ident, what, start, end) of finished commands, wall clock, until the receiver
-        # reports them (worker/timings.py); the oldest go when it falls behind
-        self.times: deque = deque(maxlen=TIMES_KEPT)
+        self.times = FinishedCommands(TIMES_KEPT)  # until the receiver reports them
         self.in_user_code = False
         self.stall_logged: int | None = None  # ident whose stall was logged
         self.debugger_queue: queue.SimpleQueue = queue.SimpleQueue()  # lines for a paused pdb
@@ -352,9 +350,16 @@ class Stream:
             outbox.ident = None
             self._cancelled_running = None
             self.running = None
-            self.times.append((ident, what, start, time.time()))
+            t = self.times
+            if t.room:  # the timeline's record: four appends, no allocation (timings.py)
+                t.ident(ident)
+                t.what(what)
+                t.start(start)
+                t.end(time.time())
             self.finished = ident
             self.done += 1
+            if not self.done & 255:
+                t.check(TIMES_KEPT)
 
     # ------------------------------------------------------------ interrupt
 
