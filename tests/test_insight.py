@@ -345,3 +345,52 @@ def test_a_simulated_mesh_has_a_timeline_and_refuses_memory_by_name(tmp_path):
         assert not (tmp_path / "sim" / "trace.json").exists()
     finally:
         sim.shutdown()
+
+
+def test_finished_commands_cut_while_a_stream_appends_keep_every_record_whole():
+    """The columns a stream appends to and the receiver cuts, on two real threads:
+    each command is taken once, with its own what, start and end."""
+    import threading
+
+    from monarch_nb.worker.timings import FinishedCommands
+
+    t, n, taken = FinishedCommands(10**9), 200_000, []
+
+    def stream():
+        for i in range(n):
+            t.ident(i)
+            t.what(f"w{i}")
+            t.start(float(i))
+            t.end(float(i) + 0.5)
+
+    th = threading.Thread(target=stream)
+    th.start()
+    while th.is_alive() or len(t):
+        cut = t.take()
+        if cut is not None:
+            taken.append(cut)
+    idents = [i for cut in taken for i in cut[0]]
+    assert idents == list(range(n))
+    for ids, whats, starts, ends in taken:
+        assert len(ids) == len(whats) == len(starts) == len(ends)
+        assert all(
+            w == f"w{i}" and s == i and e == i + 0.5 for i, w, s, e in zip(ids, whats, starts, ends)
+        )
+
+
+def test_a_stream_whose_receiver_falls_behind_keeps_a_bounded_record():
+    from monarch_nb.worker.timings import FinishedCommands
+
+    t = FinishedCommands(100)
+    for i in range(1000):
+        if t.room:
+            t.ident(i)
+            t.what("x")
+            t.start(0.0)
+            t.end(1.0)
+        if not (i + 1) % 50:
+            t.check(100)
+    assert len(t) == 100 and not t.room
+    assert list(t.take()[0]) == list(range(100))
+    t.check(100)
+    assert t.room and t.take() is None
