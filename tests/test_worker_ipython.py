@@ -158,6 +158,24 @@ def test_display_publishes_the_mime_bundle(mesh):
     assert [d["text/plain"] for d in got[0]["displays"]] == ["'second'", "'kept'"]
 
 
+def test_a_50_mb_display_is_a_notice_and_the_cell_goes_on(mesh):
+    got = cell(
+        mesh,
+        "from IPython.display import Image, JSON\n"
+        "display(Image(data=b'\\x89PNG' + bytes(50 << 20), format='png'))\n"
+        "display(JSON({'a': 'z' * (50 << 20)}))\n"
+        "display('small')\n"
+        "rank",
+    )
+    for r, res in enumerate(got):
+        image, big_json, small = res["displays"]
+        assert list(image) == ["text/plain"] and "image/png is 69,905,0" in image["text/plain"]
+        assert "was not shown" in image["text/plain"] and "8,388,608" in image["text/plain"]
+        assert list(big_json) == ["text/plain"] and "application/json" in big_json["text/plain"]
+        assert small == {"text/plain": "'small'"} and res["data"] == {"text/plain": str(r)}
+    assert values(cell(mesh, "rank + 1")) == ["1", "2"]  # the mesh serves on
+
+
 def test_a_clear_in_a_script_prints_nothing(mesh, capfd):
     cell(mesh, "from IPython.display import clear_output\nprint('one')\nclear_output(wait=True)\nprint('two')")
     mesh.wait()

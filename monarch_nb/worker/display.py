@@ -18,6 +18,7 @@ from . import capture
 MAX_TEXT = 200_000  # characters of one text repr kept; the rest is dropped with a notice
 MAX_FIGURES = 20  # figures sent per cell and rank
 MAX_DISPLAYS = 100  # display() bundles sent per cell and rank; later ones are dropped
+MAX_BUNDLE = 8 << 20  # bytes one shown bundle may carry (images base64); past it, a notice
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # fn(bundle, metadata) that shows a widget's view at once (widget_comm sets it), or None
@@ -125,17 +126,28 @@ def mimebundle(obj) -> dict:
 
 
 def _checked(data: dict) -> dict:
-    """A bundle that travels: JSON that serialises, texts cut at MAX_TEXT."""
+    """A bundle that travels: JSON that serialises, texts cut at MAX_TEXT, and at
+    most MAX_BUNDLE bytes in all (a bigger one becomes a notice saying so)."""
+    sizes = {}
     if "application/json" in data:
         try:
-            json.dumps(data["application/json"])
+            sizes["application/json"] = len(json.dumps(data["application/json"]))
         except (TypeError, ValueError):
             del data["application/json"]
     for k, v in list(data.items()):
         if isinstance(v, str) and k.startswith("text/") and len(v) > MAX_TEXT:
             dropped = len(v) - MAX_TEXT
             data[k] = v[:MAX_TEXT] + f"\n[... {dropped} bytes of output dropped ...]"
-    return data
+        if isinstance(v, str):
+            sizes[k] = len(data[k])
+    if sum(sizes.values()) <= MAX_BUNDLE:
+        return data
+    mime, size = max(sizes.items(), key=lambda kv: kv[1])
+    return {
+        "text/plain": f"[a display of {sum(sizes.values()):,} bytes was not shown: its {mime} "
+        f"is {size:,} bytes, and a display may carry {MAX_BUNDLE:,} (save it to a file, "
+        "or show a smaller image)]"
+    }
 
 
 def _jsonable(mime: str, v):
