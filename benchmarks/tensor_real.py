@@ -7,6 +7,11 @@ same step in local eager torch in this process on as many threads as each rank
 has, in the same run, alternating. ``tensor_real_step_compiled``: the step under
 ``mnb.compile``, against the same local eager baseline; ``messages_per_step``
 says whether it replays (1) or runs op by op (the step's command count).
+
+Each row also says where a step's time goes: the controller's and a rank's CPU ms per
+step, and the steps/s those allow here (the controller and the ranks share the cores)
+and with a core each: on a machine with fewer cores than ranks + 1 the controller's
+Python competes with the ranks for them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,39 @@ from ._report import Entry, interleaved
 
 def _threads(world: int) -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world))
+
+
+def _cpu_per_step(mesh, fn, n: int) -> dict:
+    """Where one step's time goes: CPU ms per step of this process (the controller, all
+    its threads) and of each rank (mean), measured over ``n`` steps, and the most steps/s
+    those costs allow on this machine's cores (all three busy at once) or with a core
+    each (the slowest of them)."""
+    import psutil
+
+    ranks = [psutil.Process(mesh.status()["ranks"][r]["pid"]) for r in mesh.ranks]
+
+    def cpu(p) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    mesh.wait()
+    w0, c0 = [cpu(p) for p in ranks], time.process_time()
+    for _ in range(n):
+        fn()
+    mesh.wait()
+    c1, w1 = time.process_time(), [cpu(p) for p in ranks]
+    ctrl = (c1 - c0) / n * 1e3
+    rank = sum(b - a for a, b in zip(w0, w1)) / len(ranks) / n * 1e3
+    cores = os.cpu_count() or 1
+    return {
+        "controller_cpu_ms_per_step": round(ctrl, 2),
+        "rank_cpu_ms_per_step": round(rank, 2),
+        "cores": cores,
+        "steps_per_s_cpu_bound_here": round(
+            1e3 * min(cores, 1 + len(ranks)) / (ctrl + rank * len(ranks)), 1
+        ),
+        "steps_per_s_core_each": round(1e3 / max(ctrl, rank), 1),
+    }
 
 
 def _commands(mesh, fn) -> int:
@@ -71,6 +109,8 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
         mesh.wait()
         op_commands = _commands(mesh, lambda: lm.step(*state))
         compiled_messages = _commands(mesh, step)
+        op_cpu = _cpu_per_step(mesh, lambda: lm.step(*state), n)
+        compiled_cpu = _cpu_per_step(mesh, step, n)
         ours, base, _, _ = interleaved(lambda: run(lambda: lm.step(*state)), eager, reps)
         comp, base2, _, _ = interleaved(lambda: run(step), eager, reps)
     finally:
@@ -94,7 +134,7 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
             ">= 0.25",
             what,
             note=f"{model}, op by op (each aten op one command); issue 26 asks >= 0.25x local eager",
-            extra={"commands_per_step": op_commands},
+            extra={"commands_per_step": op_commands, **op_cpu},
         ),
         Entry(
             "tensor_real_step_compiled",
@@ -104,7 +144,7 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
             ">= 0.8",
             what,
             note=f"{model}, under mnb.compile; issue 26 asks >= 0.8x local eager at 1 message a step",
-            extra={"messages_per_step": compiled_messages},
+            extra={"messages_per_step": compiled_messages, **compiled_cpu},
         ),
     ]
 
