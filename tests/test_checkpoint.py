@@ -279,8 +279,62 @@ def test_a_tensor_engine_module_saved_and_loaded_in_place(mesh, tmp_path):
         other = torch.nn.Linear(4, 5)
     with pytest.raises(ValueError, match="'net' does not match .* not in the checkpoint: bias, weight"):
         mesh.load(path, net=other)
-    with pytest.raises(TypeError, match="net= takes a module of mesh tensors"):
+    with pytest.raises(TypeError, match="net= takes a module or an optimizer of mesh tensors"):
         mesh.save(path, net=3)
+
+
+def _engine_training(seed: int):
+    """A model, AdamW and a warm-up LambdaLR of mesh tensors (the active mesh's)."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    return net, opt, sched
+
+
+def _engine_steps(net, opt, sched, x, y, n: int) -> list:
+    losses = []
+    for _ in range(n):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(mnb.inspect(loss).item())
+    return losses
+
+
+def test_tensor_engine_training_resumes_from_a_checkpoint_after_a_restart(tmp_path):
+    """Issue 29: a model, its optimizer and its scheduler of mesh tensors saved mid-run;
+    fresh ones on fresh workers loaded from it continue with the same losses, bit for bit."""
+    path = str(tmp_path / "engine")
+    mesh = mnb.local_mesh(dp=2, name="engine-resume")
+    try:
+        with mesh.activate():
+            torch.manual_seed(5)
+            x, y = torch.randn(16, 4), torch.randn(16, 1)
+            net, opt, sched = _engine_training(0)
+            _engine_steps(net, opt, sched, x, y, 3)
+        mesh.save(path, net=net, opt=opt, sched=sched)
+        assert mesh.checkpoint_contents(path) == {"net": "engine", "opt": "engine", "sched": "engine"}
+        with mesh.activate():
+            expected = _engine_steps(net, opt, sched, x, y, 3)
+            data = (mnb.inspect(x).clone(), mnb.inspect(y).clone())
+        mesh.restart()
+        with mesh.activate():
+            x, y = torch.tensor(data[0].tolist()), torch.tensor(data[1].tolist())
+            net, opt, sched = _engine_training(1)  # other weights, no optimizer state
+            assert not opt.state
+            mesh.load(path, net=net, opt=opt, sched=sched)
+            assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == sched.get_last_lr()[0]
+            assert all(float(s["step"]) == 3.0 for s in opt.state.values())
+            assert _engine_steps(net, opt, sched, x, y, 3) == expected
+            other = torch.optim.AdamW(torch.nn.Linear(4, 5).parameters())
+        with pytest.raises(ValueError, match="'opt' does not match the checkpoint's: .*shapes differ"):
+            mesh.load(path, opt=other)
+        assert not other.state  # the state it was given for the load is taken back
+    finally:
+        mesh.shutdown()
 
 
 @pytest.mark.kernel

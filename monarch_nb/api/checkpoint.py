@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ _describe = remote(checkpoint_ops.describe)
 _save = remote(checkpoint_ops.save)
 _load = remote(checkpoint_load.load)
 _info = remote(checkpoint_load.info)
+_layout = remote(checkpoint_load.optimizer_layouts)
 
 _ERRORS = {
     "OSError": OSError,
@@ -58,25 +60,94 @@ def _group(mesh: DeviceMesh):
 
 
 def _engine(mesh: DeviceMesh, modules: dict, what: str) -> dict:
-    """name -> the state dict of a controller-side module of mesh tensors (the
-    tensor engine): mesh tensors go as their shards, host scalars by value."""
+    """name -> the state dict of a controller-side object of the tensor engine: a
+    module or an optimizer of mesh tensors, or another object with ``state_dict`` and
+    ``load_state_dict`` (an LR scheduler). Mesh tensors go as their shards, host
+    scalars and plain values by value."""
     out = {}
-    for name, module in modules.items():
-        state = getattr(module, "state_dict", None)
-        if not callable(state):
+    for name, obj in modules.items():
+        if not callable(getattr(obj, "state_dict", None)) or not callable(
+            getattr(obj, "load_state_dict", None)
+        ):
             raise TypeError(
-                f"{what}: {name}= takes a module of mesh tensors (built under "
-                f"mesh.activate()), got {type(module).__name__}"
+                f"{what}: {name}= takes a module or an optimizer of mesh tensors (built "
+                f"under mesh.activate()) or a scheduler, got {type(obj).__name__}"
             )
-        sd = dict(state())
-        refs = [v for v in sd.values() if isinstance(v, Ref)]
-        if not refs or any(r.mesh._controller is not mesh._controller for r in refs):
+        sd = obj.state_dict()
+        refs = [v for v in state_leaves(sd) if isinstance(v, Ref)]
+        if any(r.mesh._controller is not mesh._controller for r in refs) or (
+            not refs and _is_module(obj)
+        ):
             raise ValueError(
                 f"{what}: {name}= is not a module of mesh tensors on mesh {mesh.name!r} "
                 f"(name worker variables as strings)"
             )
         out[name] = sd
     return out
+
+
+def _is_module(obj) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def state_leaves(sd):
+    """The values of a (nested) state dict: its dicts' values, its lists' items."""
+    if isinstance(sd, dict):
+        for v in sd.values():
+            yield from state_leaves(v)
+    elif isinstance(sd, list | tuple):
+        for v in sd:
+            yield from state_leaves(v)
+    else:
+        yield sd
+
+
+def _merged(here, there):
+    """``here`` (a state dict of mesh tensors, host tensors and values) with what was
+    loaded ``there``: mesh tensors stay (loaded in place on the ranks), host tensors
+    take the loaded value in place, plain values are replaced."""
+    if isinstance(here, Ref):
+        return here
+    if isinstance(here, dict) and isinstance(there, dict):
+        return {k: _merged(here[k], there[k]) if k in here else there[k] for k in there}
+    if isinstance(here, list | tuple) and isinstance(there, list | tuple) and len(here) == len(
+        there
+    ):
+        return type(here)(_merged(a, b) for a, b in zip(here, there))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(here, torch.Tensor) and isinstance(there, torch.Tensor):
+        here.copy_(there)
+        return here
+    return there
+
+
+def _fresh_optimizer_state(mesh: DeviceMesh, opts: dict, path, timeout) -> list:
+    """An optimizer that has not stepped has no state to load into: it gets the
+    checkpoint's, zeros of each saved layout (mesh tensors shaped as their parameter;
+    0-dim ones, a step count, as host tensors), which the load then fills. Returns
+    the optimizers given state (a failed load takes it back)."""
+    import torch
+
+    fresh = {n: o for n, o in opts.items() if isinstance(o, torch.optim.Optimizer) and not o.state}
+    if not fresh:
+        return []
+    got = _layout(path, tuple(fresh), mesh=mesh).fetch(rank=mesh.ranks[0], timeout=timeout)
+    if "error" in got:
+        _raise(got["error"])
+    for name, opt in fresh.items():
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for key, (shape, dtype) in got["layouts"][name].items():
+            index, _, slot = key.partition(".")
+            p = params[int(index)] if index.isdigit() and int(index) < len(params) else None
+            if p is None:
+                continue  # a parameter the checkpoint has and this optimizer lacks: load says so
+            if tuple(shape) == ():
+                value = torch.tensor(0.0, dtype=dtype)  # a host scalar, as torch.optim keeps
+            else:
+                value = torch.zeros_like(p, dtype=dtype)
+            opt.state[p][slot] = value
+    return list(fresh.values())
 
 
 def _call(fn, mesh: DeviceMesh, *args):
@@ -158,21 +229,27 @@ def load(mesh: DeviceMesh, path, names: tuple, modules: dict, timeout: float | N
     """See ``DeviceMesh.load``."""
     path = _path(path, "load()")
     names = _names(names + tuple(modules), "load()")[: len(names)]
-    engine = _engine(mesh, modules, "load()")
-    ns = mesh.exec("globals()", stream=mesh.default_stream)
+    filled = _fresh_optimizer_state(mesh, modules, path, timeout)
     try:
-        chosen = names or (None if not engine else ())
-        ref = _call(_load, mesh, ns, path, chosen, _group(mesh), engine)
-        results = ref.fetch(timeout=timeout)
-    finally:
-        ns.delete()
-    for r in results:
-        if "error" in r:
-            _raise(r["error"])
-    for name, sd in engine.items():  # host scalars (a step count) live here
-        for key, value in sd.items():
-            if not isinstance(value, Ref) and key in results[0]["host"][name]:
-                value.copy_(results[0]["host"][name][key])
+        engine = _engine(mesh, modules, "load()")
+        ns = mesh.exec("globals()", stream=mesh.default_stream)
+        try:
+            chosen = names or (None if not engine else ())
+            ref = _call(_load, mesh, ns, path, chosen, _group(mesh), engine)
+            results = ref.fetch(timeout=timeout)
+        finally:
+            ns.delete()
+        for r in results:
+            if "error" in r:
+                _raise(r["error"])
+    except BaseException:
+        for opt in filled:  # as it was: no state
+            opt.state.clear()
+        raise
+    for name, sd in engine.items():  # host scalars (a step count) and values live here
+        merged = _merged(sd, results[0]["host"][name])
+        if not _is_module(modules[name]):  # an optimizer's groups, a scheduler's counts
+            modules[name].load_state_dict(merged)
     return results[0]["names"]
 
 
@@ -210,16 +287,18 @@ class MeshCheckpoints:
         torch.distributed.checkpoint (per-rank shards, one metadata file): modules
         and optimizers (their state dicts), DTensors (FSDP2, TP: sharded), tensors
         and picklable values. Written beside ``path`` and renamed into place, so a
-        failure leaves the checkpoint there as it was. ``name=module``: a module of
-        mesh tensors (the tensor engine) saved as ``name``. Returns the absolute path."""
+        failure leaves the checkpoint there as it was. ``name=obj``: a module or an
+        optimizer of mesh tensors (the tensor engine), or its scheduler, saved as
+        ``name``. Returns the absolute path."""
         return save(self, path, names, modules, timeout)
 
     def load(self, path, *names: str, timeout: float | None = None, **modules) -> list:
         """Load ``names`` (default: all) from the checkpoint at ``path`` into the
         workers: modules and optimizers in place, other names bound afresh.
         DTensors and values saved equal on every rank reshard onto a mesh of
-        another size. ``name=module``: load ``name`` into a module of mesh tensors
-        (the tensor engine) in place. Returns the names loaded."""
+        another size. ``name=obj``: load ``name`` into a module or an optimizer of
+        mesh tensors (the tensor engine), or a scheduler, in place (an optimizer that
+        has not stepped gets the saved state's layouts first). Returns the names loaded."""
         return load(self, path, names, modules, timeout)
 
     def checkpoint_contents(self, path, timeout: float | None = None) -> dict:

@@ -129,15 +129,19 @@ class Ticker:
         self._next = 0
 
     def add(self, fn: Callable[[float], None]) -> int:
+        start = None
         with self._lock:
             self._next += 1
-            self._fns[self._next] = fn
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
+            token = self._next
+            self._fns[token] = fn
+            t = self._thread  # (one made but not yet started has no ident: it will run)
+            if t is None or (t.ident is not None and not t.is_alive()):
+                self._thread = start = threading.Thread(
                     target=self._run, name="monarch-nb-out", daemon=True
                 )
-                self._thread.start()
-            return self._next
+        if start is not None:  # outside the lock: a finalizer on the new thread may remove()
+            start.start()
+        return token
 
     def remove(self, token: int) -> None:
         with self._lock:

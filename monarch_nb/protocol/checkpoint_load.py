@@ -19,6 +19,27 @@ def info(path: str) -> dict:
         return {"error": e.args[0]}
 
 
+def optimizer_layouts(path: str, names: tuple) -> dict:
+    """``{"layouts": {name: {"<param index>.<slot>": (shape, dtype)}}}`` of the
+    optimizers ``names`` the checkpoint at ``path`` holds (the tensor engine gives a
+    fresh optimizer that state before loading into it), or ``{"error": ...}``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        saved, md = _read(path)
+    except _Refused as e:
+        return {"error": e.args[0]}
+    out: dict = {}
+    for n in names:
+        prefixes = (f"{n}.state.", f"{n}@rank0.state.")
+        layouts = out[n] = {}
+        for key, m in md.state_dict_metadata.items():
+            for prefix in prefixes:
+                if key.startswith(prefix) and isinstance(m, TensorStorageMetadata):
+                    layouts[key[len(prefix):]] = (tuple(m.size), m.properties.dtype)
+    return {"layouts": out}
+
+
 class _Refused(Exception):
     """A problem to report as ``{"error": (kind, text)}``."""
 
@@ -219,8 +240,8 @@ def load(ns: dict, path: str, names, group, engine: dict | None = None) -> dict:
                 sd[key] = _placeholder(ns, n, key, entry, md, made)
             if entry["kind"] == "engine":
                 if n not in engine:
-                    raise _Refused(("ValueError", f"{n!r} is a tensor engine module: pass it, "
-                                    f"mesh.load(path, {n}=module)"))
+                    raise _Refused(("ValueError", f"{n!r} is a tensor engine module or "
+                                    f"optimizer: pass it, mesh.load(path, {n}=obj)"))
                 sd[key] = engine[n]
             if entry["kind"] in ("module", "optimizer", "engine"):
                 wrong = _mismatch(n, key, sd[key], md)
@@ -240,8 +261,23 @@ def load(ns: dict, path: str, names, group, engine: dict | None = None) -> dict:
     except (Exception, CheckpointException) as e:
         return {"error": _problem(e, f"reading {path} failed")}
     _bind(ns, saved, keys, sd, made)
-    host = {n: {k: v for k, v in engine[n].items() if v.dim() == 0} for n in engine}
+    host = {n: _host_part(engine[n]) for n in engine}
     return {"ok": True, "names": list(keys), "host": host}
+
+
+def _host_part(sd):
+    """A loaded engine state dict with its shards (tensors of a dimension or more: the
+    controller's mesh tensors, loaded in place here) as None; 0-dim tensors (host
+    scalars) and plain values as they were read."""
+    import torch
+
+    if isinstance(sd, dict):
+        return {k: _host_part(v) for k, v in sd.items()}
+    if isinstance(sd, list | tuple):
+        return type(sd)(_host_part(v) for v in sd)
+    if torch.is_tensor(sd) and sd.dim() > 0:
+        return None
+    return sd
 
 
 def _bind(ns: dict, saved: dict, keys: dict, sd: dict, made: dict) -> None:

@@ -39,12 +39,18 @@ class RedrawLoop:
         self._thread: threading.Thread | None = None
 
     def add(self, d) -> None:
+        start = None
         with self._lock:
             if d not in self._dashboards:
                 self._dashboards.append(d)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="monarch-nb-ui", daemon=True)
-                self._thread.start()
+                self._thread = start = threading.Thread(
+                    target=self._run, name="monarch-nb-ui", daemon=True
+                )
+        # started outside the lock: the new thread may run a finalizer first (the garbage
+        # collector's choice: an old dashboard's __del__ -> remove()), which takes it
+        if start is not None:
+            start.start()
 
     def remove(self, d) -> None:
         with self._lock:
