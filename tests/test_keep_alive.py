@@ -44,6 +44,31 @@ CONTROLLER = textwrap.dedent(
 )
 
 
+FLOOD = textwrap.dedent(
+    """
+    import sys, time
+    import monarch_nb as mnb
+    name, counts = sys.argv[1], sys.argv[2]
+    m = mnb.local_mesh(dp=1, keep_alive="60s", name=name)
+    m.exec(
+        "import os, threading, time\\n"
+        f"def flood(path={counts!r} + '/rank0'):\\n"
+        "    line = 'x' * 65535\\n"
+        "    for i in range(10**9):\\n"
+        "        print(line)\\n"
+        "        if i % 50 == 0:\\n"
+        "            with open(path + '.tmp', 'w') as f: f.write(str(i))\\n"
+        "            os.replace(path + '.tmp', path)\\n"
+        "        if not os.path.exists(path + '.go'): time.sleep(0.01)\\n"
+        "threading.Thread(target=flood, daemon=True).start()\\n"
+    )
+    m.wait()
+    print("READY", flush=True)
+    time.sleep(600)
+    """
+)
+
+
 @pytest.fixture
 def mesh_dir(tmp_path, monkeypatch):
     """A registry of this test's own; whatever it lists is ended at the test's end."""
@@ -237,3 +262,33 @@ def test_kernel_sigkilled_keeps_the_mesh_until_expiry(tmp_path, mesh_dir):
     finally:
         k.kc.stop_channels()
         k.km.shutdown_kernel(now=True)
+
+
+def test_a_rank_printing_without_end_while_orphaned_goes_on_in_bounded_memory(tmp_path, mesh_dir):
+    """Issue 29: with no controller, what a rank prints beyond its socket's queue is
+    dropped: the printing thread goes on (it stalled after 16 MB before) and the
+    rank's memory stays flat while it prints gigabytes."""
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD)
+    p = subprocess.Popen(
+        [sys.executable, str(script), "ka_flood", str(counts)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    weakref.finalize(p, p.kill)
+    for line in p.stdout:
+        if line.strip() == "READY":
+            break
+    agent = psutil.Process(p.pid).children()[0]
+    rank = agent.children()[0]
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    (counts / "rank0.go").touch()  # full speed: 64 KiB a line, no sleep
+    start = _count(counts / "rank0")
+    rss = rank.memory_info().rss
+    wait_for(lambda: _count(counts / "rank0") > start + 4000, 60, "the rank to print 256 MB")
+    assert rank.memory_info().rss < rss + (64 << 20)
+    assert _cli("kill", "ka_flood").returncode == 0

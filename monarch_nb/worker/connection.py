@@ -54,6 +54,13 @@ class Connection:
         self._sent_progress: dict = {}
 
     @property
+    def controller_gone(self) -> bool:
+        """The connection to the controller dropped and is not back (a kept-alive
+        mesh's ranks live on): what they send is dropped once their queues are full,
+        and their reports wait."""
+        return self._lost_at is not None
+
+    @property
     def bad_messages(self) -> int:
         """Messages this worker dropped, of any kind (``peers.rejections``)."""
         return self.peers.total
@@ -87,9 +94,9 @@ class Connection:
             )
             self._health = HealthSampler(self.cuda)
             self._next_progress = self._next_health = 0.0
-            monitor = None
-            if self.heartbeat_timeout is not None:
-                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            # whether the controller is there: a worker that is not its child exits when
+            # it goes; a kept-alive one goes on, its output bounded (controller_gone)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             # zmq_poll on plain ints: sock.poll builds a Poller (and enums) per call
             polled = [(sock, int(zmq.POLLIN))]
             if monitor is not None:
@@ -170,17 +177,18 @@ class Connection:
         now = time.monotonic()
         for s in list(self.streams.values()):
             s.outbox.flush_if_stale(now, OUTPUT_AGE)
+        gone = self._lost_at is not None  # reports would pile up in the socket's queue
         if now >= self._next_progress or final:
             self._next_progress = now + PROGRESS_PERIOD
             streams = list(self.streams.values())
             timings = take_timings(self.rank, streams)
-            if timings is not None:  # before the progress that says they finished
+            if timings is not None and not gone:  # before the progress that says they finished
                 self._send(timings)
             progress = {s.id: (s.started, s.finished, s.done) for s in streams}
-            if progress != self._sent_progress:
+            if progress != self._sent_progress and not gone:
                 self._sent_progress = progress
                 self._send(m.Progress(self.rank, progress))
-        if now >= self._next_health:
+        if now >= self._next_health and not gone:
             self._next_health = now + HEALTH_PERIOD
             rss, cpu, gpu = self._health.sample()
             self._send(
