@@ -124,13 +124,19 @@ def _ipyparallel_note() -> str:
     return f"runs at fewer engines than {WORLD:,}: see the {ROW} row"
 
 
+def _host_pids(mesh) -> list[int]:
+    """The simulated hosts' processes (each serves its light ranks: their pid)."""
+    ranks = mesh.status()["ranks"]
+    return sorted({ranks[r]["pid"] for r in mesh.ranks})
+
+
 def bench_scale(quick: bool) -> list[Entry]:
     import monarch_nb as mnb
 
     reps = 7 if quick else 21
     one = mnb.local_mesh(host=1, gpu=1, simulate=True, name="bench-scale-1")
     try:
-        base_host = _uss(one._controller.workers.launcher.pids()[0])
+        base_host = _uss(_host_pids(one)[0])
     finally:
         one.shutdown()
     ours_kb, raw_kb = _memory_in_child("ours"), _memory_in_child("raw")
@@ -144,7 +150,7 @@ def bench_scale(quick: bool) -> list[Entry]:
 
         for _ in range(5):
             ours()
-        hosts = mesh._controller.workers.launcher.pids()
+        hosts = _host_pids(mesh)
         light_kb = (_median([_uss(p) for p in hosts]) - base_host) / 1024 / (PER_HOST - 1)
         with RawFanout(WORLD, PER_HOST) as raw:
             for _ in range(4):

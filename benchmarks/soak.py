@@ -56,8 +56,14 @@ def _settled(mesh) -> tuple[dict, list]:
     mesh.wait(timeout=120)
     time.sleep(1.3)
     sizes = [mesh.status()["ranks"][r]["env_size"] for r in mesh.ranks]
-    pids = [os.getpid(), *mesh._controller.worker_pids().values()]
+    pids = [os.getpid(), *_rank_pids(mesh)]
     return _rss(pids), sizes
+
+
+def _rank_pids(mesh) -> list[int]:
+    """The ranks' processes, as ``mesh.status()`` has them."""
+    ranks = mesh.status()["ranks"]
+    return [ranks[r]["pid"] for r in mesh.ranks]
 
 
 def soak(commands: int, fetches: int, progress=None) -> dict:
@@ -71,7 +77,7 @@ def soak(commands: int, fetches: int, progress=None) -> dict:
     result: dict = {"commands": commands, "fetches": fetches}
     with mnb.local_mesh(dp=2, name="soak") as mesh:
         f_noop, f_add = mnb.remote(noop), mnb.remote(add)
-        worker_pids = list(mesh._controller.worker_pids().values())
+        worker_pids = _rank_pids(mesh)
         done_fetches = 0
         base = base_sizes = None
         t0 = time.perf_counter()

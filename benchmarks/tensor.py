@@ -21,6 +21,7 @@ import time
 
 from ._report import Entry, interleaved
 from .raw import RawPeer
+from .tensor_real import _commands
 
 
 def bench_tensor_op_rate(quick: bool) -> list[Entry]:
@@ -122,10 +123,7 @@ def bench_tensor_step(quick: bool) -> list[Entry]:
         _train_steps(model, opt, x, y, 2)
         state = mnb.remote(worker_steps)(None, 2, mesh=mesh)
         mesh.wait()
-        ctrl = mesh._controller
-        before = ctrl.next_ident()
-        _train_steps(model, opt, x, y, 1)
-        ops = ctrl.next_ident() - before - 1
+        ops = _commands(mesh, lambda: _train_steps(model, opt, x, y, 1))
 
         def ours() -> float:
             t0 = time.perf_counter()
