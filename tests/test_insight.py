@@ -358,10 +358,11 @@ def test_finished_commands_cut_while_a_stream_appends_keep_every_record_whole():
 
     def stream():
         for i in range(n):
-            t.ident(i)
-            t.what(f"w{i}")
-            t.start(float(i))
-            t.end(float(i) + 0.5)
+            ti, tw, ts, te = t.record
+            ti(i)
+            tw(f"w{i}")
+            ts(float(i))
+            te(float(i) + 0.5)
 
     th = threading.Thread(target=stream)
     th.start()
@@ -382,14 +383,15 @@ def test_a_stream_whose_receiver_falls_behind_keeps_a_bounded_record():
     from monarch_nb.worker.timings import FinishedCommands
 
     t = FinishedCommands(100)
+    record = t.record
     for i in range(1000):
-        if t.room:
-            t.ident(i)
-            t.what("x")
-            t.start(0.0)
-            t.end(1.0)
+        ti, tw, ts, te = record
+        ti(i)
+        tw("x")
+        ts(0.0)
+        te(1.0)
         if not (i + 1) % 50:
-            t.check(100)
+            record = t.check(100)
     assert len(t) == 100 and not t.room
     assert list(t.take()[0]) == list(range(100))
     t.check(100)

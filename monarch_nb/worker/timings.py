@@ -11,25 +11,30 @@ from ..protocol import messages as m
 class FinishedCommands:
     """A stream's finished commands, wall clock, until the receiver reports them: four
     columns, so that recording one allocates nothing (a tuple per command would, and
-    the garbage collector would pay for it). The stream records a command as
-    ``ident(i); what(w); start(t0); end(t1)``, the columns' bound appends, in that
-    order; ``take`` (the receiver) counts the ends first, so each command it cuts has
-    all four, and what the stream adds meanwhile stays for the next take. No lock:
-    each append and each cut is one C call under the GIL."""
+    the garbage collector would pay for it). The stream records a command with the
+    four functions of ``record`` (the columns' bound appends: ident, what, start, end,
+    called in that order); ``take`` (the receiver) counts the ends first, so each
+    command it cuts has all four, and what the stream adds meanwhile stays for the
+    next take. No lock: each append and each cut is one C call under the GIL."""
 
-    __slots__ = ("idents", "whats", "starts", "ends", "ident", "what", "start", "end", "room")
+    __slots__ = ("idents", "whats", "starts", "ends", "record", "_appends")
 
     def __init__(self, keep: int):
         self.idents, self.whats = array("q"), []
         self.starts, self.ends = array("d"), array("d")
-        self.ident, self.what = self.idents.append, self.whats.append
-        self.start, self.end = self.starts.append, self.ends.append
-        self.room = True  # False while ``keep`` wait: the stream records none (see check)
+        self._appends = (self.idents.append, self.whats.append, self.starts.append, self.ends.append)
+        self.record = self._appends
 
-    def check(self, keep: int) -> None:
-        """The stream's look, every few hundred commands: is there room (a receiver
-        that falls behind loses the newest records, never memory)?"""
-        self.room = len(self.ends) < keep
+    @property
+    def room(self) -> bool:
+        return self.record is self._appends
+
+    def check(self, keep: int) -> tuple:
+        """The stream's look, every few hundred commands: is there room? While
+        ``keep`` records wait, ``record`` drops (a receiver that falls behind loses
+        the newest records, never memory). Returns ``record``."""
+        self.record = self._appends if len(self.ends) < keep else _DROP
+        return self.record
 
     def take(self) -> tuple | None:
         """``(idents, whats, starts, ends)`` of the commands finished so far, or None."""
@@ -42,6 +47,13 @@ class FinishedCommands:
 
     def __len__(self) -> int:
         return len(self.ends)
+
+
+def _drop(_value) -> None:
+    pass
+
+
+_DROP = (_drop, _drop, _drop, _drop)
 
 
 def take_timings(rank: int, streams) -> m.Timings | None:
