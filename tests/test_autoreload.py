@@ -115,3 +115,27 @@ def test_autoreload_off_and_a_cells_own_autoreload_2(mesh):
     assert mnb.remote(call)("ar_switch", mesh=m).fetch() == ["a", "a"]
     write(mod, "def f():\n    return 'c'\n")
     assert mnb.remote(call)("ar_switch", mesh=m).fetch() == ["c", "c"]
+
+
+def test_ship_files_on_a_local_mesh_sends_the_kernels_modules(tmp_path):
+    """``autoreload(ship_files=True)`` ships on any mesh, and the cell it runs (whose
+    ``%autoreload 2`` would install the launcher's default, none here) does not undo it."""
+    import sys
+
+    m = mnb.local_mesh(dp=1, name="ship-local")  # its ranks' sys.path lacks the folder
+    folder = tmp_path / "kernel_only"
+    folder.mkdir()
+    write(folder / "ship_local_mod.py", "def f():\n    return 'shipped'\n")
+    sys.path.insert(0, str(folder))
+    try:
+        importlib.import_module("ship_local_mod")
+        with pytest.raises(mnb.RemoteError, match="No module named 'ship_local_mod'"):
+            mnb.remote(call)("ship_local_mod", mesh=m).fetch()
+        m.autoreload(ship_files=True)
+        assert mnb.remote(call)("ship_local_mod", mesh=m).fetch() == ["shipped"]
+        write(folder / "ship_local_mod.py", "def f():\n    return 'edited'\n")
+        assert mnb.remote(call)("ship_local_mod", mesh=m).fetch() == ["edited"]
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("ship_local_mod", None)
+        m.shutdown()

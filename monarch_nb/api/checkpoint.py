@@ -74,7 +74,7 @@ def _engine(mesh: DeviceMesh, modules: dict, what: str) -> dict:
                 f"under mesh.activate()) or a scheduler, got {type(obj).__name__}"
             )
         sd = obj.state_dict()
-        refs = [v for v in state_leaves(sd) if isinstance(v, Ref)]
+        refs = [v for v in _state_leaves(sd) if isinstance(v, Ref)]
         if any(r.mesh._controller is not mesh._controller for r in refs) or (
             not refs and _is_module(obj)
         ):
@@ -91,14 +91,14 @@ def _is_module(obj) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-def state_leaves(sd):
+def _state_leaves(sd):
     """The values of a (nested) state dict: its dicts' values, its lists' items."""
     if isinstance(sd, dict):
         for v in sd.values():
-            yield from state_leaves(v)
+            yield from _state_leaves(v)
     elif isinstance(sd, list | tuple):
         for v in sd:
-            yield from state_leaves(v)
+            yield from _state_leaves(v)
     else:
         yield sd
 

@@ -101,9 +101,11 @@ class NamespaceCommands:
         sources of the kernel's own modules travel to the ranks, changed ones before
         each command (default: on a mesh whose hosts may not share this filesystem,
         ``connect_mesh``'s)."""
-        follow_code(self._controller, on, ship_files)
         source = "%load_ext autoreload\n%autoreload 2" if on else "%autoreload 0"
+        # the cell installs the default (run_cell reads its %autoreload); then the choice
         self.run_cell("# %%monarch\n" + source, what="autoreload").result(timeout=timeout)
+        if ship_files is not None:
+            follow_code(self._controller, on, ship_files)
 
     def push(self, **names) -> None:
         """Bind ``names`` in every worker's namespace (Refs become their per-rank values)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import statistics
 import threading
-from array import array
 from collections import deque
 
 DEFAULT_SIZE = 100_000  # the setting timeline_size's default
@@ -87,8 +86,6 @@ class Timeline:
         numbers packed in arrays: 8 bytes each, not a Python object, ~100 B, a record)."""
         with self._lock:
             for sid, idents, whats, starts, ends in streams:
-                if type(idents) is not array:  # (a simulated rank's, or a test's: tuples)
-                    idents, starts, ends = array("q", idents), array("d", starts), array("d", ends)
                 batch = (rank, sid, idents, whats, starts, ends)
                 self._batches.append(batch)
                 self._count += len(idents)

@@ -231,7 +231,7 @@ class Stream:
             self.finished = ident
             self.done += 1
             if not self.done & 255:
-                self.record = self.times.check(TIMES_KEPT)
+                self.record = self.times.check()
 
     # ------------------------------------------------------------ interrupt
 

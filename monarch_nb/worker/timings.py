@@ -17,23 +17,29 @@ class FinishedCommands:
     command it cuts has all four, and what the stream adds meanwhile stays for the
     next take. No lock: each append and each cut is one C call under the GIL."""
 
-    __slots__ = ("idents", "whats", "starts", "ends", "record", "_appends")
+    __slots__ = ("idents", "whats", "starts", "ends", "record", "_appends", "keep")
 
     def __init__(self, keep: int):
+        self.keep = keep  # records waiting at most
         self.idents, self.whats = array("q"), []
         self.starts, self.ends = array("d"), array("d")
-        self._appends = (self.idents.append, self.whats.append, self.starts.append, self.ends.append)
+        self._appends = (
+            self.idents.append,
+            self.whats.append,
+            self.starts.append,
+            self.ends.append,
+        )
         self.record = self._appends
 
     @property
     def room(self) -> bool:
         return self.record is self._appends
 
-    def check(self, keep: int) -> tuple:
+    def check(self) -> tuple:
         """The stream's look, every few hundred commands: is there room? While
         ``keep`` records wait, ``record`` drops (a receiver that falls behind loses
         the newest records, never memory). Returns ``record``."""
-        self.record = self._appends if len(self.ends) < keep else _DROP
+        self.record = self._appends if len(self.ends) < self.keep else _DROP
         return self.record
 
     def take(self) -> tuple | None:
