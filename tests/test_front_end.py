@@ -72,6 +72,9 @@ def test_a_streams_interrupt_stops_only_that_stream(mesh, tmp_path):
     try:
         wait_for(lambda: all(os.path.exists(f"{mark}-{r}") for r in (0, 1)), 30, "the sleeps")
         wait_running(mesh, [0, 1])  # the default stream waits for the gate
+        # The mark is written before the rank's report that the sleep started can
+        # arrive: wait for the reports, or rank 0's "stopped" below proves nothing.
+        wait_running(mesh, [0, 1], side.name)
         side.interrupt(ranks=[0])
         wait_for(lambda: running(mesh, 0, side.name) is None, 30, "rank 0's sleep to stop")
         assert running(mesh, 1, side.name) is not None  # rank 1 sleeps on
