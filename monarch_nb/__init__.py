@@ -16,7 +16,7 @@ import sys
 from . import config
 from ._version import __version__ as __version__
 from .api import context
-from .api.launch import connect_mesh, k8s_manifest, local_mesh, slurm_mesh
+from .api.launch import attach, connect_mesh, k8s_manifest, local_mesh, slurm_mesh
 from .api.mesh import DeviceMesh, Stream, get_mesh
 from .api.recording import Compiled, RecordingError, compile
 from .api.remote import TENSOR_ENGINE, ProcessGroup, Ref, RemoteFunction, remote
@@ -93,6 +93,7 @@ __all__ = [
     "Tensor",
     "WorkerCrashed",
     "WorkerUnresponsive",
+    "attach",
     "connect_mesh",
     "k8s_manifest",
     "slurm_mesh",

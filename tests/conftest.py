@@ -2,6 +2,7 @@ import os
 
 import psutil
 import pytest
+from keepalive_helpers import mesh_dir  # noqa: F401 - a fixture of kept-alive meshes' tests
 
 import monarch_nb as mnb
 

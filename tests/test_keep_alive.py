@@ -14,6 +14,7 @@ import weakref
 
 import psutil
 import pytest
+from keepalive_helpers import cli, start_controller
 from kernel_helpers import Kernel, errors_text, text
 from wait_helpers import alive, pids_gone, wait_for
 
@@ -69,22 +70,6 @@ FLOOD = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def mesh_dir(tmp_path, monkeypatch):
-    """A registry of this test's own; whatever it lists is ended at the test's end."""
-    d = tmp_path / "meshes"
-    monkeypatch.setenv("MONARCH_NB_MESH_DIR", str(d))
-    yield d
-    for e in keepalive.live_entries() if d.exists() else ():
-        _cli("kill", e["name"])
-
-
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "monarch_nb", *args], capture_output=True, text=True, timeout=60
-    )
-
-
 def _count(path) -> int:
     try:
         return int(path.read_text() or -1)
@@ -98,20 +83,7 @@ def _start_controller(tmp_path, name: str, keep: str):
     counts.mkdir()
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
-    p = subprocess.Popen(
-        [sys.executable, str(script), name, keep, str(counts)],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    weakref.finalize(p, p.kill)  # a failed test leaves no controller behind
-    for line in p.stdout:  # the ranks' ticks come out here too
-        if line.strip() == "READY":
-            break
-    else:
-        raise AssertionError(f"the controller ended ({p.wait()}) before its mesh was ready")
-    kids = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-    assert len(kids) == 3, kids  # the mesh's own agent and its 2 ranks
+    p, kids = start_controller(script, name, keep, counts)
     return p, kids, counts
 
 
@@ -175,17 +147,17 @@ def test_restart_and_shutdown_of_a_kept_alive_mesh(mesh_dir):
         assert m.exec("6 * 7").fetch(rank=0) == 42
         assert keepalive.read_entry("ka_shut")["agent_pid"] == entry["agent_pid"]
         pids = [entry["agent_pid"], *first, *m._controller.worker_pids().values()]
-        assert "ka_shut" in _cli("list").stdout
+        assert "ka_shut" in cli("list").stdout
     finally:
         m.shutdown()
     assert pids_gone(pids) == []
     assert keepalive.read_entry("ka_shut") is None
-    assert "no kept-alive mesh is live" in _cli("list").stdout
+    assert "no kept-alive mesh is live" in cli("list").stdout
 
 
 def test_outlives_a_killed_controller_then_expires(tmp_path, mesh_dir):
     p, pids, counts = _start_controller(tmp_path, "ka_exp", "4s")
-    listed = _cli("list").stdout.splitlines()
+    listed = cli("list").stdout.splitlines()
     assert listed[0].split()[:5] == ["NAME", "RANKS", "AGE", "IDLE", "CONTROLLER"]
     row = [line for line in listed if line.startswith("ka_exp")][0].split()
     assert row[1] == "2" and row[4] == str(p.pid)
@@ -196,7 +168,7 @@ def test_outlives_a_killed_controller_then_expires(tmp_path, mesh_dir):
     for r in range(2):
         wait_for(lambda r=r: _count(counts / f"rank{r}") > at_kill[r] + 10, 3, f"rank {r} counting")
     assert all(alive(pid) for pid in pids)
-    row = [line for line in _cli("list").stdout.splitlines() if line.startswith("ka_exp")]
+    row = [line for line in cli("list").stdout.splitlines() if line.startswith("ka_exp")]
     assert row and f"{p.pid} (gone)" in row[0]
     # past the keep-alive: nothing left, the entry gone
     assert pids_gone(pids, timeout=20) == []
@@ -213,13 +185,13 @@ def test_kill_ends_one_mesh(tmp_path, mesh_dir):
     os.kill(p.pid, signal.SIGKILL)
     p.wait(10)
     assert all(alive(pid) for pid in pids)
-    out = _cli("kill", "ka_kill")
+    out = cli("kill", "ka_kill")
     assert out.returncode == 0 and "killed mesh 'ka_kill' (2 rank(s)" in out.stdout
     assert pids_gone(pids, timeout=5) == []
-    again = _cli("kill", "ka_kill")
+    again = cli("kill", "ka_kill")
     assert again.returncode == 1
     assert "no live kept-alive mesh named 'ka_kill' (live: none)" in again.stderr
-    assert "no kept-alive mesh is live" in _cli("list").stdout
+    assert "no kept-alive mesh is live" in cli("list").stdout
 
 
 @pytest.mark.kernel
@@ -247,9 +219,7 @@ def test_kernel_sigkilled_keeps_the_mesh_until_expiry(tmp_path, mesh_dir):
         kernel_pid = k.value("os.getpid()")
         entry = wait_for(lambda: keepalive.read_entry("kk"), 10, "the registry entry")
         assert entry["controller_pid"] == kernel_pid and entry["world"] == 2
-        pids = [c.pid for c in psutil.Process(entry["agent_pid"]).children()] + [
-            entry["agent_pid"]
-        ]
+        pids = [c.pid for c in psutil.Process(entry["agent_pid"]).children()] + [entry["agent_pid"]]
         assert len(pids) == 3
         wait_for(lambda: _count(counts / "rank1") > 0, 10, "the cell counting")
         os.kill(kernel_pid, signal.SIGKILL)
@@ -291,4 +261,4 @@ def test_a_rank_printing_without_end_while_orphaned_goes_on_in_bounded_memory(tm
     rss = rank.memory_info().rss
     wait_for(lambda: _count(counts / "rank0") > start + 4000, 60, "the rank to print 256 MB")
     assert rank.memory_info().rss < rss + (64 << 20)
-    assert _cli("kill", "ka_flood").returncode == 0
+    assert cli("kill", "ka_flood").returncode == 0

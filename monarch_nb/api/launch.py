@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 from .. import config
@@ -123,6 +124,65 @@ def _register_kept(mesh: DeviceMesh, agent, keep_alive: float, dims: dict) -> No
         "orphaned_at": None,
     }  # fmt: skip
     keepalive.write_entry(mesh.name, entry)
+    agent.on_detach = lambda pid: _taken(mesh, pid)
+
+
+def attach(name: str, steal: bool = False, timeout: float = 30.0) -> DeviceMesh:
+    """The kept-alive mesh ``name`` (``local_mesh(..., keep_alive=...)``, listed by
+    ``monarch-nb list``), driven from this process now: its workers as they are, with
+    their namespaces (``mesh.fetch(name)``, ``mesh.tensor(name)``), streams, and the
+    output they printed meanwhile. Its values held through the old process's
+    objects (Refs, mesh tensors not bound to a name) are freed.
+
+    One controller at a time: while another process drives the mesh this raises
+    naming it, unless ``steal``: then that process lets go (its calls raise
+    MeshClosedError saying who took the mesh) and this one takes over. Only the
+    user who started the mesh can attach (the registry and the agent's socket are
+    that user's alone). ``timeout``: for every rank to come back."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"attach() needs a mesh name, got {name!r}")
+    known = context.all_meshes().get(name)
+    if known is not None and known.alive:
+        raise ValueError(f"this process drives mesh {name!r} already")
+    entry = keepalive.read_entry(name)
+    if entry is None:
+        raise LookupError(
+            f"no live kept-alive mesh named {name!r} (of this user; `monarch-nb list` shows "
+            "them): it expired, was ended, or never was"
+        )
+    from ..controller.rejoin import Rejoin
+    from ..launchers.attached import LinkedAgent, held_ranks
+    from ..launchers.host_agent import HostLauncher
+
+    agent = LinkedAgent(entry, steal)
+    try:
+        procs = held_ranks(agent, entry["world"])
+    except BaseException:
+        agent.let_go()
+        raise
+    interface, port = entry["address"].rsplit("/", 1)[1].rsplit(":", 1)
+    launcher = HostLauncher(agent, keep_alive=entry["keep_alive"])
+    rejoin = Rejoin(bytes.fromhex(entry["key"]), int(port), procs)
+    dims = entry["dims"]
+    try:
+        ctrl = Controller(
+            name, dims, "gloo", launcher, interface=interface, startup_timeout=timeout,
+            rejoin=rejoin,
+        )  # fmt: skip
+    except BaseException:
+        agent.let_go()  # the agent waits for another controller
+        raise
+    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
+    context.register(mesh)
+    agent.on_detach = lambda pid: _taken(mesh, pid)
+    return mesh
+
+
+def _taken(mesh: DeviceMesh, pid: int) -> None:
+    """Another process attached with ``steal=True``: let go of ``mesh`` and say so."""
+    mesh._controller.detach(f"the process of pid {pid} took it over (attach(steal=True))")
+    context.forget(mesh)
+    print(f"monarch_nb: mesh {mesh.name!r} was taken over by pid {pid}", file=sys.stderr)
 
 
 def _mesh(name: str, dims: dict, backend, launcher, **controller) -> DeviceMesh:
@@ -252,4 +312,3 @@ def slurm_mesh(
     )  # fmt: skip
     mesh.slurm_job = launcher.job.id if launcher.job is not None else None
     return mesh
-

@@ -1,15 +1,13 @@
 """The Controller: the parts that drive the workers of one mesh, composed.
 
-- ``IOLoop`` (io_loop.py): the ROUTER socket, driven under a lease (the IO thread's
-  by default, a waiting caller's while it waits);
+- ``IOLoop`` (io_loop.py): the ROUTER socket, driven under a lease (the IO thread's, or a waiter's);
 - ``RequestTable`` (requests.py): every reply a caller waits for, with its lifetime;
 - ``WorkerSet`` (workers.py): who joined, their processes, behind a ``Launcher``;
 - ``Replies`` (replies.py): the handlers of what workers send;
 - ``Rendezvous``, ``Liveness``, ``FailureLog``, ``DebugSessions`` and ``MeshState``.
 
-User threads pickle and sign on their own thread and hand frames over (``io_items``;
-tensor ops: their fields, packed by the lease holder); a request is registered and
-sent in one step by the lease holder and comes back as an ``AsyncResult``.
+User threads pickle and sign, and hand frames over (``io_items``; tensor ops: their
+fields); the lease holder registers and sends a request, which returns an ``AsyncResult``.
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ from .io_items import CancelRequest, Delete, IOCallbacks, Send, SendRequest
 from .io_items import op as io_op
 from .io_loop import IOLoop
 from .liveness import Liveness
+from .rejoin import Rejoin, let_go, rejoin_generation
 from .rendezvous import Rendezvous, advertised_host
 from .replies import Replies, print_output
 from .requests import Request, RequestTable, check_timeout
@@ -80,10 +79,11 @@ class Controller:
         heartbeat_timeout: float | None = None,
         liveness_timeout: float | None = None,
         settings: dict | None = None,
+        rejoin: Rejoin | None = None,
     ):
-        """``launcher`` starts the workers (``launchers/``: ``default_launcher(spawn)``
-        for a local mesh). ``settings``: ``config.snapshot()``'s (default: taken now, with
-        ``heartbeat_timeout`` if given), read once: the launcher and workers get them."""
+        """``launcher`` starts the workers (``launchers/``). ``settings``: ``config.snapshot()``'s
+        (default: taken now, with ``heartbeat_timeout``), read once: the launcher and workers
+        get them. ``rejoin``: take over the running workers of a kept-alive mesh instead."""
         self.name = name
         self.key = next(_keys)  # the mesh's identity (mesh.key)
         self.dims = dict(dims)
@@ -94,7 +94,7 @@ class Controller:
         self.liveness = Liveness(
             name, self.state, self.break_mesh, settings["heartbeat_timeout"], liveness_timeout
         )
-        self._secret = new_secret()
+        self._secret = rejoin.secret if rejoin is not None else new_secret()
         self.signer = Signer(self._secret, full=settings["sign_full"])
         # protocol v2: arrivals are checked against the peers' sockets (kept across
         # restarts); the lease holder seals what leaves per destination
@@ -105,13 +105,13 @@ class Controller:
         self._startup_timeout = startup_timeout
         self._ids = itertools.count(1)  # ref, stream and mesh ids (0 is the root mesh)
         self._idents = itertools.count(1)  # command idents
-        self._lifecycle = threading.Lock()
-        self._lifecycle_groups = threading.Lock()
+        self._lifecycle, self._lifecycle_groups = threading.Lock(), threading.Lock()
         self._advertise = advertise or advertised_host(interface)
         self.rendezvous = Rendezvous(self._advertise, settings["rendezvous"])
         self.replies = Replies(self)
         self.cancels = Cancels(self)
-        self.io = IOLoop(name, interface, self.workers.identities, self._io_callbacks())
+        port = rejoin.port if rejoin is not None else 0
+        self.io = IOLoop(name, interface, self.workers.identities, self._io_callbacks(), port)
         self.bind_address = f"tcp://{interface}:{self.io.port}"
         self.address = f"tcp://{self._advertise}:{self.io.port}"  # what workers connect to
         self.workers.launcher.attach(self.io)  # agents on other hosts reach this ROUTER
@@ -121,6 +121,8 @@ class Controller:
         self.transfers = Transfers()
         self.before_command: Callable[[], None] | None = None  # a hook (api/code_sync.py)
         self._begin_generation()
+        if rejoin is not None:  # (a failure lets go of the mesh, its workers untouched)
+            return rejoin_generation(self, rejoin, self._startup_timeout)
         self.io.start()
         _live.add(self)
         try:
@@ -140,16 +142,12 @@ class Controller:
         self.table = RequestTable(self.failures)
         self._broken: BaseException | None = None
         self._lost: set | None = set()  # ranks lost when broken (None: the whole mesh)
-        self._closing = False
-        self._closed = False
+        self._closing = self._closed = False
+        self.closed_why: str | None = None  # a mesh let go of (detach) says why
         self.streams: dict[str, int] = {"default": 0}
         self._groups: dict = {}  # (NDSlice, reduced dim indices, stream) -> process group key
         self.rendezvous.new_generation()
         self.peers.new_generation()
-
-    @property
-    def root_slice(self) -> NDSlice:
-        return NDSlice.contiguous(tuple(self.dims.values()))
 
     def process_group(self, ranks: NDSlice, reduced: tuple, stream: int) -> int:
         """The process groups' key over ``reduced`` dims of ``ranks`` for ``stream``."""
@@ -162,6 +160,10 @@ class Controller:
                 self.send(m.CreateProcessGroup(key, tuple(ranks.groups(k[1]))), None)
                 self._groups[k] = key
             return key
+
+    @property
+    def root_slice(self) -> NDSlice:
+        return NDSlice.contiguous(tuple(self.dims.values()))
 
     # ------------------------------------------------------------ ids and state
 
@@ -183,7 +185,7 @@ class Controller:
     def check_usable(self, ranks=None) -> None:
         """Raise unless ``ranks`` (default: all) can take commands: none of them lost."""
         if self._closed or self._closing:
-            raise MeshClosedError(f"mesh {self.name!r} is shut down")
+            raise MeshClosedError(self.closed_why or f"mesh {self.name!r} is shut down")
         if self._broken is not None:
             lost = self._lost
             if ranks is None or lost is None or not lost.isdisjoint(ranks):
@@ -243,13 +245,11 @@ class Controller:
         idents: tuple = (),
         failed_by: int | None = None,
     ) -> AsyncResult:
-        """Send ``msg`` (a command with an ``ident``) to ``ranks`` and return the
-        AsyncResult of its replies: a FetchResult per rank (``single``: one rank's
-        value), or with ``statuses`` a Status per rank and stream. ``timeout``: a
-        deadline in seconds, after which it fails with TimeoutError and its commands
-        (``idents``, default the message's) are cancelled on the workers. With
-        ``failed_by``, a failure of that command (reported before the replies) fails
-        the result, whose RemoteError keeps the replies as ``results``."""
+        """Send ``msg`` (with an ``ident``) to ``ranks``: the AsyncResult of a FetchResult
+        per rank (``single``: one rank's value), or with ``statuses`` a Status per rank and
+        stream. After ``timeout`` s it fails (TimeoutError) and its commands (``idents``,
+        default the message's) are cancelled. With ``failed_by``, that command's failure
+        fails it, its RemoteError keeping the replies as ``results``."""
         timeout = check_timeout(timeout)
         ranks = tuple(ranks)
         self.check_usable(ranks)
@@ -289,9 +289,8 @@ class Controller:
         self.interrupts.interrupt(streams, ranks)
 
     def break_mesh(self, err: BaseException) -> None:
-        """The mesh cannot go on (the lease holder): fail every request with ``err``. A rank
-        lost (``WorkerCrashed``, ``WorkerUnresponsive``) breaks it for the calls that
-        involve that rank; a sub-mesh of the other ranks goes on serving."""
+        """The mesh cannot go on (the lease holder): fail every request with ``err``. A
+        lost rank (``WorkerCrashed``) breaks it for the calls that involve it only."""
         first = self._broken is None
         if first:
             self._broken = err
@@ -355,9 +354,8 @@ class Controller:
         self.table.fail_all(err)
 
     def restart(self) -> None:
-        """Stop every worker and start fresh ones (a new generation). The mesh's
-        named streams exist again on the new workers, under the same ids, so that
-        Stream handles taken before the restart stay usable."""
+        """Stop every worker and start fresh ones (a new generation); its named streams
+        exist again under the same ids (Stream handles stay usable)."""
         with self._lifecycle:
             if self._closed:
                 raise MeshClosedError(f"mesh {self.name!r} is shut down")
@@ -378,6 +376,8 @@ class Controller:
             self.send(m.CreateStream(sid, name, False), None)
             self.streams[name] = sid
             self.state.add_stream(sid, name)
+
+    detach = let_go  # stop driving the mesh, its workers left running (rejoin.py)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the workers (Exit, then SIGTERM, then SIGKILL) and the IO thread."""

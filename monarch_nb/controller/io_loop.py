@@ -52,7 +52,10 @@ class IOLoop:
     calls is given with ``callbacks`` (``io_items.IOCallbacks``).
     """
 
-    def __init__(self, name: str, interface: str, identities: dict, callbacks: IOCallbacks):
+    def __init__(
+        self, name: str, interface: str, identities: dict, callbacks: IOCallbacks, port: int = 0
+    ):
+        """``port``: the one to bind (a mesh's own, when attaching to it); 0: any free one."""
         self.name = name
         self.callbacks = callbacks
         self.identities = identities  # rank -> socket identity, filled by the worker set
@@ -66,7 +69,16 @@ class IOLoop:
         # ranks joining at once (hundreds at a mesh's start): ZeroMQ's default of 100
         # drops the rest's SYNs, which TCP resends only after 1 s
         self._router.setsockopt(zmq.BACKLOG, 1024)
-        self.port = self._router.bind_to_random_port(f"tcp://{interface}")
+        if port:
+            try:
+                self._router.bind(f"tcp://{interface}:{port}")
+            except zmq.ZMQError as e:
+                self._router.close()
+                self._ctx.term()
+                raise OSError(f"mesh {name!r}: cannot listen on {interface}:{port}: {e}") from None
+            self.port = port
+        else:
+            self.port = self._router.bind_to_random_port(f"tcp://{interface}")
         self.routes = Routes(  # how a rank's message leaves
             self._router,
             identities,

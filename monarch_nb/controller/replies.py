@@ -80,7 +80,7 @@ class Replies:
     def _dispatch(self, msg, identity: bytes, header, joined: bool) -> None:
         handler = self._handlers.get(type(msg))
         rank = getattr(msg, "rank", None)
-        ready = type(msg) is m.WorkerReady  # its handler says why it refuses a bad rank
+        ready = type(msg) in _JOINS  # its handler says why it refuses a bad rank
         if handler is None or not isinstance(rank, int):
             self._drop("malformed", f"an unexpected {type(msg).__name__}")
             return
@@ -158,6 +158,19 @@ class Replies:
             return
         ctrl.peers.join(identity, header)
         self.hosts.joined()
+
+    def WorkerRejoined(self, msg: m.WorkerRejoined, identity: bytes, header) -> None:
+        """A rank of a kept-alive mesh this controller attaches to (rejoin.py); else
+        one of its own whose connection dropped and came back: it speaks from there."""
+        ctrl = self.ctrl
+        if ctrl.workers.rejoined is not None:
+            ctrl.workers.rejoined[msg.rank] = msg
+            self.WorkerReady(msg, identity, header)
+        elif ctrl.state.workers[msg.rank].pid == msg.pid and msg.rank in ctrl.workers.identities:
+            ctrl.workers.identities[msg.rank] = identity
+            ctrl.peers.join(identity, header)
+        else:
+            self._drop("rank", f"rank {msg.rank} (pid {msg.pid}) rejoined a mesh it is not of")
 
     # ------------------------------------------------------------ replies to requests
 
@@ -259,3 +272,6 @@ def print_output(msg: m.Output) -> None:
     if text and not text.endswith("\n"):
         out.write("\n")
     out.flush()
+
+
+_JOINS = (m.WorkerReady, m.WorkerRejoined)

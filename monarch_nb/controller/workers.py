@@ -61,6 +61,10 @@ class Launcher:
     def close(self) -> None:
         """The mesh is gone for good: clean up (a connection file, a job)."""
 
+    def let_go(self) -> None:
+        """The controller lets go of the mesh (``Controller.detach``), its workers left
+        running: drop the link to them (a kept-alive mesh's agent waits for another)."""
+
 
 class WorkerSet:
     """The workers of the current generation."""
@@ -78,6 +82,7 @@ class WorkerSet:
         self.identities.clear()
         self.cuda: dict[int, bool] = {}
         self.procs: dict = {}
+        self.rejoined: dict | None = None  # rank -> WorkerRejoined, while attaching (rejoin.py)
         self.ready = threading.Event()
         self.startup_error: BaseException | None = None
         self._next_ping = 0.0

@@ -8,6 +8,8 @@ exits, unless it keeps its ranks alive (``--keep-alive S``, a kept-alive mesh's
 own agent): then it serves on, orphaned, keeping the last ``ORPHAN_OUTPUT`` bytes
 each rank prints, until S seconds after its controller went (or its ranks all
 ended, or a SIGTERM: ``monarch-nb kill``), then kills its ranks and exits.
+Meanwhile its door (``door.py``) takes a controller that attaches: the output kept
+comes first, then the agent serves that controller as it served the first.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import time
 from .._version import __version__
 from ..protocol import host_messages as hm
 from ..protocol import keepalive
+from ..protocol.receivers import AGENT_DOOR, handler_table
 from .child import fork_rank
 from .control import ControlChannel
+from .door import Door, refuse
 
 POLL_MS = 500  # the longest the loop sleeps: the parent check runs at least this often
 ORPHAN_OUTPUT = 1 << 20  # bytes of each rank's output kept while no controller listens
+STEAL_WAIT = 10.0  # s a controller stolen from has to let go before it is cut off
 
 
 class Rank:
@@ -60,6 +65,11 @@ class Agent(ControlChannel):
         self.reader = hm.LineReader()
         self.poll = select.poll()  # no fd of its own: nothing to close in a child
         self.running = True
+        self.controller_pid = os.getppid()  # the controller it serves (the first: its parent)
+        self.door: Door | None = None  # a kept-alive mesh's: where a new controller attaches
+        self.link = None  # the socket of a controller that attached (else stdin/stdout)
+        self.stealer = None  # (socket, pid, deadline): a controller stealing the mesh
+        self._door_handlers = handler_table(self, AGENT_DOOR, prefix="_door_")
 
     # ------------------------------------------------------------ the loop
 
@@ -74,7 +84,10 @@ class Agent(ControlChannel):
         signal.set_wakeup_fd(wake_w)
         self.poll.register(self.ctl_in, select.POLLIN)
         self.poll.register(wake_r, select.POLLIN)
-        self.send(hm.AgentReady(os.getpid(), socket.gethostname(), __version__, self.local_ranks))
+        self.send(self._ready())
+        if self.keep_alive is not None and self.mesh_name is not None:
+            self.door = Door(keepalive.door_path(self.mesh_name))
+            self.poll.register(self.door.fd, select.POLLIN)
         try:
             while self.running:
                 for fd, _ in self.poll.poll(POLL_MS):
@@ -82,6 +95,8 @@ class Agent(ControlChannel):
                         self._read_control()
                     elif fd == wake_r:
                         _drain(wake_r)
+                    elif self.door is not None and fd == self.door.fd:
+                        self._knock()
                     elif fd in self.by_out:
                         self._read_output(self.by_out[fd])
                 self._reap()
@@ -90,9 +105,14 @@ class Agent(ControlChannel):
                 if self.keep_alive is not None:
                     self._keep_alive()
         finally:
+            if self.door is not None:
+                self.door.close()
             self._kill_all()
             if self.mesh_name is not None:
                 keepalive.remove_entry(self.mesh_name)
+
+    def _ready(self) -> hm.AgentReady:
+        return hm.AgentReady(os.getpid(), socket.gethostname(), __version__, self.local_ranks)
 
     def _stop(self) -> None:
         self.running = False
@@ -105,16 +125,73 @@ class Agent(ControlChannel):
     def _keep_alive(self) -> None:
         """Orphaned (the controller went): serve on until the keep-alive passes."""
         now = time.monotonic()
+        if self.stealer is not None and not self.stopped:
+            if self.running and now < self.stealer[2]:
+                return  # the controller stolen from has not hung up yet
+            (conn, pid, _), self.stealer = self.stealer, None
+            self._let_go()
+            self._adopt(conn, pid)
+            return
         if self.orphaned_at is None:
             if self.running or self.stopped:
                 return
             self.orphaned_at, self.running = now, True
-            self.poll.unregister(self.ctl_in)
+            self._let_go()
             if self.mesh_name is not None:
                 keepalive.update_entry(self.mesh_name, orphaned_at=time.time())
             log(f"controller gone; keeping {len(self.ranks)} rank(s) for {self.keep_alive:g} s")
         elif not self.ranks or now - self.orphaned_at > self.keep_alive:
             self.running = False
+
+    # ------------------------------------------------------------ a controller attaches
+
+    def _knock(self) -> None:
+        got = self.door.knock()
+        if got is not None:
+            self._door_handlers[type(got[1])](*got)
+
+    def _door_Attach(self, conn, msg: hm.Attach, pid: int) -> None:
+        if self.stealer is not None:
+            refuse(conn, f"mesh {self.mesh_name!r} is being taken over by pid {self.stealer[1]}")
+            return
+        if self.orphaned_at is None:  # a controller has the mesh
+            if not msg.steal:
+                refuse(
+                    conn,
+                    f"mesh {self.mesh_name!r} is attached to the controller of pid "
+                    f"{self.controller_pid}: attach(..., steal=True) takes it over",
+                )
+                return
+            # that controller lets go (its ranks stay) and hangs up once its socket is
+            # closed, so the new one can listen there; then the new one is let in
+            super().send(hm.Detach(pid))
+            self.stealer = (conn, pid, time.monotonic() + STEAL_WAIT)
+            return
+        self._adopt(conn, pid)
+
+    def _adopt(self, conn, pid: int) -> None:
+        log(f"controller pid {pid} attached")
+        self.link, self.ctl_in, self.ctl_out = conn, conn.fileno(), conn.fileno()
+        self.reader = hm.LineReader()
+        self.poll.register(self.ctl_in, select.POLLIN)
+        self.orphaned_at, self.running, self.controller_pid = None, True, pid
+        keepalive.update_entry(self.mesh_name, controller_pid=pid, orphaned_at=None)
+        self.send(self._ready())
+        self.send(hm.Held([[r.slot, r.rank, r.pid] for r in self.ranks.values()]))
+        for slot, buf in self.pending.items():  # what the ranks printed meanwhile
+            for i in range(0, len(buf), 1 << 16):
+                self.send(hm.output(slot, bytes(buf[i : i + (1 << 16)])))
+        self.pending.clear()
+
+    def _let_go(self) -> None:
+        """Stop serving the current controller's channel."""
+        self.poll.unregister(self.ctl_in)
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        else:  # the first controller's pipes: its reader sees their end
+            for fd in {self.ctl_in, self.ctl_out}:
+                os.close(fd)
 
     def send(self, msg) -> None:
         if self.orphaned_at is None:
@@ -137,6 +214,8 @@ class Agent(ControlChannel):
             )
             return
         close = [self.ctl_in, self.ctl_out, *self.wake, *self.by_out]
+        if self.door is not None:
+            close.append(self.door.fd)
         try:
             pid, out = fork_rank(msg, close)
         except OSError as e:

@@ -27,7 +27,7 @@ class ControlChannel:
         while data:
             try:
                 n = os.write(self.ctl_out, data)
-            except BrokenPipeError:
+            except (BrokenPipeError, ConnectionResetError):
                 self.running = False
                 return
             data = data[n:]

@@ -143,6 +143,16 @@ class RankBook:
             r.end(self.failed_spawn_code, self.spawn_note(r, str(e)) if failed else "")
         return r
 
+    def adopt(self, held: list) -> None:
+        """Ranks the agent runs already (``[slot, rank, pid]`` each: a kept-alive mesh's,
+        to a controller that attached)."""
+        with self._lock:
+            for slot, rank, pid in held:
+                r = self.ranks[slot] = AgentRank(self, slot, rank)
+                r.pid = pid
+                r.spawned.set()
+            self._slots = itertools.count(max((h[0] for h in held), default=0) + 1)
+
     def end_all(self, why: str) -> None:
         """The agent is gone: its ranks died with it (their parent-death signal)."""
         with self._lock:

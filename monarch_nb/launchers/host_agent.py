@@ -67,6 +67,9 @@ class HostAgent(RankBook):
         self.info: hm.AgentReady | None = None
         self.error: str | None = None
         self.popen: subprocess.Popen | None = None
+        self.on_detach = None  # fn(pid) when another controller takes the mesh (steal)
+        self.detached = False  # this process let go of the agent (its ranks run on)
+        self.held = threading.Event()  # an attached agent's Held arrived
         self.owner = os.getpid()  # a forked copy of this process starts its own agent
         env = local_env(1, {})
         self.env_key = import_time_env(env)
@@ -99,6 +102,30 @@ class HostAgent(RankBook):
     # ------------------------------------------------------------ the reader thread
 
     def _run(self, env: dict) -> None:
+        fd = self._open(env)
+        if fd is None:
+            return
+        reader = hm.LineReader()
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            for msg in reader.feed(data):
+                try:
+                    self._on(msg)
+                except Exception:  # this thread must read on: the agent blocks otherwise
+                    logger.exception("host agent %s: handling %r failed", self.pid, msg)
+        if not self.detached:
+            self._gone(self._exit_code())
+
+    def _exit_code(self) -> int:
+        return self.popen.wait()
+
+    def _open(self, env: dict) -> int | None:
+        """Start the agent; the fd its reports come on (None: it could not start)."""
         if self.simulate:  # a script that loads neither the API nor torch (sim_boot.py)
             cmd = [sys.executable, sim_boot_path(), "--stdio", "--simulate", str(self.simulate)]
             cmd += ["--host-name", str(self.host_name)]
@@ -124,23 +151,9 @@ class HostAgent(RankBook):
             self.error = f"cannot start {self.label} ({' '.join(cmd[:3])}): {e}"
             self._ready.set()
             self._started.set()
-            return
+            return None
         self._started.set()
-        reader = hm.LineReader()
-        fd = self.popen.stdout.fileno()
-        while True:
-            try:
-                data = os.read(fd, 1 << 16)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            for msg in reader.feed(data):
-                try:
-                    self._on(msg)
-                except Exception:  # this thread must read on: the agent blocks otherwise
-                    logger.exception("host agent %s: handling %r failed", self.pid, msg)
-        self._gone(self.popen.wait())
+        return self.popen.stdout.fileno()
 
     def _on(self, msg) -> None:
         handler = self._handlers.get(type(msg), self.Refused)  # else: a line of no record
@@ -152,6 +165,35 @@ class HostAgent(RankBook):
 
     def Refused(self, msg) -> None:
         print(f"monarch_nb: host agent {self.pid}: {msg}", file=sys.stderr)
+
+    def Held(self, msg: hm.Held) -> None:
+        self.adopt(msg.ranks)
+        self.held.set()
+
+    def Detach(self, msg: hm.Detach) -> None:
+        """Another controller took the mesh: this process lets go (on a thread of its
+        own: letting go closes the link this thread reads)."""
+        self.detached = True
+        if self.on_detach is not None:
+            threading.Thread(target=self.on_detach, args=(msg.pid,), daemon=True).start()
+
+    def let_go(self) -> None:
+        """Leave the agent and its ranks running: close this end of the link."""
+        self.detached = True
+        if self.popen is not None:
+            for f in (self.popen.stdin, self.popen.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+    def wait_ended(self, timeout: float) -> None:
+        """Wait for the agent process to end (then kill it)."""
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
 
     def _rank_record(self, msg) -> None:
         if self.on_rank(msg) and self.retired:
@@ -311,11 +353,11 @@ class HostLauncher(Launcher):
         mesh's own agent is told to end: the mesh was shut down)."""
         if self.keep_alive is not None and self.agent is not None:
             self.agent.retire()  # it ends (and drops the mesh's registry entry) with its ranks
-            if self.agent.popen is not None:
-                try:
-                    self.agent.popen.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.agent.popen.kill()
+            self.agent.wait_ended(10)
+
+    def let_go(self) -> None:
+        if self.keep_alive is not None and self.agent is not None:
+            self.agent.let_go()
 
 
 def await_spawned(ranks: dict, world: int, agent_of, what: str) -> None:

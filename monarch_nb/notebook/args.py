@@ -109,7 +109,18 @@ def mesh_parser() -> Parser:
         metavar="PATH",
         help="with --restart: load the checkpoint at PATH (mesh.save) into the fresh workers",
     )
+    p.add_argument(
+        "--steal",
+        action="store_true",
+        help="with --attach: take the mesh from the kernel that drives it (that one lets go)",
+    )
     action = p.add_mutually_exclusive_group()
+    action.add_argument(
+        "--attach",
+        metavar="NAME",
+        help="drive the kept-alive mesh NAME (monarch-nb list) from this kernel: its "
+        "workers' namespaces, streams and pending output come back",
+    )
     action.add_argument(
         "--restart", action="store_true", help="fresh workers for the mesh (--name or active)"
     )

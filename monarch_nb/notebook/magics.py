@@ -89,6 +89,10 @@ class MonarchMagics(Magics):
             raise UsageError("%monarch_mesh: --restore PATH goes with --restart")
         if a.keep_alive is not None and (a.connect or a.slurm or a.restart or a.shutdown):
             raise UsageError("%monarch_mesh: --keep-alive is for a new local mesh (dims only)")
+        if a.steal and a.attach is None:
+            raise UsageError("%monarch_mesh: --steal goes with --attach NAME")
+        if a.attach is not None:
+            return self._attach(a)
         if a.restart or a.shutdown:
             flag = "--restart" if a.restart else "--shutdown"
             if a.dims or a.backend:
@@ -134,6 +138,17 @@ class MonarchMagics(Magics):
             )
         except ValueError as e:
             raise UsageError(f"%monarch_mesh: {e}") from None
+        return self._started(mesh, a)
+
+    def _attach(self, a):
+        """``--attach NAME [--steal]``: a kept-alive mesh, driven from this kernel now."""
+        if a.dims or a.backend or a.keep_alive is not None or a.connect or a.slurm:
+            raise UsageError("%monarch_mesh --attach NAME takes only --steal and --dashboard")
+        try:
+            mesh = launch.attach(a.attach, steal=a.steal)
+        except (ValueError, LookupError, RuntimeError) as e:
+            raise UsageError(f"%monarch_mesh --attach: {e}") from None
+        print(f"attached to mesh {mesh.name!r}: {mesh.size} ranks, streams {sorted(mesh.streams)}")
         return self._started(mesh, a)
 
     def _started(self, mesh, a) -> None:

@@ -171,6 +171,7 @@ class PeerTable:
         self._sockets: dict[int, list] = {}  # socket id -> [rank, last seq, identity]
         self._identities: dict[bytes, tuple] = {}  # identity -> (rank, socket id)
         self._joined: set[int] = set()
+        self._resuming = False
 
     def count(self, kind: str) -> int:
         """Count one rejection of ``kind``; returns the total of that kind."""
@@ -199,6 +200,19 @@ class PeerTable:
     def new_generation(self) -> None:
         """Every rank joins again (known sockets stay known)."""
         self._joined.clear()
+        self._resuming = False
+
+    def resume(self, ranks) -> None:
+        """A controller that attaches to running ``ranks``: their sockets are where
+        they are in their sequences, so a socket's first message sets its start (no
+        gap), whichever of the rank's sockets reconnects first."""
+        self._joined.update(ranks)
+        self._resuming = True
+
+    def release(self, identity: bytes) -> None:
+        """``identity``'s connection may carry a new socket (a worker's DEALER after its
+        controller went and another attached); the old socket's messages stay replays."""
+        self._identities.pop(identity, None)
 
     def admit(self, identity: bytes, h: Header) -> int | None:
         """Check the header of a message that came from ``identity``. Returns how
@@ -222,7 +236,7 @@ class PeerTable:
                 return None
             self._sockets[h.socket] = [h.rank, h.seq, identity]
             self._identities[identity] = (h.rank, h.socket)
-            return h.seq - 1
+            return 0 if self._resuming else h.seq - 1
         rank, last, known = s
         if rank is None:
             raise BadMessage("a message from a socket that was refused", "rank")

@@ -12,7 +12,15 @@ import base64
 import json
 from typing import NamedTuple
 
-from .receivers import AGENT, AGENT_CHANNEL, AGENT_LINK, AGENT_RANKS, AGENT_RELAY, sent_to
+from .receivers import (
+    AGENT,
+    AGENT_CHANNEL,
+    AGENT_DOOR,
+    AGENT_LINK,
+    AGENT_RANKS,
+    AGENT_RELAY,
+    sent_to,
+)
 
 # ---------------------------------------------------------------- controller -> agent
 
@@ -46,6 +54,23 @@ class Kill(NamedTuple):
 @sent_to(AGENT, AGENT_RELAY)
 class Quit(NamedTuple):
     """Kill every rank and exit."""
+
+
+@sent_to(AGENT_DOOR)
+class Attach(NamedTuple):
+    """The first line on a kept-alive mesh's door (``mnb.attach``): controller
+    ``pid`` takes the mesh; with ``steal``, from the controller that has it."""
+
+    pid: int
+    steal: bool = False
+
+
+@sent_to(AGENT_LINK)
+class Detach(NamedTuple):
+    """Another controller (``pid``) took the mesh (``attach(steal=True)``): this one
+    lets go of it (the ranks stay)."""
+
+    pid: int
 
 
 # ---------------------------------------------------------------- agent -> controller
@@ -91,6 +116,14 @@ class Exited(NamedTuple):
     slot: int
     pid: int
     code: int
+
+
+@sent_to(AGENT_LINK)
+class Held(NamedTuple):
+    """After AgentReady, to a controller that attached: the ranks the agent runs,
+    ``[slot, rank, pid]`` each."""
+
+    ranks: list
 
 
 @sent_to(AGENT_LINK, AGENT_CHANNEL, AGENT_RELAY)
@@ -150,6 +183,9 @@ TYPES = {
         Output,
         Exited,
         Refused,
+        Attach,
+        Detach,
+        Held,
         Hello,
         Welcome,
         Beat,

@@ -68,6 +68,24 @@ def entry_path(name: str) -> str:
     return os.path.join(registry_dir(), f"{name}.json")
 
 
+def door_path(name: str) -> str:
+    """Where the agent of kept-alive mesh ``name`` listens for a controller that
+    attaches: a Unix socket in the registry directory, or (a path too long for a
+    socket address) in a 0700 directory of this user's under the temp directory."""
+    path = entry_path(name)[: -len(".json")] + ".sock"
+    if len(path.encode()) <= 100:
+        return path
+    import hashlib
+    import tempfile
+
+    short = os.path.join(tempfile.gettempdir(), f"mnb-{os.getuid()}")
+    os.makedirs(short, mode=0o700, exist_ok=True)
+    if os.stat(short).st_uid != os.getuid():
+        raise PermissionError(f"{short} belongs to another user")
+    os.chmod(short, 0o700)
+    return os.path.join(short, hashlib.sha256(path.encode()).hexdigest()[:20] + ".sock")
+
+
 def write_entry(name: str, entry: dict) -> str:
     """Write (replace) the entry of mesh ``name``, mode 0600; returns its path."""
     path = entry_path(name)

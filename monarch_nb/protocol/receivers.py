@@ -18,6 +18,7 @@ AGENT_RELAY = "agent relay"  # a remote agent's relay, from the controller (host
 AGENT_LINK = "agent link"  # the controller's end of this host's agent (launchers/host_agent.py)
 AGENT_CHANNEL = "agent channel"  # the controller's end of remote agents (remote_hosts.py)
 AGENT_RANKS = "agent ranks"  # a rank's records, kept by the controller (agent_ranks.py)
+AGENT_DOOR = "agent door"  # a kept-alive mesh's agent, to a controller that attaches (host/door.py)
 
 _BY_RECEIVER: dict[str, list[type]] = {}
 

@@ -226,8 +226,35 @@ class Connection:
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._lost_at = time.monotonic()
-            elif event == zmq.EVENT_CONNECTED:
+            elif event == zmq.EVENT_CONNECTED and self._lost_at is not None:
+                # back: the same controller, or (a kept-alive mesh) one that attached,
+                # whose socket is new to this connection and who needs to hear from us
                 self._lost_at = None
+                self.peers.release(b"")
+                self._sent_progress = {}
+                self._send(self._rejoined())
+
+    def _rejoined(self) -> m.WorkerRejoined:
+        streams = list(self.streams.values())
+        held = (self.env, self.streams, self.meshes, self.borrows, self.recordings, self.ops)
+        ids = [
+            max(list(d), default=0) for d in (*held, self.pipes, getattr(self._comms, "groups", {}))
+        ]
+        torch = sys.modules.get("torch")
+        dist = getattr(torch, "distributed", None)
+        backend = dist.get_backend() if dist is not None and dist.is_initialized() else None
+        return m.WorkerRejoined(
+            self.rank,
+            self.world,
+            os.getpid(),
+            socket.gethostname(),
+            self.cuda,
+            {s.id: s.name for s in streams},
+            max(ids),
+            max(max(s.started, s.queued) for s in streams),
+            backend,
+            tuple(list(self.env)),
+        )
 
     def _check_stalls(self) -> None:
         """Once a command runs longer than the setting ``stall_seconds``: log where its

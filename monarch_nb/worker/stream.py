@@ -65,6 +65,7 @@ class Stream:
         self.started = 0  # last ident started
         self.finished = 0  # last ident finished
         self.done = 0  # commands finished
+        self.queued = 0  # last ident queued (a controller that attaches counts on from there)
         self.running: tuple | None = None  # (ident, what, since)
         self.times = FinishedCommands(TIMES_KEPT)  # until the receiver reports them
         self.record = self.times.record
@@ -106,13 +107,16 @@ class Stream:
         the same cells and (when ``report``) one RemoteFunctionFailed. A work that
         ``replies`` marks its own user part (``enter_user_code`` ... ``leave_user_code``),
         so that no interrupt can land before it starts and lose its reply."""
+        self.queued = ident
         self.q.put((ident, what, work, results, report, replies))
 
     def schedule_many(self, commands: list) -> None:
         """Queue commands given as ``schedule``'s arguments, in order, as one item: a
         RunOps of hundreds of tensor ops wakes the stream once, not once per op. Each
         still runs as a command of its own (ident, progress, failure, cancel)."""
-        self.q.put(commands)
+        if commands:
+            self.queued = commands[-1][0]
+            self.q.put(commands)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Queue bookkeeping that runs in order with commands (markers, borrows)."""

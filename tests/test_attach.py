@@ -1,0 +1,195 @@
+"""Attaching to a kept-alive mesh (``mnb.attach``, ``%monarch_mesh --attach``): a
+new process takes over the running workers of a mesh whose controller died, with
+their namespaces, streams, process groups and pending output, and continues the
+training where it was; one controller at a time (``steal`` takes over); only the
+mesh's user gets in; a mesh attached and let go of again still expires."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import textwrap
+
+import pytest
+from keepalive_helpers import cli, start_controller
+from kernel_helpers import Kernel, errors_text, text
+from wait_helpers import alive, pids_gone, wait_for
+
+import monarch_nb as mnb
+from monarch_nb.protocol import keepalive
+
+# a data-parallel training step on the workers: a model and optimizer in their
+# namespace, gradients averaged over the mesh with gloo
+TRAIN = """
+import torch, torch.distributed as dist
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(100 + rank)
+losses = []
+def step():
+    x = torch.randn(8, 4, generator=gen)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= 2
+    opt.step()
+    losses.append(loss.item())
+    print(f"step {len(losses)} loss {loss.item():.6f}", flush=True)
+"""
+
+FIRST = textwrap.dedent(
+    """
+    import sys, time
+    import monarch_nb as mnb
+    name, keep, train = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
+    m = mnb.local_mesh(dp=2, keep_alive=keep, name=name)
+    m.stream("side")
+    m.exec(train).fetch(timeout=60)
+    m.exec("for _ in range(3): step()").fetch(timeout=60)
+    # in flight when this process dies: it finishes without a controller
+    m.exec("import time\\nfor _ in range(5):\\n    time.sleep(0.3)\\n    step()")
+    for _ in range(600):  # (bounded) until both ranks run it: it left this process
+        ranks = m.status()["ranks"].values()
+        if all(r["streams"]["default"]["running"] for r in ranks):
+            break
+        time.sleep(0.05)
+    print("READY", flush=True)
+    if sys.argv[4] == "stay":  # drive on until another process takes the mesh over
+        while True:
+            try:
+                m.exec("1").fetch(timeout=30)
+            except mnb.MeshClosedError as e:
+                print("LET GO:", e, flush=True)
+                break
+            time.sleep(0.05)
+    else:
+        time.sleep(600)
+    """
+)
+
+
+def _reference(steps: int) -> list[list[float]]:
+    """The same training on a plain dp=2 mesh that no process ever left."""
+    with mnb.local_mesh(dp=2, name="att_ref") as ref:
+        ref.exec(TRAIN).fetch(timeout=60)
+        ref.exec(f"for _ in range({steps}): step()").fetch(timeout=60)
+        return ref.exec("losses").fetch(timeout=30)
+
+
+def _first(tmp_path, name: str, keep: str, mode: str = "die"):
+    script, train = tmp_path / "first.py", tmp_path / "train.py"
+    script.write_text(FIRST)
+    train.write_text(TRAIN)
+    return start_controller(script, name, keep, train, mode)
+
+
+def test_a_new_process_attaches_after_a_sigkill_and_trains_on(tmp_path, mesh_dir, capfd):
+    p, pids = _first(tmp_path, "att_train", "8s")
+    os.kill(p.pid, signal.SIGKILL)  # mid-training: 5 steps in flight
+    p.wait(10)
+    mesh = mnb.attach("att_train")
+    try:
+        assert mesh.name == "att_train" and mesh.size == 2
+        assert sorted(mesh.streams) == ["default", "side"]
+        entry = keepalive.read_entry("att_train")
+        assert entry["controller_pid"] == os.getpid() and entry["orphaned_at"] is None
+        row = [line for line in cli("list").stdout.splitlines() if line.startswith("att_train")]
+        assert row and str(os.getpid()) in row[0] and "(gone)" not in row[0]
+        mesh.exec("for _ in range(4): step()").fetch(timeout=60)
+        losses = mesh.exec("losses").fetch(timeout=30)
+        assert [len(x) for x in losses] == [12, 12], mesh._controller.workers.rejoined
+        assert losses == _reference(12)  # the same numbers as a run never interrupted
+        assert mesh.exec("x = 5\nx * rank", stream=mesh.streams["side"]).fetch() == [0, 5]
+        # what the ranks printed while no controller listened came here
+        out = capfd.readouterr().out
+        assert "[rank 0] step 8 loss" in out and "[rank 1] step 12 loss" in out
+        with pytest.raises(ValueError, match="drives mesh 'att_train' already"):
+            mnb.attach("att_train")
+        mesh.restart()  # fresh ranks, forked by the same agent through its door
+        assert mesh.exec("'losses' in globals()").fetch(timeout=60) == [False, False]
+        new_pids = list(mesh._controller.worker_pids().values())
+        assert set(new_pids).isdisjoint(pids)
+        mesh._controller.detach("the test lets go")  # the agent waits again ...
+        with pytest.raises(mnb.MeshClosedError, match="the test lets go"):
+            mesh.exec("1")
+        wait_for(lambda: keepalive.read_entry("att_train")["orphaned_at"], 10, "orphaned")
+    finally:
+        mesh._controller.detach("the test ends")
+    assert pids_gone([pids[0], *new_pids], timeout=30) == []  # ... and expires: 0 processes
+    assert keepalive.read_entry("att_train") is None
+
+
+def test_one_controller_at_a_time_and_steal(tmp_path, mesh_dir):
+    p, pids = _first(tmp_path, "att_steal", "60s", mode="stay")
+    with pytest.raises(RuntimeError, match=rf"attached to the controller of pid {p.pid}"):
+        mnb.attach("att_steal")
+    assert alive(p.pid)  # refused: the first goes on
+    mesh = mnb.attach("att_steal", steal=True)
+    try:
+        said = p.stdout.readline()  # the first process was told
+        assert said.startswith("LET GO:") and f"pid {os.getpid()} took it over" in said
+        assert p.wait(30) == 0
+        assert mesh.exec("len(losses)").fetch(timeout=60) == [8, 8]
+        assert keepalive.read_entry("att_steal")["controller_pid"] == os.getpid()
+    finally:
+        mesh.shutdown()
+    assert pids_gone(pids, timeout=30) == []  # a shutdown ends a kept-alive mesh
+    assert keepalive.read_entry("att_steal") is None
+
+
+def test_attach_refuses_unknown_meshes_and_strangers(tmp_path, mesh_dir):
+    with pytest.raises(LookupError, match="no live kept-alive mesh named 'nope'"):
+        mnb.attach("nope")
+    with pytest.raises(ValueError, match="needs a mesh name"):
+        mnb.attach("")
+    mesh = mnb.local_mesh(dp=1, keep_alive="60s", name="att_mine")
+    try:
+        # the door is this user's alone: a 0600 socket in the registry's 0700 directory
+        door = keepalive.door_path("att_mine")
+        assert stat.S_IMODE(os.stat(door).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(door)).st_mode) == 0o700
+        # a caller whose first line is not an Attach is told why and let go
+        for line in (b"hello\n", b'{"t": "Quit"}\n'):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(10)
+                s.connect(door)
+                s.sendall(line)
+                answer = s.makefile("rb").readline()
+            assert b"Refused" in answer and b"expected an Attach line" in answer
+        with pytest.raises(ValueError, match="this process drives mesh 'att_mine' already"):
+            mnb.attach("att_mine", timeout=10)
+        assert mesh.exec("6 * 7").fetch(rank=0) == 42  # nothing lost
+    finally:
+        mesh.shutdown()
+
+
+@pytest.mark.kernel
+def test_a_new_kernel_attaches_with_the_magic(tmp_path, mesh_dir):
+    first, second = Kernel(tmp_path), Kernel(tmp_path)
+    try:
+        first.ok("%load_ext monarch_nb\nimport os")
+        first.ok("%monarch_mesh dp=2 --keep-alive 60s --name kk_att --dashboard none", timeout=120)
+        first.ok("%%monarch\nanswer = 40 + rank")
+        kernel_pid = first.value("os.getpid()")
+        os.kill(kernel_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(kernel_pid), 10, "the first kernel's death")
+        second.ok("%load_ext monarch_nb")
+        reply, msgs = second.run("%monarch_mesh --steal")
+        assert "--steal goes with --attach" in text(msgs) + errors_text(msgs)
+        reply, msgs = second.run("%monarch_mesh --attach nope")
+        assert "no live kept-alive mesh named 'nope'" in text(msgs) + errors_text(msgs)
+        msgs = second.ok("%monarch_mesh --attach kk_att --dashboard none", timeout=120)
+        assert "attached to mesh 'kk_att': 2 ranks" in text(msgs)
+        msgs = second.ok("%%monarch\nprint('answer', answer)")
+        assert "answer 40" in text(msgs) and "answer 41" in text(msgs)
+        second.ok("%monarch_mesh --shutdown --name kk_att")
+        wait_for(lambda: keepalive.read_entry("kk_att") is None, 30, "the mesh's end")
+    finally:
+        for k in (first, second):
+            k.kc.stop_channels()
+            k.km.shutdown_kernel(now=True)
