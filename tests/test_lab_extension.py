@@ -10,6 +10,7 @@ import re
 
 import pytest
 from browser_helpers import ARTIFACTS, Lab, clipped, missing, notebook, outside_window
+from keepalive_helpers import cli
 
 pytestmark = [
     pytest.mark.browser,
@@ -211,3 +212,49 @@ def test_panel_shows_every_button_at_its_default_width(page, server):
     assert page.locator(f"{PANEL} button:visible").count() == 6
     assert clipped(page, PANEL, "button") == [], f"panel {width:.0f} px wide"
     assert outside_window(page, PANEL) == []  # nor is the panel cut
+
+
+def test_a_kept_alive_mesh_comes_back_after_a_kernel_restart(page, server, tmp_path, monkeypatch):
+    """Issue 29: a kernel restart, then ``%monarch_mesh --attach``: the mesh's workers
+    with their state, its dashboard under the cell, the status item and the panel."""
+    registry = tmp_path / "meshes"
+    monkeypatch.setenv("MONARCH_NB_MESH_DIR", str(registry))  # for the cleanup's kill
+    setup = f"import os\nos.environ['MONARCH_NB_MESH_DIR'] = {str(registry)!r}\n%load_ext monarch_nb"
+    lab = Lab(
+        server,
+        page,
+        "attach",
+        [
+            setup,
+            "%monarch_mesh dp=2 --keep-alive 120s --name lab_att --dashboard none",
+            "%%monarch\nanswer = 40 + rank",
+            "%monarch_mesh --attach lab_att",
+            "%%monarch\nprint('answer', answer)",
+        ],
+    )
+    try:
+        lab.open()
+        lab.run_cell(0)
+        lab.run_cell(1)
+        wait_text(page, ITEM, "2/2 alive")
+        lab.run_cell(2)
+        lab.wait_idle(T)
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:restart-kernel'); }")
+        page.locator(".jp-Dialog .jp-mod-accept").click()
+        lab.wait_idle(T)
+        assert not page.locator(ITEM).is_visible()  # a fresh kernel: no mesh
+        lab.run_cell(0)
+        lab.run_cell(3)
+        assert wait_text(page, ITEM, "2/2 alive") == "mesh dp=2 · 2/2 alive · idle"
+        out = lab.cells().nth(3).locator(".jp-OutputArea")
+        out.locator(".mnb-dash-main", has_text="2/2 workers alive").wait_for(timeout=T)
+        assert "attached to mesh 'lab_att': 2 ranks" in lab.output_text(3)
+        lab.run_cell(4)
+        lab.cells().nth(4).locator(".jp-OutputArea", has_text="answer 41").wait_for(timeout=T)
+        assert "answer 40" in lab.output_text(4)
+        page.locator(ITEM).click()
+        page.locator(PANEL).wait_for(state="visible", timeout=T)
+        assert "mesh 'lab_att' dp=2" in wait_text(page, f"{PANEL} .mnb-lab-head", "lab_att")
+        lab.shot("lab_attached", out)
+    finally:
+        cli("kill", "lab_att")
