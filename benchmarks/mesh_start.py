@@ -9,6 +9,11 @@ old ranks stopped, new ones ready), each path on its own mesh. The targets are
 the issue's bounds on our time itself (dp=2 ready <= 1.0 s, restarted <= 0.5 s;
 dp=16 restarted <= 3 s, at dp=8 with --quick); ``ratio`` is ours / baseline.
 torchrun's start of the same world rides along in ``mesh_start``'s extra.
+``mesh_attach``: a process that started a kept-alive dp=2 mesh (a model in its
+ranks' namespace) is SIGKILLed; ``mnb.attach`` in this process until the first
+command's value is back (the issue's bound: <= 2 s); the baseline is a fresh
+``local_mesh(dp=2)``, what a user without keep-alive does instead (and the
+state is lost).
 """
 
 from __future__ import annotations
@@ -154,7 +159,74 @@ def bench_mesh_restart(quick: bool) -> list[Entry]:
     return out
 
 
+_KEPT = (
+    "import sys, monarch_nb as mnb\n"
+    "m = mnb.local_mesh(dp=2, keep_alive='60s', name=sys.argv[1])\n"
+    "m.exec('import torch\\nmodel = torch.nn.Linear(256, 256)').fetch(timeout=120)\n"
+    "print('READY', flush=True)\n"
+    "import time; time.sleep(600)\n"
+)
+
+
+def _attach(name: str) -> float:
+    """Seconds from ``mnb.attach(name)`` to the first value of a kept-alive mesh
+    whose controller process was SIGKILLed just before."""
+    import signal
+    import subprocess
+    import sys
+
+    import monarch_nb as mnb
+
+    p = subprocess.Popen([sys.executable, "-c", _KEPT, name], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.strip() == "READY":
+                break
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        t0 = time.perf_counter()
+        mesh = mnb.attach(name)
+        mesh.exec("model.weight.shape[0]").fetch(timeout=60)
+        elapsed = time.perf_counter() - t0
+        mesh.shutdown()
+        return elapsed
+    finally:
+        p.kill()
+
+
+def bench_mesh_attach(quick: bool) -> list[Entry]:
+    import tempfile
+
+    from monarch_nb.launchers.host_agent import local_agent
+
+    reps = 3 if quick else 5
+    local_agent()
+    old = os.environ.get("MONARCH_NB_MESH_DIR")
+    os.environ["MONARCH_NB_MESH_DIR"] = tempfile.mkdtemp(prefix="mnb-bench-meshes-")
+    try:
+        ours = [_attach(f"bench-attach-{i}") for i in range(reps)]
+    finally:
+        if old is None:
+            os.environ.pop("MONARCH_NB_MESH_DIR", None)
+        else:
+            os.environ["MONARCH_NB_MESH_DIR"] = old
+    base = [_start("agent", 2) for _ in range(reps)]
+    return [
+        BoundEntry(
+            "mesh_attach",
+            _median(ours),
+            _median(base),
+            "s",
+            "<= 2.0 s",
+            "a fresh local_mesh(dp=2) (warm agent): starting over, the state lost",
+            note=f"mnb.attach of a kept-alive dp=2 mesh whose process was SIGKILLed, until "
+            f"its first value; median over {reps} reps",
+        )
+    ]
+
+
 BENCHMARKS = [
     ("mesh_start", bench_mesh_start),
     ("mesh_restart", bench_mesh_restart),
+    ("mesh_attach", bench_mesh_attach),
 ]
