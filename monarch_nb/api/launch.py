@@ -85,8 +85,9 @@ def local_mesh(
     name = context.new_name(name)
     if keep_alive is not None and keepalive.read_entry(name) is not None:
         raise ValueError(
-            f"a kept-alive mesh named {name!r} is live (monarch-nb list): pick another "
-            f"name, or end it with `monarch-nb kill {name}`"
+            f"a kept-alive mesh named {name!r} is live (monarch-nb list): attach to it "
+            f"(mnb.attach({name!r}), %monarch_mesh --attach {name}), pick another name, "
+            f"or end it with `monarch-nb kill {name}`"
         )
     world = math.prod(dims.values())
     launcher = None

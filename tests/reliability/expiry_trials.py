@@ -1,0 +1,150 @@
+"""Keep-alive expiry trials (run as a script by test_expiry.py).
+
+``python expiry_trials.py FIRST COUNT``: trials FIRST .. FIRST+COUNT-1. Each
+trial forks a controller process that starts a kept-alive mesh (``keep_alive``
+1 s), lets it reach a phase, kills it with SIGKILL, and waits up to BOUND
+seconds for the mesh's agent and ranks to be gone and its registry entry
+removed. One JSON line per trial on stdout. (``MONARCH_NB_MESH_DIR`` names the
+registry: the test's own.)
+
+Phases, in turn: ``idle`` (a ready dp=1 mesh), ``busy`` (a command in a Python
+loop), ``printing`` (a rank's thread printing without end), ``attached`` (a
+second forked process attaches, runs a command, and is killed in turn: the
+keep-alive starts again) and ``collective`` (dp=2, rank 0 blocked inside an
+all_reduce that rank 1 never joins: stuck in C).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+import psutil
+import torch  # noqa: F401 - imported once; every forked controller inherits it
+import torch.distributed  # noqa: F401
+
+import monarch_nb as mnb
+from monarch_nb.protocol import keepalive
+
+KEEP = 1.0  # s
+BOUND = 8.0  # s from the (last) kill: the keep-alive, the agent's 0.5 s tick, the kills
+PHASES = ("idle", "busy", "printing", "attached", "collective")
+
+
+def lonely(group):
+    """Rank 0 enters an all_reduce that rank 1 never joins."""
+    import torch.distributed as dist
+
+    if mnb.current_rank() == 0:
+        dist.all_reduce(torch.ones(1), group=group)
+
+
+def _busy(mesh) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = mesh.status()["ranks"][0]["streams"]["default"]
+        if st["running"] is not None and st["running"]["elapsed"] > 0.3:
+            return
+        time.sleep(0.02)
+
+
+def controller(phase: str, name: str, ready_fd: int) -> None:
+    """The forked controller process."""
+    mesh = mnb.local_mesh(dp=2 if phase == "collective" else 1, keep_alive=KEEP, name=name)
+    if phase == "busy":
+        mesh.exec("while True:\n    pass")
+        _busy(mesh)
+    elif phase == "printing":
+        mesh.exec(
+            "import threading\n"
+            "def talk():\n"
+            "    while True:\n"
+            "        print('x' * 100)\n"
+            "threading.Thread(target=talk, daemon=True).start()"
+        ).fetch(timeout=60)
+    elif phase == "collective":
+        mnb.remote(lonely)(mesh.process_group("dp"), mesh=mesh)
+        _busy(mesh)
+    os.write(ready_fd, b"ready\n")
+    time.sleep(600)
+
+
+def attacher(name: str, ready_fd: int) -> None:
+    """A second forked controller: attaches, runs a command, waits to be killed."""
+    mesh = mnb.attach(name)
+    assert mesh.exec("6 * 7").fetch(rank=0, timeout=60) == 42
+    os.write(ready_fd, b"ready\n")
+    time.sleep(600)
+
+
+def _fork(target, *args) -> tuple[int, int]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        null = os.open(os.devnull, os.O_WRONLY)  # its ranks' output: not into our JSON lines
+        os.dup2(null, 1)
+        try:
+            target(*args, w)
+        finally:
+            os._exit(1)
+    os.close(w)
+    return pid, r
+
+
+def _kill_when_ready(pid: int, r: int, what: str) -> None:
+    ready, _, _ = select.select([r], [], [], 180)
+    assert ready and os.read(r, 64) == b"ready\n", f"{what} never got ready"
+    os.close(r)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def trial(i: int) -> dict:
+    phase = PHASES[i % len(PHASES)]
+    name = f"expiry{i}"
+    pid, r = _fork(controller, phase, name)
+    _kill_when_ready(pid, r, f"trial {i}: the controller")
+    entry = keepalive.read_entry(name)
+    assert entry is not None, f"trial {i}: no registry entry after the kill"
+    agent = entry["agent_pid"]
+    ranks = [p.pid for p in psutil.Process(agent).children()]
+    if phase == "attached":
+        pid, r = _fork(attacher, name)
+        _kill_when_ready(pid, r, f"trial {i}: the attaching process")
+    t0 = time.monotonic()
+    everyone = [agent, *ranks]
+    left = list(everyone)
+    while left and time.monotonic() - t0 < BOUND:
+        left = [p for p in left if _alive(p)]
+        time.sleep(0.02)
+    return {
+        "trial": i,
+        "phase": phase,
+        "agent": agent,
+        "ranks": ranks,
+        "left": left,
+        "after": round(time.monotonic() - t0, 2),
+        "entry_left": keepalive.read_entry(name) is not None,
+    }
+
+
+def main() -> None:
+    first, count = int(sys.argv[1]), int(sys.argv[2])
+    for i in range(first, first + count):
+        print(json.dumps(trial(i)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
