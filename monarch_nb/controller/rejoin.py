@@ -52,6 +52,7 @@ def rejoin_generation(ctrl, rejoin: Rejoin, timeout: float) -> None:
         let_go(ctrl, "the attach failed")
         raise
     infos = list(workers.rejoined.values())
+    workers.rejoined = None  # from now on a rank that reconnects is one of ours (replies.py)
     ctrl._ids = itertools.count(max(i.high_id for i in infos) + 1)
     ctrl._idents = itertools.count(max(i.high_ident for i in infos) + 1)
     for info in infos:

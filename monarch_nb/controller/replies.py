@@ -166,7 +166,7 @@ class Replies:
         if ctrl.workers.rejoined is not None:
             ctrl.workers.rejoined[msg.rank] = msg
             self.WorkerReady(msg, identity, header)
-        elif ctrl.state.workers[msg.rank].pid == msg.pid and msg.rank in ctrl.workers.identities:
+        elif msg.rank in ctrl.workers.identities and ctrl.state.workers[msg.rank].pid == msg.pid:
             ctrl.workers.identities[msg.rank] = identity
             ctrl.peers.join(identity, header)
         else:

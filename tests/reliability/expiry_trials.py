@@ -16,16 +16,15 @@ all_reduce that rank 1 never joins: stuck in C).
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
-import sys
 import time
 
 import psutil
 import torch  # noqa: F401 - imported once; every forked controller inherits it
 import torch.distributed  # noqa: F401
+from orphan_trials import gone_within, main
 
 import monarch_nb as mnb
 from monarch_nb.protocol import keepalive
@@ -104,13 +103,6 @@ def _kill_when_ready(pid: int, r: int, what: str) -> None:
     os.waitpid(pid, 0)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def trial(i: int) -> dict:
     phase = PHASES[i % len(PHASES)]
     name = f"expiry{i}"
@@ -123,28 +115,17 @@ def trial(i: int) -> dict:
     if phase == "attached":
         pid, r = _fork(attacher, name)
         _kill_when_ready(pid, r, f"trial {i}: the attaching process")
-    t0 = time.monotonic()
-    everyone = [agent, *ranks]
-    left = list(everyone)
-    while left and time.monotonic() - t0 < BOUND:
-        left = [p for p in left if _alive(p)]
-        time.sleep(0.02)
+    left, after = gone_within([agent, *ranks], BOUND)
     return {
         "trial": i,
         "phase": phase,
         "agent": agent,
         "ranks": ranks,
         "left": left,
-        "after": round(time.monotonic() - t0, 2),
+        "after": round(after, 2),
         "entry_left": keepalive.read_entry(name) is not None,
     }
 
 
-def main() -> None:
-    first, count = int(sys.argv[1]), int(sys.argv[2])
-    for i in range(first, first + count):
-        print(json.dumps(trial(i)), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    main(trial)

@@ -124,10 +124,12 @@ def trial(i: int) -> dict:
     }
 
 
-def main() -> None:
+def main(run_trial=None) -> None:
+    """``SCRIPT FIRST COUNT``: trials FIRST .. FIRST+COUNT-1 of ``run_trial`` (default:
+    this script's), a JSON line each."""
     first, count = int(sys.argv[1]), int(sys.argv[2])
     for i in range(first, first + count):
-        print(json.dumps(trial(i)), flush=True)
+        print(json.dumps((run_trial or trial)(i)), flush=True)
 
 
 if __name__ == "__main__":

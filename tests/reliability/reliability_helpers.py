@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import psutil
@@ -73,3 +76,32 @@ def env_sizes(mesh) -> list:
 
 
 MY_PID = os.getpid()
+
+
+def run_trials(script: str, trials: int, env: dict) -> list[dict]:
+    """Run the trials script ``script`` (of this folder; ``python SCRIPT FIRST COUNT``,
+    a JSON line per trial) in two runners side by side, half the trials each; every
+    trial's record, checked to be all there."""
+    path = os.path.join(os.path.dirname(__file__), script)
+    half = trials // 2
+    runners = [
+        subprocess.Popen(
+            [sys.executable, path, str(first), str(n)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=os.path.dirname(__file__),
+        )
+        for first, n in ((0, half), (half, trials - half))
+    ]
+    results = []
+    try:
+        for p in runners:
+            out, _ = p.communicate(timeout=900)
+            assert p.returncode == 0, out
+            results.extend(json.loads(line) for line in out.splitlines())
+    finally:
+        for p in runners:
+            p.kill()
+    assert sorted(t["trial"] for t in results) == list(range(trials))
+    return results

@@ -6,40 +6,16 @@ seconds, and the registry entry with them."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
-from wait_helpers import alive
+from reliability_helpers import alive, run_trials
 
 TRIALS = 20
 
 
 def test_kept_alive_meshes_expire_leaving_nothing(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "expiry_trials.py")
     env = dict(os.environ, TMPDIR=str(tmp_path), MONARCH_NB_MESH_DIR=str(tmp_path / "meshes"))
-    half = TRIALS // 2
-    runners = [
-        subprocess.Popen(
-            [sys.executable, script, str(first), str(half)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=os.path.dirname(__file__),
-        )
-        for first in (0, half)
-    ]
-    results = []
-    try:
-        for p in runners:
-            out, _ = p.communicate(timeout=900)
-            assert p.returncode == 0, out
-            results.extend(json.loads(line) for line in out.splitlines())
-    finally:
-        for p in runners:
-            p.kill()
-    assert sorted(t["trial"] for t in results) == list(range(TRIALS))
+    results = run_trials("expiry_trials.py", TRIALS, env)
     for t in results:
         assert len(t["ranks"]) == (2 if t["phase"] == "collective" else 1), t
         assert t["left"] == [], f"processes left after the keep-alive: {t}"

@@ -11,17 +11,14 @@ Real worker processes and real signals; bounds are timeouts, never speed checks.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
-from reliability_helpers import alive, running, wait_for, wait_running
+from reliability_helpers import alive, run_trials, running, wait_for, wait_running
 
 import monarch_nb as mnb
 import monarch_nb.controller.interrupts as interrupts_mod
@@ -304,30 +301,9 @@ def test_internal_exception_breaks_the_mesh_until_restart(fmesh):
 def test_sigkilled_controller_leaves_no_worker(tmp_path):
     """20 trials over 4 phases, in two runners side by side: every worker is gone
     within 5 s of its controller's SIGKILL; none is left at the end."""
-    script = os.path.join(os.path.dirname(__file__), "orphan_trials.py")
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the killed controllers' store dirs
     env.pop("MONARCH_NB_COLLECTIVE_TIMEOUT", None)
-    half = ORPHAN_TRIALS // 2
-    runners = [
-        subprocess.Popen(
-            [sys.executable, script, str(first), str(half)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=os.path.dirname(__file__),
-        )
-        for first in (0, half)
-    ]
-    results = []
-    try:
-        for p in runners:
-            out, _ = p.communicate(timeout=600)
-            assert p.returncode == 0, out
-            results.extend(json.loads(line) for line in out.splitlines())
-    finally:
-        for p in runners:
-            p.kill()
-    assert sorted(t["trial"] for t in results) == list(range(ORPHAN_TRIALS))
+    results = run_trials("orphan_trials.py", ORPHAN_TRIALS, env)
     for t in results:
         want = 2 if t["phase"] == "collective" else 1
         if t["phase"] != "starting":
