@@ -252,6 +252,38 @@ def test_dashboard_follows_queues_errors_and_the_debugger(mesh2):
     assert d not in LOOP.dashboards()
 
 
+@pytest.mark.unit
+def test_a_view_collected_while_the_loop_holds_its_lock_does_not_deadlock():
+    """CI hung 300 s: the collector ran an old dashboard's __del__ (close -> remove)
+    on a thread inside the loop's lock, at an allocation there."""
+    import gc
+    import threading
+
+    from monarch_nb.ui.redraw import RedrawLoop
+
+    loop = RedrawLoop()
+
+    class View:
+        def __init__(self):
+            self.cycle = self  # only the collector frees it
+
+        def redraw(self, snapshots) -> None:
+            pass
+
+        def __del__(self):
+            loop.remove(self)
+
+    def collect_inside_the_lock() -> None:
+        View()
+        with loop._lock:
+            gc.collect()
+
+    t = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the finalizer deadlocked on the loop's lock"
+
+
 def test_redraw_loop_bounds_the_rate_and_stops_when_shut_down():
     with mnb.local_mesh(dp=1) as mesh:
         d = mesh.dashboard()

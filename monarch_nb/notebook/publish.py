@@ -123,7 +123,7 @@ class Ticker:
     def __init__(self, period: float = TICK):
         self.period = period
         self._fns: dict[int, Callable[[float], None]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer on a thread inside it may remove()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._next = 0

@@ -34,7 +34,9 @@ class RedrawLoop:
         self.period = period
         self.passes = 0
         self.cpu = 0.0  # the passes' CPU time, in seconds (the thread's own)
-        self._lock = threading.Lock()
+        # reentrant: the garbage collector may run an old dashboard's __del__ (close ->
+        # remove) on a thread that holds it, at any allocation inside it
+        self._lock = threading.RLock()
         self._dashboards: list = []
         self._thread: threading.Thread | None = None
 
