@@ -7,6 +7,8 @@ same step in local eager torch in this process on as many threads as each rank
 has, in the same run, alternating. ``tensor_real_step_compiled``: the step under
 ``mnb.compile``, against the same local eager baseline; ``messages_per_step``
 says whether it replays (1) or runs op by op (the step's command count).
+``tensor_no_mesh_step``: the same local step inside ``mesh.activate()`` +
+``mnb.no_mesh()`` against outside any mesh block (issue 26: as fast).
 
 Each row also says where a step's time goes: the controller's and a rank's CPU ms per
 step, and the steps/s those allow here (the controller and the ranks share the cores)
@@ -201,7 +203,52 @@ def bench_tensor_soak(quick: bool) -> list[Entry]:
     return out
 
 
+def bench_tensor_no_mesh_step(quick: bool) -> list[Entry]:
+    import torch
+
+    import monarch_nb as mnb
+
+    from . import lm
+
+    n, reps = (20, 5) if quick else (60, 9)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    local = lm.make()
+    mesh = mnb.local_mesh(dp=1, name="bench-no-mesh")
+
+    def steps() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lm.step(*local)
+        return n / (time.perf_counter() - t0)
+
+    def inside() -> float:
+        with mesh.activate(), mnb.no_mesh():
+            return steps()
+
+    try:
+        for _ in range(3):
+            lm.step(*local)
+        ours, base, _, _ = interleaved(inside, steps, reps)
+    finally:
+        mesh.shutdown()
+        torch.set_num_threads(saved)
+    return [
+        Entry(
+            "tensor_no_mesh_step",
+            ours,
+            base,
+            "steps/s",
+            ">= 0.95",
+            "the same local step outside any mesh block, steps/s in the same run",
+            note=f"the transformer LM step of benchmarks/lm.py in local torch (1 thread) inside "
+            f"mesh.activate() + mnb.no_mesh(); {n} steps, median of {reps}",
+        )
+    ]
+
+
 BENCHMARKS = [
     ("tensor_real_step", bench_tensor_real_step),
+    ("tensor_no_mesh_step", bench_tensor_no_mesh_step),
     ("tensor_soak", bench_tensor_soak),
 ]
