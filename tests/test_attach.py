@@ -114,12 +114,14 @@ def test_a_new_process_attaches_after_a_sigkill_and_trains_on(tmp_path, mesh_dir
         assert mesh.exec("'losses' in globals()").fetch(timeout=60) == [False, False]
         new_pids = list(mesh._controller.worker_pids().values())
         assert set(new_pids).isdisjoint(pids)
-        mesh._controller.detach("the test lets go")  # the agent waits again ...
-        with pytest.raises(mnb.MeshClosedError, match="the test lets go"):
+        mesh.detach()  # the agent waits again ...
+        with pytest.raises(mnb.MeshClosedError, match=rf"pid {os.getpid()}\) detached it"):
             mesh.exec("1")
+        assert "att_train" not in mnb.api.mesh.all_meshes()
         wait_for(lambda: keepalive.read_entry("att_train")["orphaned_at"], 10, "orphaned")
     finally:
-        mesh._controller.detach("the test ends")
+        if mesh.alive:
+            mesh.detach()
     assert pids_gone([pids[0], *new_pids], timeout=30) == []  # ... and expires: 0 processes
     assert keepalive.read_entry("att_train") is None
 
@@ -142,12 +144,15 @@ def test_one_controller_at_a_time_and_steal(tmp_path, mesh_dir):
     assert keepalive.read_entry("att_steal") is None
 
 
-def test_attach_refuses_unknown_meshes_and_strangers(tmp_path, mesh_dir):
+def test_attach_refuses_unknown_meshes_and_strangers(tmp_path, mesh_dir, mesh):
     with pytest.raises(LookupError, match="no live kept-alive mesh named 'nope'"):
         mnb.attach("nope")
     with pytest.raises(ValueError, match="needs a mesh name"):
         mnb.attach("")
-    mesh = mnb.local_mesh(dp=1, keep_alive="60s", name="att_mine")
+    with pytest.raises(ValueError, match="is not kept alive: its workers end with it"):
+        mesh.detach()  # (a plain mesh)
+    assert mesh.exec("1").fetch(rank=0) == 1
+    kept = mnb.local_mesh(dp=1, keep_alive="60s", name="att_mine")
     try:
         # the door is this user's alone: a 0600 socket in the registry's 0700 directory
         door = keepalive.door_path("att_mine")
@@ -163,9 +168,9 @@ def test_attach_refuses_unknown_meshes_and_strangers(tmp_path, mesh_dir):
             assert b"Refused" in answer and b"expected an Attach line" in answer
         with pytest.raises(ValueError, match="this process drives mesh 'att_mine' already"):
             mnb.attach("att_mine", timeout=10)
-        assert mesh.exec("6 * 7").fetch(rank=0) == 42  # nothing lost
+        assert kept.exec("6 * 7").fetch(rank=0) == 42  # nothing lost
     finally:
-        mesh.shutdown()
+        kept.shutdown()
 
 
 @pytest.mark.kernel

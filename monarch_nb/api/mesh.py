@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 from ..controller import Controller
 from ..controller.errors import MeshClosedError, RemoteError
@@ -341,10 +342,17 @@ class DeviceMesh(
         self._controller.restart()
 
     def shutdown(self) -> None:
-        """Stop every worker of this mesh. Nothing is left running. (A slice refuses:
-        its workers are its mesh's.)"""
+        """Stop every worker of this mesh (a slice refuses): nothing is left running."""
         self._whole("shutdown()")
         self._controller.shutdown()
+        context.forget(self)
+
+    def detach(self) -> None:
+        """Let go of a kept-alive mesh, its workers running on for ``mnb.attach``."""
+        self._whole("detach()")
+        if self._controller.workers.launcher.keep_alive is None:
+            raise ValueError(f"mesh {self.name!r} is not kept alive: its workers end with it")
+        self._controller.detach(f"this process (pid {os.getpid()}) detached it")
         context.forget(self)
 
     @property
