@@ -10,6 +10,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -171,6 +173,55 @@ def test_attach_refuses_unknown_meshes_and_strangers(tmp_path, mesh_dir, mesh):
         assert kept.exec("6 * 7").fetch(rank=0) == 42  # nothing lost
     finally:
         kept.shutdown()
+
+
+ATTACHER = textwrap.dedent(
+    """
+    import os, sys, time
+    import monarch_nb as mnb
+    try:
+        m = mnb.attach(sys.argv[1])
+    except RuntimeError as e:
+        print("REFUSED", e, flush=True)
+    else:
+        print("ATTACHED", os.getpid(), m.exec("6 * 7").fetch(rank=0), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def _verdict(p: subprocess.Popen) -> str:
+    """The attacher's ATTACHED or REFUSED line (the ranks' output may come first)."""
+    for line in p.stdout:
+        if line.startswith(("ATTACHED", "REFUSED")):
+            return line.strip()
+    return f"ended ({p.wait()}) without a word"
+
+
+def test_two_processes_attaching_at_once_one_gets_it(tmp_path, mesh_dir):
+    p, pids = _first(tmp_path, "att_race", "60s")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    script = tmp_path / "attacher.py"
+    script.write_text(ATTACHER)
+    racers = [
+        subprocess.Popen([sys.executable, str(script), "att_race"], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        said = {r.pid: _verdict(r) for r in racers}
+        winners = [pid for pid, line in said.items() if line.startswith("ATTACHED")]
+        assert len(winners) == 1, said
+        loser = next(pid for pid in said if pid != winners[0])
+        assert said[winners[0]] == f"ATTACHED {winners[0]} 42"
+        assert said[loser].startswith("REFUSED") and f"controller of pid {winners[0]}" in said[loser]
+        assert racers[[r.pid for r in racers].index(loser)].wait(30) == 0
+        assert keepalive.read_entry("att_race")["controller_pid"] == winners[0]
+    finally:
+        for r in racers:
+            r.kill()
+    assert cli("kill", "att_race").returncode == 0
+    assert pids_gone(pids, timeout=30) == []
 
 
 @pytest.mark.kernel
