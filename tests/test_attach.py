@@ -149,6 +149,8 @@ def test_one_controller_at_a_time_and_steal(tmp_path, mesh_dir):
 def test_attach_refuses_unknown_meshes_and_strangers(tmp_path, mesh_dir, mesh):
     with pytest.raises(LookupError, match="no live kept-alive mesh named 'nope'"):
         mnb.attach("nope")
+    with pytest.raises(LookupError, match="no kept-alive mesh of this user is live"):
+        mnb.attach()
     with pytest.raises(ValueError, match="needs a mesh name"):
         mnb.attach("")
     with pytest.raises(ValueError, match="is not kept alive: its workers end with it"):
@@ -169,7 +171,7 @@ def test_attach_refuses_unknown_meshes_and_strangers(tmp_path, mesh_dir, mesh):
                 answer = s.makefile("rb").readline()
             assert b"Refused" in answer and b"expected an Attach line" in answer
         with pytest.raises(ValueError, match="this process drives mesh 'att_mine' already"):
-            mnb.attach("att_mine", timeout=10)
+            mnb.attach(timeout=10)  # (the only live one)
         assert kept.exec("6 * 7").fetch(rank=0) == 42  # nothing lost
     finally:
         kept.shutdown()
@@ -239,7 +241,7 @@ def test_a_new_kernel_attaches_with_the_magic(tmp_path, mesh_dir):
         assert "--steal goes with --attach" in text(msgs) + errors_text(msgs)
         reply, msgs = second.run("%monarch_mesh --attach nope")
         assert "no live kept-alive mesh named 'nope'" in text(msgs) + errors_text(msgs)
-        msgs = second.ok("%monarch_mesh --attach kk_att --dashboard none", timeout=120)
+        msgs = second.ok("%monarch_mesh --attach --dashboard none", timeout=120)  # the only one
         assert "attached to mesh 'kk_att': 2 ranks" in text(msgs)
         msgs = second.ok("%%monarch\nprint('answer', answer)")
         assert "answer 40" in text(msgs) and "answer 41" in text(msgs)

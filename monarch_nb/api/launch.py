@@ -128,7 +128,7 @@ def _register_kept(mesh: DeviceMesh, agent, keep_alive: float, dims: dict) -> No
     agent.on_detach = lambda pid: _taken(mesh, pid)
 
 
-def attach(name: str, steal: bool = False, timeout: float = 30.0) -> DeviceMesh:
+def attach(name: str | None = None, steal: bool = False, timeout: float = 30.0) -> DeviceMesh:
     """The kept-alive mesh ``name`` (``local_mesh(..., keep_alive=...)``, listed by
     ``monarch-nb list``), driven from this process now: its workers as they are, with
     their namespaces (``mesh.fetch(name)``, ``mesh.tensor(name)``), streams, and the
@@ -139,7 +139,10 @@ def attach(name: str, steal: bool = False, timeout: float = 30.0) -> DeviceMesh:
     naming it, unless ``steal``: then that process lets go (its calls raise
     MeshClosedError saying who took the mesh) and this one takes over. Only the
     user who started the mesh can attach (the registry and the agent's socket are
-    that user's alone). ``timeout``: for every rank to come back."""
+    that user's alone). ``timeout``: for every rank to come back. Without a ``name``:
+    the only live one."""
+    if name is None:
+        name = _only_live_mesh()
     if not isinstance(name, str) or not name:
         raise ValueError(f"attach() needs a mesh name, got {name!r}")
     known = context.all_meshes().get(name)
@@ -177,6 +180,15 @@ def attach(name: str, steal: bool = False, timeout: float = 30.0) -> DeviceMesh:
     context.register(mesh)
     agent.on_detach = lambda pid: _taken(mesh, pid)
     return mesh
+
+
+def _only_live_mesh() -> str:
+    names = [e["name"] for e in keepalive.live_entries()]
+    if not names:
+        raise LookupError("no kept-alive mesh of this user is live (`monarch-nb list`)")
+    if len(names) > 1:
+        raise ValueError(f"several kept-alive meshes are live: name one of {', '.join(names)}")
+    return names[0]
 
 
 def _taken(mesh: DeviceMesh, pid: int) -> None:

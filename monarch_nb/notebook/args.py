@@ -118,8 +118,10 @@ def mesh_parser() -> Parser:
     action.add_argument(
         "--attach",
         metavar="NAME",
-        help="drive the kept-alive mesh NAME (monarch-nb list) from this kernel: its "
-        "workers' namespaces, streams and pending output come back",
+        nargs="?",
+        const="",
+        help="drive the kept-alive mesh NAME (monarch-nb list; without NAME: the only "
+        "live one) from this kernel: its workers' namespaces, streams and pending output",
     )
     action.add_argument(
         "--restart", action="store_true", help="fresh workers for the mesh (--name or active)"

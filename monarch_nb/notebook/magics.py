@@ -145,7 +145,7 @@ class MonarchMagics(Magics):
         if a.dims or a.backend or a.keep_alive is not None or a.connect or a.slurm:
             raise UsageError("%monarch_mesh --attach NAME takes only --steal and --dashboard")
         try:
-            mesh = launch.attach(a.attach, steal=a.steal)
+            mesh = launch.attach(a.attach or None, steal=a.steal)
         except (ValueError, LookupError, RuntimeError) as e:
             raise UsageError(f"%monarch_mesh --attach: {e}") from None
         print(f"attached to mesh {mesh.name!r}: {mesh.size} ranks, streams {sorted(mesh.streams)}")
