@@ -151,6 +151,9 @@ class Agent(ControlChannel):
             self._door_handlers[type(got[1])](*got)
 
     def _door_Attach(self, conn, msg: hm.Attach, pid: int) -> None:
+        if self.stopped:  # a Quit or a SIGTERM (monarch-nb kill): it ends now
+            refuse(conn, f"mesh {self.mesh_name!r} is ending")
+            return
         if self.stealer is not None:
             refuse(conn, f"mesh {self.mesh_name!r} is being taken over by pid {self.stealer[1]}")
             return
