@@ -57,7 +57,8 @@ FIRST = textwrap.dedent(
     m.exec("import time\\nfor _ in range(5):\\n    time.sleep(0.3)\\n    step()")
     for _ in range(600):  # (bounded) until both ranks run it: it left this process
         ranks = m.status()["ranks"].values()
-        if all(r["streams"]["default"]["running"] for r in ranks):
+        now = [r["streams"]["default"]["running"] for r in ranks]
+        if all(x and x["what"].startswith("exec: import time") for x in now):
             break
         time.sleep(0.05)
     print("READY", flush=True)
@@ -88,6 +89,15 @@ def _first(tmp_path, name: str, keep: str, mode: str = "die"):
     script.write_text(FIRST)
     train.write_text(TRAIN)
     return start_controller(script, name, keep, train, mode)
+
+
+def _line(p: subprocess.Popen, *starts: str) -> str:
+    """``p``'s first line that starts with one of ``starts`` (the ranks' output, which
+    comes out there too, may come first)."""
+    for line in p.stdout:
+        if line.startswith(starts):
+            return line.strip()
+    return f"ended ({p.wait()}) without a word"
 
 
 def test_a_new_process_attaches_after_a_sigkill_and_trains_on(tmp_path, mesh_dir, capfd):
@@ -135,8 +145,8 @@ def test_one_controller_at_a_time_and_steal(tmp_path, mesh_dir):
     assert alive(p.pid)  # refused: the first goes on
     mesh = mnb.attach("att_steal", steal=True)
     try:
-        said = p.stdout.readline()  # the first process was told
-        assert said.startswith("LET GO:") and f"pid {os.getpid()} took it over" in said
+        said = _line(p, "LET GO:")  # the first process was told
+        assert f"pid {os.getpid()} took it over" in said
         assert p.wait(30) == 0
         assert mesh.exec("len(losses)").fetch(timeout=60) == [8, 8]
         assert keepalive.read_entry("att_steal")["controller_pid"] == os.getpid()
@@ -192,12 +202,6 @@ ATTACHER = textwrap.dedent(
 )
 
 
-def _verdict(p: subprocess.Popen) -> str:
-    """The attacher's ATTACHED or REFUSED line (the ranks' output may come first)."""
-    for line in p.stdout:
-        if line.startswith(("ATTACHED", "REFUSED")):
-            return line.strip()
-    return f"ended ({p.wait()}) without a word"
 
 
 def test_two_processes_attaching_at_once_one_gets_it(tmp_path, mesh_dir):
@@ -211,7 +215,7 @@ def test_two_processes_attaching_at_once_one_gets_it(tmp_path, mesh_dir):
         for _ in range(2)
     ]
     try:
-        said = {r.pid: _verdict(r) for r in racers}
+        said = {r.pid: _line(r, "ATTACHED", "REFUSED") for r in racers}
         winners = [pid for pid, line in said.items() if line.startswith("ATTACHED")]
         assert len(winners) == 1, said
         loser = next(pid for pid in said if pid != winners[0])

@@ -253,10 +253,8 @@ class Controller:
         timeout = check_timeout(timeout)
         ranks = tuple(ranks)
         self.check_usable(ranks)
-        if statuses:
-            expected, order = [(r, s) for r in ranks for s in self.streams.values()], None
-        else:
-            expected, order = ranks, list(ranks)
+        expected = [(r, s) for r in ranks for s in self.streams.values()] if statuses else ranks
+        order = None if statuses else list(ranks)
         req = Request(msg.ident, expected, order, single, what, source, timeout, idents, ranks)
         req.failed_by = failed_by
         frames = self._frames(msg, ranks, stream, label)
@@ -346,7 +344,10 @@ class Controller:
             with contextlib.suppress(Exception):
                 self.send(m.Exit(), alive, check=False)
         self.workers.stop(timeout)
-        err = MeshClosedError(f"mesh {self.name!r} was shut down")
+        self.fail_requests(MeshClosedError(f"mesh {self.name!r} was shut down"))
+
+    def fail_requests(self, err: BaseException) -> None:
+        """Every waiting call fails with ``err`` (on the lease holder when it runs)."""
         if self.io.thread.is_alive() and not self.io.on_io_thread:
             with contextlib.suppress(Exception):
                 self.io.call(lambda: self.table.fail_all(err)).result(timeout=10)
@@ -354,8 +355,7 @@ class Controller:
         self.table.fail_all(err)
 
     def restart(self) -> None:
-        """Stop every worker and start fresh ones (a new generation); its named streams
-        exist again under the same ids (Stream handles stay usable)."""
+        """Fresh workers (a new generation); named streams keep their ids (and handles)."""
         with self._lifecycle:
             if self._closed:
                 raise MeshClosedError(f"mesh {self.name!r} is shut down")

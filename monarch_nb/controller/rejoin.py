@@ -75,14 +75,7 @@ def let_go(ctrl, why: str) -> None:
             return
         ctrl._closing = True
         ctrl.closed_why = f"mesh {ctrl.name!r} was let go of: {why}"
-        err = MeshClosedError(ctrl.closed_why)
-        if ctrl.io.thread.is_alive() and not ctrl.io.on_io_thread:
-            try:
-                ctrl.io.call(lambda: ctrl.table.fail_all(err)).result(timeout=10)
-            except Exception:
-                pass
-        else:
-            ctrl.table.fail_all(err)
+        ctrl.fail_requests(MeshClosedError(ctrl.closed_why))
         ctrl._closed = True
         ctrl.io.stop()  # its port is free before the agent hears from us: for a stealer
         ctrl.workers.launcher.let_go()

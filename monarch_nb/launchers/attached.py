@@ -84,6 +84,9 @@ class LinkedAgent(HostAgent):
             except OSError as e:
                 raise RuntimeError(f"{self.label} (pid {self.pid}) is gone: {e}") from None
 
+    def _close_link(self) -> None:
+        self.sock.close()
+
     def let_go(self) -> None:
         self.detached = True
         if self.sock is not None:

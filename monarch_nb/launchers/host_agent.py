@@ -118,8 +118,17 @@ class HostAgent(RankBook):
                     self._on(msg)
                 except Exception:  # this thread must read on: the agent blocks otherwise
                     logger.exception("host agent %s: handling %r failed", self.pid, msg)
-        if not self.detached:
+        if self.detached:
+            self._close_link()
+        else:
             self._gone(self._exit_code())
+
+    def _close_link(self) -> None:
+        """This process let go and the agent hung up: our end of its pipe, closed."""
+        try:
+            self.popen.stdout.close()
+        except OSError:
+            pass
 
     def _exit_code(self) -> int:
         return self.popen.wait()
@@ -178,14 +187,14 @@ class HostAgent(RankBook):
             threading.Thread(target=self.on_detach, args=(msg.pid,), daemon=True).start()
 
     def let_go(self) -> None:
-        """Leave the agent and its ranks running: close this end of the link."""
+        """Leave the agent and its ranks running: close our end of its stdin (it hangs
+        up in turn, and the reader closes the other pipe: not under the reader's feet)."""
         self.detached = True
         if self.popen is not None:
-            for f in (self.popen.stdin, self.popen.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
 
     def wait_ended(self, timeout: float) -> None:
         """Wait for the agent process to end (then kill it)."""
