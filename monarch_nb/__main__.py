@@ -114,6 +114,8 @@ def kill_mesh(name: str, timeout: float = 10.0) -> int:
             file=sys.stderr,
         )
         return 1
+    if entry.get("remote"):
+        return _kill_remote(entry, timeout)
     pid = entry["agent_pid"]
     for sig, grace in ((signal.SIGTERM, timeout), (signal.SIGKILL, timeout)):
         try:
@@ -128,6 +130,25 @@ def kill_mesh(name: str, timeout: float = 10.0) -> int:
     ka.remove_entry(name)
     print(f"killed mesh {name!r} ({entry['world']} rank(s), agent pid {pid})")
     return 0
+
+
+def _kill_remote(entry: dict, timeout: float) -> int:
+    """A connect_mesh mesh's agents are on other hosts: told Quit where they wait."""
+    from .launchers.remote_agent import quit_kept
+    from .protocol import keepalive as ka
+
+    name = entry["name"]
+    if ka.orphaned_at(entry) is None:
+        print(
+            f"monarch-nb: mesh {name!r} is driven by the process of pid "
+            f"{entry['controller_pid']}: mesh.shutdown() there ends it",
+            file=sys.stderr,
+        )
+        return 1
+    told = quit_kept(entry, entry.get("heartbeat_timeout", 10.0) + timeout)
+    ka.remove_entry(name)
+    print(f"killed mesh {name!r}: {told} of its {entry['world']} rank(s) told to end")
+    return 0 if told == entry["world"] else 1
 
 
 def main(argv=None) -> None:

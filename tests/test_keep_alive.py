@@ -207,7 +207,7 @@ def test_kernel_sigkilled_keeps_the_mesh_until_expiry(tmp_path, mesh_dir):
         assert reply["content"]["status"] == "error"
         assert "keep_alive='soon' is not a duration" in text(msgs) + errors_text(msgs)
         reply, msgs = k.run("%monarch_mesh --restart --keep-alive 3s")
-        assert "--keep-alive is for a new local mesh" in text(msgs) + errors_text(msgs)
+        assert "--keep-alive is for a new mesh" in text(msgs) + errors_text(msgs)
         assert k.value("sorted(mnb.api.mesh.all_meshes())") == []  # nothing half-made
         k.ok("%monarch_mesh dp=2 --keep-alive 4s --name kk --dashboard none", timeout=120)
         k.ok(

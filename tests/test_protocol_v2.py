@@ -23,7 +23,7 @@ import zmq
 from wait_helpers import wait_for
 
 import monarch_nb as mnb
-from monarch_nb.launchers.local import write_connection_file
+from monarch_nb.launchers.connection_file import write_connection_file
 from monarch_nb.protocol import decode, encode, envelope
 from monarch_nb.protocol import messages as m
 

@@ -4,9 +4,6 @@ workers another launcher started. Both register the mesh by name (``context.py``
 from __future__ import annotations
 
 import math
-import os
-import sys
-import time
 
 from .. import config
 from ..controller import Controller
@@ -16,6 +13,7 @@ from ..launchers.kubernetes import k8s_manifest  # noqa: F401 - the API's name f
 from ..protocol import keepalive
 from ..protocol.ndslice import NDSlice
 from . import context
+from .attach import attach, register_kept  # noqa: F401 - attach: the API's name for it
 from .mesh import DeviceMesh
 
 
@@ -83,12 +81,8 @@ def local_mesh(
         if simulate is not False:
             raise ValueError("keep_alive is for real ranks: leave out simulate")
     name = context.new_name(name)
-    if keep_alive is not None and keepalive.read_entry(name) is not None:
-        raise ValueError(
-            f"a kept-alive mesh named {name!r} is live (monarch-nb list): attach to it "
-            f"(mnb.attach({name!r}), %monarch_mesh --attach {name}), pick another name, "
-            f"or end it with `monarch-nb kill {name}`"
-        )
+    if keep_alive is not None:
+        _check_free(name)
     world = math.prod(dims.values())
     launcher = None
     if simulate is not False:
@@ -111,91 +105,17 @@ def local_mesh(
         heartbeat_timeout=heartbeat_timeout, liveness_timeout=liveness_timeout,
     )  # fmt: skip
     if keep_alive is not None:
-        _register_kept(mesh, launcher.agent, keep_alive, dims)
+        register_kept(mesh, launcher.agent, keep_alive, dims)
     return mesh
 
 
-def _register_kept(mesh: DeviceMesh, agent, keep_alive: float, dims: dict) -> None:
-    """The registry entry of a kept-alive mesh (0600: it holds the key)."""
-    ctrl = mesh._controller
-    entry = {
-        "name": mesh.name, "world": math.prod(dims.values()), "dims": dict(dims),
-        "agent_pid": agent.pid, "controller_pid": os.getpid(), "created": time.time(),
-        "keep_alive": keep_alive, "address": ctrl.address, "key": ctrl._secret.hex(),
-        "orphaned_at": None,
-    }  # fmt: skip
-    keepalive.write_entry(mesh.name, entry)
-    agent.on_detach = lambda pid: _taken(mesh, pid)
-
-
-def attach(name: str | None = None, steal: bool = False, timeout: float = 30.0) -> DeviceMesh:
-    """The kept-alive mesh ``name`` (``local_mesh(..., keep_alive=...)``, listed by
-    ``monarch-nb list``), driven from this process now: its workers as they are, with
-    their namespaces (``mesh.fetch(name)``, ``mesh.tensor(name)``), streams, and the
-    output they printed meanwhile. Its values held through the old process's
-    objects (Refs, mesh tensors not bound to a name) are freed.
-
-    One controller at a time: while another process drives the mesh this raises
-    naming it, unless ``steal``: then that process lets go (its calls raise
-    MeshClosedError saying who took the mesh) and this one takes over. Only the
-    user who started the mesh can attach (the registry and the agent's socket are
-    that user's alone). ``timeout``: for every rank to come back. Without a ``name``:
-    the only live one."""
-    if name is None:
-        name = _only_live_mesh()
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"attach() needs a mesh name, got {name!r}")
-    known = context.all_meshes().get(name)
-    if known is not None and known.alive:
-        raise ValueError(f"this process drives mesh {name!r} already")
-    entry = keepalive.read_entry(name)
-    if entry is None:
-        raise LookupError(
-            f"no live kept-alive mesh named {name!r} (of this user; `monarch-nb list` shows "
-            "them): it expired, was ended, or never was"
+def _check_free(name: str) -> None:
+    if keepalive.read_entry(name) is not None:
+        raise ValueError(
+            f"a kept-alive mesh named {name!r} is live (monarch-nb list): attach to it "
+            f"(mnb.attach({name!r}), %monarch_mesh --attach {name}), pick another name, "
+            f"or end it with `monarch-nb kill {name}`"
         )
-    from ..controller.rejoin import Rejoin
-    from ..launchers.attached import LinkedAgent, held_ranks
-    from ..launchers.host_agent import HostLauncher
-
-    agent = LinkedAgent(entry, steal)
-    try:
-        procs = held_ranks(agent, entry["world"])
-    except BaseException:
-        agent.let_go()
-        raise
-    interface, port = entry["address"].rsplit("/", 1)[1].rsplit(":", 1)
-    launcher = HostLauncher(agent, keep_alive=entry["keep_alive"])
-    rejoin = Rejoin(bytes.fromhex(entry["key"]), int(port), procs)
-    dims = entry["dims"]
-    try:
-        ctrl = Controller(
-            name, dims, "gloo", launcher, interface=interface, startup_timeout=timeout,
-            rejoin=rejoin,
-        )  # fmt: skip
-    except BaseException:
-        agent.let_go()  # the agent waits for another controller
-        raise
-    mesh = DeviceMesh(ctrl, 0, tuple(dims), NDSlice.contiguous(tuple(dims.values())), name)
-    context.register(mesh)
-    agent.on_detach = lambda pid: _taken(mesh, pid)
-    return mesh
-
-
-def _only_live_mesh() -> str:
-    names = [e["name"] for e in keepalive.live_entries()]
-    if not names:
-        raise LookupError("no kept-alive mesh of this user is live (`monarch-nb list`)")
-    if len(names) > 1:
-        raise ValueError(f"several kept-alive meshes are live: name one of {', '.join(names)}")
-    return names[0]
-
-
-def _taken(mesh: DeviceMesh, pid: int) -> None:
-    """Another process attached with ``steal=True``: let go of ``mesh`` and say so."""
-    mesh._controller.detach(f"the process of pid {pid} took it over (attach(steal=True))")
-    context.forget(mesh)
-    print(f"monarch_nb: mesh {mesh.name!r} was taken over by pid {pid}", file=sys.stderr)
 
 
 def _mesh(name: str, dims: dict, backend, launcher, **controller) -> DeviceMesh:
@@ -227,6 +147,7 @@ def connect_mesh(
     advertise: str | None = None,
     heartbeat_timeout: float | None = None,
     liveness_timeout: float | str | None = "heartbeat",
+    keep_alive: str | float | None = None,
     **dims: int,
 ) -> DeviceMesh:
     """Wait for ``world`` workers started by another launcher (torchrun, srun, ...)
@@ -250,7 +171,11 @@ def connect_mesh(
     ``liveness_timeout`` s (default: the heartbeat timeout, 10 s) is presumed
     lost: pending calls raise WorkerUnresponsive. A host agent silent for
     ``heartbeat_timeout`` s, or whose connection closes, is lost with its ranks
-    (WorkerCrashed naming its host)."""
+    (WorkerCrashed naming its host).
+
+    ``keep_alive="30m"``: the host agents keep their ranks running that long once
+    this process is gone, waiting for one that attaches (``mnb.attach(name)``);
+    per-rank workers (``monarch-nb-worker``) still end with it."""
     from ..launchers import ExternalLauncher
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -261,16 +186,27 @@ def connect_mesh(
     product = math.prod(dims.values())
     if product != world:
         raise ValueError(f"the dims {dims} hold {product} ranks, not world={world}")
+    if keep_alive is not None:
+        keep_alive = keepalive.parse_keep_alive(keep_alive)
     name = context.new_name(name)
+    if keep_alive is not None:
+        _check_free(name)
     settings = config.snapshot(heartbeat_timeout=heartbeat_timeout)
     launcher = ExternalLauncher(
         name, dims, connection_file, interface=interface,
-        agent_timeout=settings["heartbeat_timeout"],
+        agent_timeout=settings["heartbeat_timeout"], keep_alive=keep_alive,
     )  # fmt: skip
-    return _mesh(
+    mesh = _mesh(
         name, dims, backend, launcher, interface=interface, startup_timeout=timeout,
         advertise=advertise, liveness_timeout=liveness_timeout, settings=settings,
     )  # fmt: skip
+    if keep_alive is not None:
+        register_kept(
+            mesh, None, keep_alive, dims, remote=True, interface=interface,
+            heartbeat_timeout=settings["heartbeat_timeout"],
+            connection_file=launcher.connection_file,
+        )  # fmt: skip
+    return mesh
 
 
 def slurm_mesh(

@@ -114,7 +114,11 @@ class HostLinks:
         if rank not in link.ranks:
             replies._drop("rank", f"a {type(msg).__name__} of rank {rank} from host {link.host}")
             return
-        if type(msg) is m.WorkerReady:
+        if type(msg) is m.WorkerRejoined:
+            if ctrl.workers.rejoined is None:
+                return  # one of ours whose socket to its host came back: nothing changed here
+            ctrl.workers.rejoined[msg.rank] = msg  # a kept-alive mesh's rank, to us (rejoin.py)
+        if type(msg) is m.WorkerReady or type(msg) is m.WorkerRejoined:
             reason = ctrl.workers.admit(msg, link.identity)
             if reason is not None:
                 logger.warning(

@@ -25,18 +25,20 @@ class Rejoin:
 
     secret: bytes  # the mesh's key
     port: int  # where its ranks reconnect
-    procs: dict  # rank -> process handle (the agent's AgentRank)
+    procs: dict | None  # rank -> process handle (the agent's AgentRank); None: the launcher's ``held``
 
 
 def rejoin_generation(ctrl, rejoin: Rejoin, timeout: float) -> None:
     """Wait until every rank of ``ctrl`` rejoined (within ``timeout`` s), then take
     their state; on failure let go of the mesh (its ranks untouched) and raise."""
     workers = ctrl.workers
-    workers.procs, workers.rejoined = dict(rejoin.procs), {}
+    workers.procs, workers.rejoined = dict(rejoin.procs or {}), {}
     ctrl.peers.resume(range(ctrl.world))  # before the first message is read
     ctrl.io.start()
     deadline = time.monotonic() + timeout
     try:
+        if rejoin.procs is None:  # agents on other hosts: they come back, and say what they hold
+            workers.procs = workers.launcher.held(ctrl.address, rejoin.secret, ctrl.world, timeout)
         while not workers.ready.wait(0.05):
             gone = [r for r, p in workers.procs.items() if p.poll() is not None]
             if gone or time.monotonic() > deadline:

@@ -54,6 +54,11 @@ class Launcher:
         not one of this launcher's."""
         return None
 
+    def held(self, address: str, key: bytes, world: int, timeout: float) -> dict:
+        """rank -> process of the workers a kept-alive mesh kept running, once they came
+        back to a controller that attached (agents on other hosts say what they hold)."""
+        raise RuntimeError("this mesh's workers do not outlive their controller")
+
     def startup_failure(self) -> str | None:
         """Why the workers will never join (a job that ended before they did), or None."""
         return None

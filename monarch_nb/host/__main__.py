@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _relay(p: argparse.ArgumentParser, a) -> int:
     """``--connect`` / ``--connection-file``: the relay (its child is the ``--stdio`` agent)."""
-    from .relay import Relay, env_node_rank, read_connection
+    from .relay import Relay
 
     if a.simulate is not None:
         p.error("--simulate runs on this host only: leave out --connect")
@@ -170,6 +170,32 @@ def _relay(p: argparse.ArgumentParser, a) -> int:
     if a.heartbeat_timeout <= 0:
         p.error(f"--heartbeat-timeout must be positive (got {a.heartbeat_timeout})")
     return Relay(address, key, a.local_ranks, node_rank, a.heartbeat_timeout).serve()
+
+
+def read_connection(path: str) -> tuple[str, str]:
+    """(agent channel address, key hex) of a connection file; ValueError naming the problem."""
+    import json
+
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the connection file {path}: {e}") from None
+    if "agents" not in info:
+        raise ValueError(
+            f"the connection file {path} names no agent channel (a mesh of per-rank "
+            f"workers only: start monarch-nb-worker instead)"
+        )
+    return info["agents"], info["key"]
+
+
+def env_node_rank() -> int | None:
+    """This host's slot from its launcher: SLURM_NODEID (srun) or GROUP_RANK (torchrun)."""
+    for name in ("SLURM_NODEID", "GROUP_RANK"):
+        v = os.environ.get(name)
+        if v not in (None, ""):
+            return int(v)
+    return None
 
 
 if __name__ == "__main__":

@@ -17,13 +17,15 @@ host's envelopes. Otherwise (``MONARCH_NB_RELAY_FANOUT=0`` at the controller)
 each rank connects to the mesh's ROUTER itself.
 
 The relay ends, and its agent and ranks with it, when the controller says
-Quit, refuses the agent, or has been silent for the heartbeat timeout; the
-agent dies with the relay (its parent-death signal).
+Quit, refuses the agent, or has been silent for the heartbeat timeout (a
+kept-alive mesh's relay waits for another controller instead:
+``relay_orphan.py``); the agent dies with the relay (its parent-death signal).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,10 +38,11 @@ from .._version import __version__
 from ..protocol import agent_link
 from ..protocol import host_messages as hm
 from ..protocol.constants import BEAT_S
-from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
+from ..protocol.envelope import PROTOCOL_VERSION, VersionMismatch
 from ..protocol.receivers import AGENT_RELAY, handler_table
 from ..protocol.wire import BadMessage, Signer
 from .relay_fanout import RelayHost
+from .relay_orphan import HeldRanks, Orphanage
 
 POLL_MS = 200
 GONE_S = (
@@ -47,7 +50,7 @@ GONE_S = (
 )
 
 
-class Relay:
+class Relay(Orphanage):
     """One host's link to its controller at ``address`` (the agent channel)."""
 
     def __init__(
@@ -62,9 +65,6 @@ class Relay:
         self.heartbeat_timeout = heartbeat_timeout
         self.key = key
         self.signer = Signer(key)
-        self.sealer = Sealer(self.signer, agent_link.AGENT)
-        self.peers = PeerTable()
-        self.peers.allow(CONTROLLER)
         self._handlers = handler_table(self, AGENT_RELAY, prefix="_on_")
         self.reader = hm.LineReader()
         self.running = True
@@ -75,6 +75,7 @@ class Relay:
         self.block: tuple | None = None  # (first rank, count), from the Welcome
         self.fan: RelayHost | None = None  # the fan-out, from the first Spawn that asks for it
         self._gated = False  # the ranks' sockets unread while the fan-out's socket is full
+        self.book = HeldRanks()
 
     def log(self, text: str) -> None:
         print(f"[monarch host relay {os.getpid()}] {text}", file=sys.stderr, flush=True)
@@ -87,28 +88,28 @@ class Relay:
         # two I/O threads: the ranks' ipc socket and the controller's TCP ones are read and
         # written in parallel (a 4 x 4 MB fetch through a relay: 17 ms with one, 11-12 with two)
         self.ctx = ctx = zmq.Context(2)
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)  # while the controller is away: then dropped
-        self.sock.connect(self.address)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock = self.poller = None
+        self._new_socket()
         try:
-            self._send(
-                hm.Hello(
-                    # Slurm's name of the node, where srun started this agent
-                    os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-                    os.getpid(), __version__, self.local_ranks, self.node_rank,
-                )  # fmt: skip
-            )
+            self._send(self._hello())
             self._loop()
         finally:
             if self.fan is not None:  # first: its directory must not outlive a kill that
                 self.fan.close()  # comes while the agent ends its ranks
+            if self._fan_spec is not None:
+                shutil.rmtree(self._fan_spec[2], ignore_errors=True)
             self._end_agent()
             self.monitor.close(0)
             self.sock.close()
             ctx.term()
         return self.code
+
+    def _hello(self, held: list | None = None) -> hm.Hello:
+        return hm.Hello(
+            # Slurm's name of the node, where srun started this agent
+            os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            os.getpid(), __version__, self.local_ranks, self.node_rank, held,
+        )  # fmt: skip
 
     def _loop(self) -> None:
         self.poller = zmq.Poller()
@@ -122,6 +123,8 @@ class Relay:
             wait = POLL_MS if hold is None else min(POLL_MS, int(hold * 1000) + 1)
             for what, _ in self.poller.poll(wait):
                 fan = self.fan
+                if not self.running:
+                    break
                 if fan is not None and what is fan.rank_sockets.sock:
                     fan.from_ranks()
                 elif fan is not None and what is fan.sock:
@@ -134,10 +137,14 @@ class Relay:
                     while self.running and self.sock.poll(0):
                         if self._from_controller(self.sock.recv_multipart(copy=False)):
                             last_heard = time.monotonic()
+                            if self.fan is not None:
+                                self.fan.holding = False
                 elif what is self.monitor:
                     while self.monitor.poll(0):
                         self.monitor.recv_multipart()
                         closed_at = time.monotonic()
+                        if self.fan is not None and self.keep_alive is not None:
+                            self.fan.holding = True  # what the ranks send waits here
                 elif self.agent is not None and what == self.agent.stdout.fileno():
                     self._from_agent(what)
                 elif self.agent is not None and what == self.agent.stdin.fileno():
@@ -145,13 +152,20 @@ class Relay:
             if self.fan is not None:
                 self.fan.flush()
             now = time.monotonic()
+            if self.orphaned_at is not None:
+                closed_at = None
+                if self.running:
+                    self._orphan_tick(now)
+                last_heard = now
+                continue
             if closed_at is not None and now - closed_at > GONE_S:
                 if last_heard < closed_at and self.heard:
-                    self.log(
+                    self._lose(
                         f"the connection to the controller at {self.address} closed and it has "
-                        f"not answered since ({GONE_S:g} s): ending this host's agent and ranks"
+                        f"not answered since ({GONE_S:g} s)"
                     )
-                    self._stop(3)
+                    last_heard = time.monotonic()
+                    continue
                 closed_at = None
             if now >= next_beat:
                 next_beat = now + BEAT_S
@@ -162,11 +176,10 @@ class Relay:
                     if self.heard
                     else "wrong key (its messages are never answered), or no controller there"
                 )
-                self.log(
+                self._lose(
                     f"no signed word from the controller at {self.address} for "
-                    f"{self.heartbeat_timeout:g} s ({why}): ending this host's agent and ranks"
+                    f"{self.heartbeat_timeout:g} s ({why})"
                 )
-                self._stop(3)
 
     def _gate(self) -> None:
         """While the socket up to the controller is at its bound (the controller does not
@@ -226,12 +239,17 @@ class Relay:
         self._stop(2)
 
     def _on_Welcome(self, msg: hm.Welcome) -> None:
+        self.keep_alive = msg.keep_alive
+        if self.orphaned_at is not None:
+            self._adopted()
+            return
         last = msg.first + msg.count - 1
         self.block = (msg.first, msg.count)
         self.log(f"joined: ranks {msg.first}-{last} of {msg.world} run here")
         self._start_agent()
 
     def _on_Spawn(self, msg: hm.Spawn) -> None:
+        self.book.spawning(msg)
         self._to_agent(self._here(msg))
 
     def _on_Kill(self, msg: hm.Kill) -> None:
@@ -271,15 +289,17 @@ class Relay:
         paths = [p if p else cwd for p in sys.path]
         address = msg.address
         if msg.host >= 0 and self.block is not None:
-            address = self._fan_out(msg).ranks_address
+            self.slot = msg.host
+            address = self._fan_out_to(msg.address, msg.host).ranks_address
         return msg._replace(
             env=env, sys_path=paths, cwd=cwd, key_hex=self.key.hex(), address=address
         )
 
-    def _fan_out(self, msg: hm.Spawn) -> RelayHost:
-        """This host's socket to the mesh's ROUTER at ``msg.address`` (joined once)."""
+    def _fan_out_to(self, address: str, host: int, directory: str | None = None) -> RelayHost:
+        """This host's socket to the mesh's ROUTER at ``address`` (joined once);
+        ``directory``: the ranks' socket's, where they reconnect (a controller attached)."""
         fan = self.fan
-        if fan is not None and fan.address == msg.address and fan.host == msg.host:
+        if fan is not None and fan.address == address and fan.host == host:
             return fan
         if fan is not None:
             self.poller.unregister(fan.sock)
@@ -287,12 +307,12 @@ class Relay:
             fan.close()
         first, count = self.block
         self.fan = fan = RelayHost(
-            self.ctx, msg.address, self.key, msg.host, first, count, socket.gethostname()
+            self.ctx, address, self.key, host, first, count, socket.gethostname(), directory
         )
         self.poller.register(fan.sock, zmq.POLLIN)
         self.poller.register(fan.rank_sockets.sock, zmq.POLLIN)
         self._gated = False
-        self.log(f"fans out as host {msg.host}: its ranks connect to {fan.ranks_address}")
+        self.log(f"fans out as host {host}: its ranks connect to {fan.ranks_address}")
         return fan
 
     def _to_agent(self, msg) -> None:
@@ -323,7 +343,8 @@ class Relay:
             data = b""
         if not data:
             code = self.agent.wait()
-            self._send(hm.AgentGone(code))
+            if self.orphaned_at is None:
+                self._send(hm.AgentGone(code))
             if self.running:
                 self.log(f"this host's agent (pid {self.agent.pid}) ended (code {code})")
             self._stop(1 if code == 0 else 4)
@@ -331,7 +352,7 @@ class Relay:
         for msg in self.reader.feed(data):
             if isinstance(msg, hm.HostMessageError):
                 self.log(f"the agent wrote a line that is not a record: {msg}")
-            else:
+            elif self.book.report(msg, self.orphaned_at is not None):
                 self._send(msg)
 
     def _end_agent(self) -> None:
@@ -347,29 +368,3 @@ class Relay:
         except subprocess.TimeoutExpired:
             self.agent.kill()
             self.agent.wait(5)
-
-
-def read_connection(path: str) -> tuple[str, str]:
-    """(agent channel address, key hex) of a connection file; ValueError naming the problem."""
-    import json
-
-    try:
-        with open(path) as f:
-            info = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the connection file {path}: {e}") from None
-    if "agents" not in info:
-        raise ValueError(
-            f"the connection file {path} names no agent channel (a mesh of per-rank "
-            f"workers only: start monarch-nb-worker instead)"
-        )
-    return info["agents"], info["key"]
-
-
-def env_node_rank() -> int | None:
-    """This host's slot from its launcher: SLURM_NODEID (srun) or GROUP_RANK (torchrun)."""
-    for name in ("SLURM_NODEID", "GROUP_RANK"):
-        v = os.environ.get(name)
-        if v not in (None, ""):
-            return int(v)
-    return None

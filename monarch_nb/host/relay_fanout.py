@@ -26,15 +26,23 @@ from .relay_ranks import RankSockets, decode_plain
 UP_HWM = 16  # envelopes (of at most 256 KB of small messages) on their way up, at most
 HOLD_S = 0.002  # how long the outbox waits for the other ranks' Status of a RequestStatus
 FORGET_S = 60.0  # a RequestStatus none of whose ranks answered: forgotten after this
+KEPT_BYTES = 8 << 20  # the ranks' output a relay keeps across a lost controller, at most
 
 
 class RelayHost(HostChannel):
     """Host ``host`` of the mesh at ``address``: ranks ``first`` .. ``first + count - 1``
-    of this host connect to ``self.ranks.address`` (an ipc socket)."""
+    of this host connect to ``self.ranks.address`` (an ipc socket; in ``directory``
+    when it is where they connected before: they rejoin)."""
 
-    def __init__(self, ctx, address: str, key: bytes, host: int, first: int, count: int, name):
+    def __init__(
+        self, ctx, address: str, key: bytes, host: int, first: int, count: int, name,
+        directory: str | None = None,
+    ):  # fmt: skip
         self._expect: dict = {}  # RequestStatus ident -> [ranks to answer, hold deadline, made]
-        self.rank_sockets = RankSockets(ctx, Signer(key), first, count)
+        self.holding = False  # the controller's connection closed: nothing leaves meanwhile
+        self._kept: list = []  # the ranks' output from before, sent once they all rejoined
+        self._rejoins_left = 0
+        self.rank_sockets = RankSockets(ctx, Signer(key), first, count, directory)
         self.first, self.count = first, count
         super().__init__(ctx, address, key, host, os.getpid(), name, sndhwm=UP_HWM)
 
@@ -42,9 +50,9 @@ class RelayHost(HostChannel):
     def ranks_address(self) -> str:
         return self.rank_sockets.address
 
-    def close(self) -> None:
+    def close(self, keep_dir: bool = False) -> None:
         super().close()
-        self.rank_sockets.close()
+        self.rank_sockets.close(keep_dir)
 
     # ------------------------------------------------------------ down
 
@@ -77,7 +85,30 @@ class RelayHost(HostChannel):
         """Take in what the ranks sent (sent on by the next ``flush``)."""
         self.rank_sockets.receive(self._up)
 
+    def kept_output(self) -> list:
+        """The ranks' Output not sent yet (the newest ``KEPT_BYTES``): a kept-alive
+        mesh's relay holds it for the controller that attaches."""
+        out = [p for p in self.outbox if type(p) is list and len(p) == 2 and record_type(p[1]) is m.Output]
+        size = 0
+        for i in range(len(out) - 1, -1, -1):
+            size += len(out[i][1])
+            if size > KEPT_BYTES:
+                return out[i + 1 :]
+        return out
+
+    def send_after_rejoins(self, parts: list) -> None:
+        """Send ``parts`` once each of this host's ranks said WorkerRejoined (before
+        that the controller would drop what they say)."""
+        self._kept, self._rejoins_left = parts, self.count
+
     def _up(self, msg) -> None:
+        if self._rejoins_left and type(msg) is list and record_type(msg[1]) is m.WorkerRejoined:
+            self._rejoins_left -= 1
+            if not self._rejoins_left:
+                self.outbox.append(msg)
+                self.outbox += self._kept
+                self._kept = []
+                return
         if type(msg) is m.Status:
             e = self._expect.get(msg.ident)
             if e is not None:
@@ -105,5 +136,5 @@ class RelayHost(HostChannel):
         return left
 
     def flush(self) -> None:
-        if self.outbox and self.hold_left() is None:
+        if self.outbox and self.hold_left() is None and not self.holding:
             super().flush()

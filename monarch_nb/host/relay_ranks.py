@@ -18,7 +18,9 @@ envelope is sealed by. A user's values (a FetchResult, a SendTensor) pass as the
 frames they came in, their buffers never copied.
 
 A relay killed with SIGKILL leaves its directory behind; the next relay of this
-user on the host removes it (``sweep_stale``).
+user on the host removes it (``sweep_stale``), unless the relay that made it
+(its ``owner`` file) still runs: a kept-alive mesh's relay closes the socket
+while no controller is there and binds it again where it was.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def sweep_stale(root: str | None = None) -> list:
         if st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode):
             continue
         path = os.path.join(d, "ranks")
+        if _owner_runs(d):
+            continue
         if os.path.exists(path):
             if _listened(path):
                 continue
@@ -71,6 +75,16 @@ def sweep_stale(root: str | None = None) -> list:
         shutil.rmtree(d, ignore_errors=True)
         gone.append(d)
     return gone
+
+
+def _owner_runs(d: str) -> bool:
+    try:
+        with open(os.path.join(d, "owner")) as f:
+            pid = int(f.read())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _listened(path: str) -> bool:
@@ -111,15 +125,22 @@ def decode_plain(p, signer, cls: type):
 
 
 class RankSockets:
-    """The ROUTER the ranks of ``first`` .. ``first + count - 1`` connect to."""
+    """The ROUTER the ranks of ``first`` .. ``first + count - 1`` connect to; bound
+    in ``directory`` when they connected there before (they rejoin, each socket
+    where it is in its sequence)."""
 
-    def __init__(self, ctx, signer, first: int, count: int):
+    def __init__(self, ctx, signer, first: int, count: int, directory: str | None = None):
         self.signer = signer
         self.first, self.count = first, count
-        for d in sweep_stale():
-            logger.info("removed %s, the directory of a relay that is gone", d)
-        self.dir = tempfile.mkdtemp(prefix=PREFIX)  # mode 0700: this user only
-        os.chmod(self.dir, 0o700)
+        rejoin = directory is not None
+        if directory is None:
+            for d in sweep_stale():
+                logger.info("removed %s, the directory of a relay that is gone", d)
+            directory = tempfile.mkdtemp(prefix=PREFIX)  # mode 0700: this user only
+            os.chmod(directory, 0o700)
+            with open(os.path.join(directory, "owner"), "w") as f:
+                f.write(str(os.getpid()))
+        self.dir = directory
         self.address = f"ipc://{self.dir}/ranks"
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -131,10 +152,13 @@ class RankSockets:
         self.receivers: dict[int, bytes] = {}  # rank -> its receiver socket's identity
         self.store_waits: OrderedDict = OrderedDict()  # (rank, request) -> identity
         self._down: dict[bytes, list] = {}  # identity -> [sig, pickle] pairs to send
+        if rejoin:
+            self.peers.resume(range(first, first + count))
 
-    def close(self) -> None:
+    def close(self, keep_dir: bool = False) -> None:
         self.sock.close(linger=0)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not keep_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------ up (ranks -> relay)
 
@@ -166,7 +190,7 @@ class RankSockets:
             post(m.RankGap(header.rank, missed))
         for p in parts:
             cls = record_type(p[1]) if len(p) == 2 else None
-            if cls is m.WorkerReady:
+            if cls is m.WorkerReady or cls is m.WorkerRejoined:
                 if self._ready(header.rank, identity, header):
                     missed = 0
                     post(p)

@@ -4,14 +4,13 @@ ExternalLauncher: workers, or host agents, that another launcher starts."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import stat
 import subprocess
 import sys
+import time
 
 from ..controller.workers import Launcher
+from .connection_file import default_connection_file, write_connection_file
 from .output_tail import OutputTail
 
 
@@ -187,7 +186,13 @@ class ExternalLauncher(Launcher):
         out=print,
         interface: str = "127.0.0.1",
         agent_timeout: float = 10.0,
+        keep_alive: float | None = None,
+        rejoin: bool = False,
     ):
+        """``keep_alive``: the host agents keep their ranks that long once this process
+        is gone (per-rank workers do not: they end with it); ``rejoin``: this process
+        attached to such a mesh, whose agents come back (``held``)."""
+        self.keep_alive, self.rejoin = keep_alive, rejoin
         self.name = name
         self.dims = dict(dims)
         self.connection_file = connection_file or default_connection_file(name)
@@ -205,7 +210,7 @@ class ExternalLauncher(Launcher):
         self._io = io
         io.on_disconnect = lambda fd: self.agents.disconnected(fd) if self.agents else None
 
-    def launch(self, address: str, key: bytes, world: int) -> dict:
+    def _channel(self, address: str, key: bytes, world: int):
         if self.agents is None:
             from .remote_hosts import AgentChannel
 
@@ -213,9 +218,36 @@ class ExternalLauncher(Launcher):
                 raise RuntimeError("ExternalLauncher.launch before attach(io): no ROUTER")
             host = address.rsplit(":", 1)[0].split("//", 1)[-1]
             self.agents = AgentChannel(
-                self.name, self._io, host, key, world, self.agent_timeout, self._out
-            )
-        procs = self.agents.launch(address, key, world)
+                self.name, self._io, host, key, world, self.agent_timeout, self._out,
+                self.keep_alive, self.rejoin,
+            )  # fmt: skip
+        return self.agents
+
+    def held(self, address: str, key: bytes, world: int, timeout: float) -> dict:
+        """rank -> AgentRank of the ranks a kept-alive mesh's host agents kept running,
+        once they came back to this process (``remote_agent.held_ranks``)."""
+        from .remote_agent import held_ranks
+
+        channel = self._channel(address, key, world)
+        procs = held_ranks(channel.hosts, self.name, world, timeout)
+        if os.path.exists(self.connection_file):  # the first controller's: ours to remove now
+            st = os.lstat(self.connection_file)
+            self._written = (st.st_dev, st.st_ino)
+        return procs
+
+    def let_go(self) -> None:
+        """Leave the host agents running: they wait for another controller (the
+        registry entry says since when)."""
+        if self.agents is not None:
+            self.agents.close(quit=False)
+            self.agents = None
+        if self.keep_alive is not None:
+            from ..protocol import keepalive
+
+            keepalive.update_entry(self.name, orphaned_at=time.time())
+
+    def launch(self, address: str, key: bytes, world: int) -> dict:
+        procs = self._channel(address, key, world).launch(address, key, world)
         f = self.connection_file
         if not self._still_ours():  # a restart keeps the file it wrote
             self._written = write_connection_file(
@@ -257,6 +289,10 @@ class ExternalLauncher(Launcher):
         if self.agents is not None:
             self.agents.close()
             self.agents = None
+        if self.keep_alive is not None:  # the mesh ended: no longer live
+            from ..protocol import keepalive
+
+            keepalive.remove_entry(self.name)
         if self._still_ours():
             try:
                 os.unlink(self.connection_file)
@@ -272,94 +308,3 @@ class ExternalLauncher(Launcher):
         except OSError:
             return False
         return (st.st_dev, st.st_ino) == self._written
-
-
-def default_connection_file(name: str) -> str:
-    """``monarch-mesh-NAME.json`` in the user's Jupyter runtime dir."""
-    try:
-        from jupyter_core.paths import jupyter_runtime_dir
-
-        base = jupyter_runtime_dir()
-    except Exception:
-        base = os.path.join(os.path.expanduser("~"), ".local", "share", "jupyter", "runtime")
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    return os.path.join(base, f"monarch-mesh-{safe}.json")
-
-
-def write_connection_file(
-    path: str, address: str, key: bytes, world: int, name: str, dims: dict, agents: str = ""
-) -> tuple:
-    """Create the file a worker joins with, readable by its owner only (it holds
-    the secret): never through a symbolic link, never over an existing file,
-    except a connection file left by a controller of this host that is gone.
-    Returns the file's (device, inode)."""
-    data = {
-        "address": address,
-        "key": key.hex(),
-        "world": world,
-        "mesh": name,
-        "dims": dims,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-    }
-    if agents:
-        data["agents"] = agents  # the host agents' channel (monarch-nb-host --connection-file)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except FileExistsError:
-        if not _remove_if_stale(path):
-            raise FileExistsError(_exists_message(path)) from None
-        fd = os.open(path, flags, 0o600)
-    with os.fdopen(fd, "w") as f:
-        try:
-            os.fchmod(fd, 0o600)
-            st = os.fstat(fd)
-            json.dump(data, f)
-            f.flush()
-        except BaseException:
-            os.unlink(path)  # no half-written file with the secret in it
-            raise
-    return st.st_dev, st.st_ino
-
-
-def _exists_message(path: str) -> str:
-    if os.path.islink(path):
-        return (
-            f"the connection file {path} is a symbolic link: the mesh's secret is never "
-            f"written through one; remove it or pass another connection_file"
-        )
-    return (
-        f"the connection file {path} exists already (another mesh's, or left behind): "
-        f"remove it or pass another connection_file"
-    )
-
-
-def _remove_if_stale(path: str) -> bool:
-    """Remove ``path`` if it is a connection file of ours whose controller, on this
-    host, is gone (a kernel that was killed); True if it was."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > 1 << 16:
-            return False
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd) as f:
-            info = json.load(f)
-        pid, host = int(info["pid"]), info["host"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    if host != socket.gethostname() or pid == os.getpid() or _alive(pid):
-        return False
-    os.unlink(path)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

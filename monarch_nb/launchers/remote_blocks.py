@@ -60,3 +60,30 @@ def host_slot(agents, msg: hm.Hello, first: int, world: int) -> int:
     if want not in taken:
         return want
     return next(i for i in itertools.count(world) if i not in taken)
+
+
+def place_held(agents, msg: hm.Hello, world: int, rejoin: bool) -> tuple[str | None, int, int]:
+    """(why not, first rank, host index) of a relay that kept its block running
+    (``msg.held``: first, count, host index) while no controller was there."""
+    try:
+        first, count, slot = (int(v) for v in msg.held)
+    except (TypeError, ValueError):
+        return f"it holds {msg.held!r}, not a block of ranks", 0, 0
+    if not rejoin:
+        return (
+            "it kept ranks of a mesh whose controller went; this controller started the "
+            "mesh and has lost them (a relay that kept its ranks joins a controller that "
+            "attaches)", 0, 0,
+        )  # fmt: skip
+    if msg.version != __version__:
+        return f"the agent runs monarch_nb {msg.version}, this controller {__version__}", 0, 0
+    if count != msg.local_ranks or first < 0 or first + count > world:
+        return f"its block {first}-{first + count - 1} is not of the mesh's world of {world}", 0, 0
+    for a in agents:
+        if a.first < first + count and first < a.first + a.count:
+            return f"its ranks {first}-{first + count - 1} overlap {a.label}'s", 0, 0
+    if slot < 0:
+        slot = host_slot(agents, msg, first, world)
+    elif any(a.slot == slot for a in agents):
+        return f"two host agents claim host {slot}", 0, 0
+    return None, first, slot

@@ -29,14 +29,15 @@ import zmq
 from .. import config
 from ..controller.errors import describe_exit
 from ..controller.io_items import Raw
-from ..protocol import agent_link
+from ..protocol import agent_link, keepalive
 from ..protocol import host_messages as hm
 from ..protocol.constants import BEAT_S
 from ..protocol.envelope import CONTROLLER, PROTOCOL_VERSION, PeerTable, Sealer, VersionMismatch
 from ..protocol.receivers import AGENT_CHANNEL, handler_table
 from ..protocol.wire import BadMessage, Signer
-from .agent_ranks import AgentRank, RankBook
-from .remote_blocks import host_slot, place
+from .agent_ranks import RankBook
+from .remote_agent import RemoteAgent
+from .remote_blocks import host_slot, place, place_held
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -51,44 +52,6 @@ def fanout() -> bool:
     return config.setting("relay_fanout")
 
 
-class RemoteAgent(RankBook):
-    """A relay and its agent on another host: ranks ``first`` .. ``first + count - 1``."""
-
-    failed_spawn_code = 1  # a fork that failed there fails the mesh's start
-
-    def __init__(
-        self, channel: AgentChannel, identity: bytes, hello: hm.Hello, first: int, slot: int
-    ):
-        self._init_ranks()
-        self.channel, self.identity, self.hello = channel, identity, hello
-        self.first, self.count = first, hello.local_ranks
-        self.slot = slot  # the mesh's index of this host (its HostJoin's)
-        self.info: hm.AgentReady | None = None
-        self.lost: str | None = None
-        self.error: str | None = None  # what the agent refused (it ends next)
-        self.fd: int | None = None
-        self.last_heard = time.monotonic()
-        self.closed_at: float | None = None
-
-    @property
-    def label(self) -> str:
-        return f"host {self.hello.host} (relay pid {self.hello.pid})"
-
-    def send(self, msg) -> None:
-        if self.lost is not None:
-            raise RuntimeError(self.lost)
-        self.channel.post(self.identity, msg)
-
-    def exit_note(self, r: AgentRank, code: int | None) -> str:
-        # killed by a signal, the job's end may be why (a time limit signals ranks first)
-        note = self.channel.lost_note
-        why = note() if note is not None and code is not None and code < 0 else None
-        return f"[rank {r.rank} ran on {self.label}; its host agent reported its end{'; ' + why if why else ''}]"
-
-    def spawn_note(self, r: AgentRank, error: str) -> str:
-        return f"[{self.label} could not start rank {r.rank}: {error}]"
-
-
 class AgentChannel:
     """The host agents of mesh ``name``: their relays reach the mesh's own ROUTER
     (``io``, its port advertised as ``host``), which hands their envelopes here
@@ -97,8 +60,13 @@ class AgentChannel:
 
     def __init__(
         self, name: str, io, host: str, key: bytes, world: int,
-        heartbeat_timeout: float, out=print,
+        heartbeat_timeout: float, out=print, keep_alive: float | None = None,
+        rejoin: bool = False,
     ):  # fmt: skip
+        """``keep_alive``: the relays keep their ranks that long once this controller is
+        gone (its registry entry, ``name``'s, touched at each beat); ``rejoin``: a
+        controller that attached, which takes back the relays that kept their ranks."""
+        self.keep_alive, self.rejoin = keep_alive, rejoin
         self.name, self.world, self.heartbeat_timeout, self._out = (
             name,
             world,
@@ -185,13 +153,14 @@ class AgentChannel:
                     return range(a.first, a.first + a.count)
         return None
 
-    def close(self) -> None:
+    def close(self, quit: bool = True) -> None:
         """The mesh is gone: every relay is told Quit (its agent and ranks end). Called
         while the mesh's ROUTER still runs: waits (a bound) until each relay's
-        connection closed, so that no Quit is lost with the socket."""
+        connection closed, so that no Quit is lost with the socket. ``quit=False``:
+        this controller lets go (a kept-alive mesh's relays wait for another)."""
         if self._wake_w is None:
             return
-        told = self.hosts()
+        told = self.hosts() if quit else []
         for agent in told:
             self.post(agent.identity, hm.Quit())
         deadline = time.monotonic() + QUIT_WAIT_S
@@ -221,6 +190,8 @@ class AgentChannel:
                     next_beat = now + BEAT_S
                     for agent in self.hosts():
                         self._send(agent.identity, hm.Beat())
+                    if self.keep_alive is not None:
+                        keepalive.touch_entry(self.name)  # its mtime: when we were last here
                 self._check(now)
         finally:
             self._flush()
@@ -306,6 +277,10 @@ class AgentChannel:
 
     _on_Beat = staticmethod(lambda agent, msg: None)  # it was heard: all a beat says
 
+    def _on_Held(self, agent: RemoteAgent, msg: hm.Held) -> None:
+        agent.adopt(msg.ranks)
+        agent.held.set()
+
     def _on_AgentReady(self, agent: RemoteAgent, msg: hm.AgentReady) -> None:
         with self._lock:
             agent.info = msg
@@ -346,12 +321,14 @@ class AgentChannel:
     def _hello(self, identity: bytes, h, msg: hm.Hello, fd) -> None:
         who = f"host {msg.host} (relay pid {msg.pid})"
         with self._lock:
-            why, first = place(list(self.agents.values()), msg, self.world)
+            agents = list(self.agents.values())
+            if msg.held is not None:  # a relay that kept its ranks
+                why, first, slot = place_held(agents, msg, self.world, self.rejoin)
+            else:
+                why, first = place(agents, msg, self.world)
+                slot = host_slot(agents, msg, first, self.world) if why is None else -1
             if why is None:
-                agent = RemoteAgent(
-                    self, identity, msg, first,
-                    host_slot(list(self.agents.values()), msg, first, self.world),
-                )  # fmt: skip
+                agent = RemoteAgent(self, identity, msg, first, slot)
                 agent.fd = fd
                 self.agents[identity] = agent
                 self.peers.join(identity, h)
@@ -361,7 +338,7 @@ class AgentChannel:
             self._send(identity, hm.Refused(why))
             self._say(f"refused the host agent on {who}: {why}")
             return
-        self._send(identity, hm.Welcome(first, msg.local_ranks, self.world))
+        self._send(identity, hm.Welcome(first, msg.local_ranks, self.world, self.keep_alive))
         logger.info(
             "mesh %r: the host agent on %s runs ranks %d-%d",
             self.name, who, first, first + msg.local_ranks - 1,

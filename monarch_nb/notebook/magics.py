@@ -87,8 +87,8 @@ class MonarchMagics(Magics):
             return None
         if a.restore is not None and not a.restart:
             raise UsageError("%monarch_mesh: --restore PATH goes with --restart")
-        if a.keep_alive is not None and (a.connect or a.slurm or a.restart or a.shutdown):
-            raise UsageError("%monarch_mesh: --keep-alive is for a new local mesh (dims only)")
+        if a.keep_alive is not None and (a.slurm or a.restart or a.shutdown):
+            raise UsageError("%monarch_mesh: --keep-alive is for a new mesh (dims, or --connect)")
         if a.steal and a.attach is None:
             raise UsageError("%monarch_mesh: --steal goes with --attach NAME")
         if a.attach is not None:
@@ -176,6 +176,7 @@ class MonarchMagics(Magics):
                 backend=a.backend,
                 interface=a.interface,
                 advertise=a.advertise,
+                keep_alive=a.keep_alive,
                 **dims,
             )
         except ValueError as e:

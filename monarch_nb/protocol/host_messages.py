@@ -118,7 +118,7 @@ class Exited(NamedTuple):
     code: int
 
 
-@sent_to(AGENT_LINK)
+@sent_to(AGENT_LINK, AGENT_CHANNEL)
 class Held(NamedTuple):
     """After AgentReady, to a controller that attached: the ranks the agent runs,
     ``[slot, rank, pid]`` each."""
@@ -141,22 +141,28 @@ class Refused(NamedTuple):
 @sent_to(AGENT_CHANNEL)
 class Hello(NamedTuple):
     """A relay joins: its host, pid and release, the ranks its agent offers and
-    the host slot it claims (``node_rank``; None: the next free block)."""
+    the host slot it claims (``node_rank``; None: the next free block). ``held``:
+    ``[first, count, host index]`` of the block it kept running while no controller
+    was there (a kept-alive mesh's relay, to a controller that attached)."""
 
     host: str
     pid: int
     version: str
     local_ranks: int
     node_rank: int | None
+    held: list | None = None
 
 
 @sent_to(AGENT_RELAY)
 class Welcome(NamedTuple):
-    """The controller took the agent: ranks ``first`` .. ``first + count - 1`` of ``world``."""
+    """The controller took the agent: ranks ``first`` .. ``first + count - 1`` of
+    ``world``. ``keep_alive``: seconds the relay keeps them running, waiting for
+    another controller, once this one is gone (None: they end with it)."""
 
     first: int
     count: int
     world: int
+    keep_alive: float | None = None
 
 
 @sent_to(AGENT_CHANNEL, AGENT_RELAY)

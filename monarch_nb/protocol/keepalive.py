@@ -7,6 +7,11 @@ the Jupyter runtime dir): its name, ranks, agent pid, controller pid, times and
 key. The controller writes it at launch; the agent marks it orphaned when its
 controller goes and removes it when it ends. ``monarch-nb list`` and
 ``monarch-nb kill NAME`` read it.
+
+A ``connect_mesh(..., keep_alive=D)`` mesh's agents run on other hosts (``"remote":
+true``, no agent pid here): its controller touches the entry at each heartbeat,
+so once that process is gone the entry's mtime says when, and the mesh counts as
+live until its relays' keep-alive has passed from then.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ def read_entry(name: str) -> dict | None:
             entry = json.load(f)
     except (OSError, ValueError):
         return None
-    if not agent_alive(entry):
+    if not (remote_alive(entry) if entry.get("remote") else agent_alive(entry)):
         remove_entry(name)
         return None
     return entry
@@ -119,6 +124,14 @@ def update_entry(name: str, **fields) -> None:
         return
     entry.update(fields)
     write_entry(name, entry)
+
+
+def touch_entry(name: str) -> None:
+    """Mark that the controller of remote mesh ``name`` is still here (its mtime)."""
+    try:
+        os.utime(entry_path(name))
+    except (OSError, ValueError):
+        pass
 
 
 def remove_entry(name: str) -> None:
@@ -154,10 +167,44 @@ def agent_alive(entry: dict) -> bool:
     return state != "Z" and b"monarch_nb.host" in cmd
 
 
+def process_runs(pid) -> bool:
+    """Whether process ``pid`` runs (and is not a zombie)."""
+    if not isinstance(pid, int):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def orphaned_at(entry: dict) -> float | None:
+    """When the mesh's controller went (wall time), or None while it has the mesh."""
+    if not entry.get("remote"):
+        return entry.get("orphaned_at")
+    if entry.get("orphaned_at") is None and process_runs(entry.get("controller_pid")):
+        return None
+    if entry.get("orphaned_at") is not None:
+        return entry["orphaned_at"]
+    try:
+        return os.stat(entry_path(entry["name"])).st_mtime
+    except OSError:
+        return 0.0
+
+
+def remote_alive(entry: dict) -> bool:
+    """Whether a remote mesh's relays may still wait (its keep-alive, from when its
+    controller went, and the heartbeat timeout they take to notice, have not passed)."""
+    gone = orphaned_at(entry)
+    if gone is None:
+        return True
+    return time.time() < gone + entry["keep_alive"] + entry.get("heartbeat_timeout", 10.0) + 2
+
+
 def describe(entry: dict, now: float | None = None) -> dict:
     """The columns ``monarch-nb list`` shows: name, ranks, age, idle, controller."""
     now = time.time() if now is None else now
-    orphaned = entry.get("orphaned_at")
+    orphaned = orphaned_at(entry)
     idle = now - orphaned if orphaned else 0.0
     left = entry["keep_alive"] - idle if orphaned else entry["keep_alive"]
     return {

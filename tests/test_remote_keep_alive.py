@@ -1,0 +1,138 @@
+"""A ``connect_mesh(..., keep_alive=D)`` mesh's host agents on other hosts (relays
+on loopback, as in test_remote_agents.py) keep their ranks when the controller
+dies, wait for a process that attaches, and end after ``D`` or at ``monarch-nb
+kill``: a controller SIGKILLed mid-training, the test process attaching and
+training on with the losses of a run never interrupted, through the fan-out (the
+relay carries its ranks' traffic) and without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+from keepalive_helpers import cli
+from test_attach import TRAIN, _reference
+from test_remote_agents import relay, tree, wait_file
+from wait_helpers import pids_gone, wait_for
+
+import monarch_nb as mnb
+from monarch_nb.protocol import keepalive
+
+FIRST = textwrap.dedent(
+    """
+    import sys, time
+    import monarch_nb as mnb
+    name, keep, train, conn = sys.argv[1], sys.argv[2], open(sys.argv[3]).read(), sys.argv[4]
+    m = mnb.connect_mesh(
+        2, connection_file=conn, keep_alive=keep, name=name, timeout=120,
+        heartbeat_timeout=5, dp=2,
+    )
+    m.stream("side")
+    m.exec(train).fetch(timeout=60)
+    m.exec("for _ in range(3): step()").fetch(timeout=60)
+    # in flight when this process dies: it finishes without a controller
+    m.exec("import time\\nfor _ in range(5):\\n    time.sleep(0.3)\\n    step()")
+    for _ in range(600):  # (bounded) until both ranks run it: it left this process
+        ranks = m.status()["ranks"].values()
+        now = [r["streams"]["default"]["running"] for r in ranks]
+        if all(x and x["what"].startswith("exec: import time") for x in now):
+            break
+        time.sleep(0.05)
+    print("READY", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _first(tmp_path, name: str, keep: str, env=None):
+    """The first controller (a process of its own) and its two relays (one rank each),
+    once its mesh trains; the relays' process trees."""
+    script, train, conn = tmp_path / "first.py", tmp_path / "train.py", tmp_path / "mesh.json"
+    script.write_text(FIRST)
+    train.write_text(TRAIN)
+    p = subprocess.Popen(
+        [sys.executable, str(script), name, keep, str(train), str(conn)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    weakref.finalize(p, p.kill)
+    wait_file(conn, timeout=60)
+    relays = [relay(conn, "--local-ranks", "1", "--node-rank", str(i), heartbeat=5) for i in (0, 1)]
+    for r in relays:
+        weakref.finalize(r, r.kill)
+    for line in p.stdout:
+        if line.strip() == "READY":
+            break
+    else:
+        raise AssertionError(f"the controller ended ({p.wait()}) before its mesh trained")
+    trees = [tree(r) for r in relays]
+    assert [len(t) for t in trees] == [3, 3], trees  # relay, agent, rank
+    return p, relays, [pid for t in trees for pid in t]
+
+
+@pytest.mark.parametrize("fanout", ["1", "0"])
+def test_relays_keep_their_ranks_for_a_process_that_attaches(
+    tmp_path, mesh_dir, capfd, monkeypatch, fanout
+):
+    name = f"rk{fanout}"
+    monkeypatch.setenv("MONARCH_NB_RELAY_FANOUT", fanout)  # the attaching controller's too
+    p, relays, pids = _first(tmp_path, name, "60s", {"MONARCH_NB_RELAY_FANOUT": fanout})
+    os.kill(p.pid, signal.SIGKILL)  # mid-training: 5 steps in flight
+    p.wait(10)
+    row = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
+    assert row and "(gone)" in row[0], row
+    mesh = mnb.attach(name, timeout=60)
+    try:
+        assert mesh.size == 2 and sorted(mesh.streams) == ["default", "side"]
+        entry = keepalive.read_entry(name)
+        assert entry["controller_pid"] == os.getpid() and keepalive.orphaned_at(entry) is None
+        with pytest.raises(RuntimeError, match=f"attached to the controller of pid {os.getpid()}"):
+            mnb.api.attach._attach_remote(entry, False, 5)
+        mesh.exec("for _ in range(4): step()").fetch(timeout=60)
+        losses = mesh.exec("losses").fetch(timeout=30)
+        assert losses == _reference(12)  # the same numbers as a run never interrupted
+        assert mesh.exec("x = 5\nx * rank", stream=mesh.streams["side"]).fetch() == [0, 5]
+        # what the ranks printed while no controller listened came here, before the new steps
+        out = capfd.readouterr().out
+        for r in (0, 1):
+            assert out.index(f"[rank {r}] step 5 loss") < out.index(f"[rank {r}] step 9 loss")
+        mesh.restart()  # fresh ranks, forked by the same relays' agents
+        assert mesh.exec("'losses' in globals()").fetch(timeout=60) == [False, False]
+        assert [len(tree(r)) for r in relays] == [3, 3]
+        mesh.detach()  # the relays wait again ...
+        wait_for(lambda: keepalive.orphaned_at(keepalive.read_entry(name)), 10, "let go of")
+        assert all(r.poll() is None for r in relays)
+    finally:
+        if mesh.alive:
+            mesh.detach()
+    # ... until monarch-nb kill tells them to end: 0 processes
+    done = cli("kill", name)
+    assert done.returncode == 0 and "2 of its 2 rank(s) told to end" in done.stdout, done
+    for r in relays:
+        assert r.wait(30) == 0
+    assert pids_gone([pid for r in relays for pid in tree(r)] + pids, timeout=30) == []
+    assert keepalive.read_entry(name) is None
+
+
+def test_relays_end_when_no_process_attaches_within_the_keep_alive(tmp_path, mesh_dir):
+    p, relays, pids = _first(tmp_path, "rkx", "3s")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    for r in relays:
+        assert r.wait(60) == 0
+        assert "no controller attached within the keep-alive (3 s)" in r.stderr.read()
+    assert pids_gone(pids, timeout=30) == []
+    wait_for(lambda: keepalive.read_entry("rkx") is None, 30, "the entry to expire")
+    with pytest.raises(LookupError, match="no live kept-alive mesh named 'rkx'"):
+        mnb.attach("rkx")
+
+
+def test_connect_mesh_keep_alive_bad_input(mesh_dir):
+    for bad in (0, "soon", -3):
+        with pytest.raises(ValueError, match="keep_alive="):
+            mnb.connect_mesh(2, keep_alive=bad, dp=2, timeout=1)
