@@ -49,6 +49,21 @@ FIRST = textwrap.dedent(
 )
 
 
+RACER = textwrap.dedent(
+    """
+    import sys
+    import monarch_nb as mnb
+    try:
+        mesh = mnb.attach(sys.argv[1], steal=len(sys.argv) > 2, timeout=60)
+    except RuntimeError as e:
+        print("REFUSED", e)
+    else:
+        mesh.detach()
+        print("GOT")
+    """
+)
+
+
 def _first(tmp_path, name: str, keep: str, env=None):
     """The first controller (a process of its own) and its two relays (one rank each),
     once its mesh trains; the relays' process trees."""
@@ -86,21 +101,33 @@ def test_relays_keep_their_ranks_for_a_process_that_attaches(
     p.wait(10)
     row = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
     assert row and "(gone)" in row[0], row
+    # two processes attach at once: one gets the mesh (and lets go), the other is refused
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, name], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    outs = sorted((r.communicate(timeout=120)[0] for r in racers), key=lambda o: "GOT" not in o)
+    said = [o.strip().splitlines()[-1] for o in outs]
+    assert said[0] == "GOT" and said[1].startswith("REFUSED"), said
+    assert "another process attaches" in said[1] or "attached to the controller" in said[1]
+    for r in (0, 1):  # what the ranks printed while no controller listened came to the winner
+        assert f"[rank {r}] step 8 loss" in outs[0], outs[0]
     mesh = mnb.attach(name, timeout=60)
     try:
         assert mesh.size == 2 and sorted(mesh.streams) == ["default", "side"]
         entry = keepalive.read_entry(name)
         assert entry["controller_pid"] == os.getpid() and keepalive.orphaned_at(entry) is None
-        with pytest.raises(RuntimeError, match=f"attached to the controller of pid {os.getpid()}"):
-            mnb.api.attach._attach_remote(entry, False, 5)
+        busy = subprocess.run(
+            [sys.executable, "-c", RACER, name, "steal"], capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert f"attached to the controller of pid {os.getpid()}: steal is for" in busy.stdout
+        killed = cli("kill", name)
+        assert killed.returncode == 1 and "mesh.shutdown() there" in killed.stderr
         mesh.exec("for _ in range(4): step()").fetch(timeout=60)
         losses = mesh.exec("losses").fetch(timeout=30)
+        out = capfd.readouterr().out
+        assert "[rank 0] step 12 loss" in out and "step 8 loss" not in out  # shown once
         assert losses == _reference(12)  # the same numbers as a run never interrupted
         assert mesh.exec("x = 5\nx * rank", stream=mesh.streams["side"]).fetch() == [0, 5]
-        # what the ranks printed while no controller listened came here, before the new steps
-        out = capfd.readouterr().out
-        for r in (0, 1):
-            assert out.index(f"[rank {r}] step 5 loss") < out.index(f"[rank {r}] step 9 loss")
         mesh.restart()  # fresh ranks, forked by the same relays' agents
         assert mesh.exec("'losses' in globals()").fetch(timeout=60) == [False, False]
         assert [len(tree(r)) for r in relays] == [3, 3]

@@ -116,11 +116,14 @@ def _attach_remote(entry: dict, steal: bool, timeout: float) -> DeviceMesh:
         rejoin=True,
     )  # fmt: skip
     advertise = entry["address"].rsplit("/", 1)[1].rsplit(":", 1)[0]
-    ctrl = Controller(
-        name, entry["dims"], "gloo", launcher, interface=entry["interface"],
-        startup_timeout=timeout, advertise=advertise, liveness_timeout="heartbeat",
-        settings=settings, rejoin=Rejoin(bytes.fromhex(entry["key"]), port, None),
-    )  # fmt: skip
+    try:
+        ctrl = Controller(
+            name, entry["dims"], "gloo", launcher, interface=entry["interface"],
+            startup_timeout=timeout, advertise=advertise, liveness_timeout="heartbeat",
+            settings=settings, rejoin=Rejoin(bytes.fromhex(entry["key"]), port, None),
+        )  # fmt: skip
+    except OSError as e:  # its port is taken: by a process attaching at the same time
+        raise RuntimeError(f"{e}: another process attaches to it (monarch-nb list)") from None
     mesh = _registered(ctrl, entry)
     mesh.connection_file = entry.get("connection_file")
     return mesh
