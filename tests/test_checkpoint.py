@@ -236,6 +236,28 @@ def test_restart_restore_gives_fresh_workers_with_the_state(mesh, tmp_path):
     assert same(mesh.exec(STATE).fetch(), before)
 
 
+def test_restart_restore_rebuilds_a_sharded_module_with_setup(mesh, tmp_path):
+    """FSDP2: fresh workers cannot rebuild a sharded module from the checkpoint; the
+    restart refuses before anything stops, and ``setup=`` builds it for the load."""
+    mesh.exec(FSDP).fetch()
+    want = mesh.exec(FULL).fetch(rank=0)
+    path = str(tmp_path / "ck")
+    mesh.save(path, "net", "nopt")
+    pids = mesh.exec("__import__('os').getpid()").fetch()
+    with pytest.raises(ValueError, match=r"'net' in the checkpoint: sharded .* setup="):
+        mesh.restart(restore=path)
+    with pytest.raises(SyntaxError):
+        mesh.restart(restore=path, setup="net = (")
+    with pytest.raises(ValueError, match="goes with restore=PATH"):
+        mesh.restart(setup="x = 1")
+    assert mesh.exec("__import__('os').getpid()").fetch() == pids  # nothing stopped
+    build = FSDP.split("nopt =")[0].replace("torch.manual_seed(1)", "torch.manual_seed(5)")
+    mesh.restart(restore=path, setup=build)
+    assert not set(mesh.exec("__import__('os').getpid()").fetch()) & set(pids)
+    got = mesh.exec(FULL).fetch()
+    assert same(got[0], want) and same(got[1], want)  # the model and its rebuilt optimizer
+
+
 def test_a_big_save_shows_a_progress_bar(mesh, tmp_path, capfd):
     s = config.settings()
     old = s.progress_delay

@@ -256,19 +256,40 @@ def load(mesh: DeviceMesh, path, names: tuple, modules: dict, timeout: float | N
 def contents(mesh: DeviceMesh, path, timeout: float | None = None) -> dict:
     """What the checkpoint at ``path`` holds, read by the mesh's first rank:
     name -> kind ("module", "optimizer", "dtensor", "tensor", "value")."""
+    return {n: e["kind"] for n, e in _entries(mesh, path, timeout).items()}
+
+
+def _entries(mesh: DeviceMesh, path, timeout: float | None) -> dict:
     path = _path(path, "checkpoint_contents()")
     got = _info(path, mesh=mesh).fetch(rank=mesh.ranks[0], timeout=timeout)
     if "error" in got:
         _raise(got["error"])
-    return {n: e["kind"] for n, e in got["names"].items()}
+    return got["names"]
 
 
-def restart_and_load(mesh: DeviceMesh, path, timeout: float | None = None) -> list:
-    """``mesh.restart(restore=path)``: the path checked first (a restart that could
-    not restore would lose the state for nothing: by the workers, or here when they
-    are gone), then fresh workers, then load."""
+def restart_and_load(
+    mesh: DeviceMesh, path, setup: str | None = None, timeout: float | None = None
+) -> list:
+    """``mesh.restart(restore=path, setup=code)``: the path checked first (a restart
+    that could not restore would lose the state for nothing: by the workers, or here
+    when they are gone), then fresh workers, ``setup`` run on them (the code that
+    builds and shards what the checkpoint cannot rebuild: FSDP2 and TP modules),
+    then load."""
+    if path is None:
+        raise ValueError("restart(setup=...) goes with restore=PATH")
+    if setup is not None:
+        if not isinstance(setup, str):
+            raise TypeError(f"setup= needs source text, got {type(setup).__name__}")
+        compile(setup, "<restart setup>", "exec")  # a SyntaxError before anything stops
     if mesh.alive:
-        contents(mesh, path, timeout)
+        entries = _entries(mesh, path, timeout)
+        sharded = [n for n, e in entries.items() if e["kind"] == "module" and e["rebuild"] is None]
+        if sharded and setup is None:
+            raise ValueError(
+                f"{', '.join(map(repr, sharded))} in the checkpoint: sharded module(s) (FSDP2 "
+                "or TP), which fresh workers cannot rebuild; pass the code that builds (and "
+                "shards) them: mesh.restart(restore=path, setup='...')"
+            )
     else:
         full = _path(path, "restart(restore=...)")
         if not os.path.exists(full):
@@ -276,6 +297,8 @@ def restart_and_load(mesh: DeviceMesh, path, timeout: float | None = None) -> li
     start = time.monotonic()
     mesh._controller.restart()
     left = None if timeout is None else max(1.0, timeout - (time.monotonic() - start))
+    if setup is not None:
+        mesh.exec(setup + "\nNone").fetch(timeout=left)  # run for its effect: no value back
     return load(mesh, path, (), {}, left)
 
 

@@ -331,13 +331,13 @@ class DeviceMesh(
                 f"(ranks {list(self.ranks)}): call it on mnb.get_mesh({self.name!r})"
             )
 
-    def restart(self, restore=None) -> None:
-        """Fresh workers on every rank; Refs of the old generation become invalid.
-        ``restore=PATH``: then load the checkpoint at PATH (``mesh.load``), which is
-        checked before the old workers go. (A slice refuses: its workers are its mesh's.)"""
+    def restart(self, restore=None, setup: str | None = None) -> None:
+        """Fresh workers on every rank (not a slice's); old Refs become invalid.
+        ``restore=PATH``: then ``setup`` (code that builds and shards FSDP2 or TP
+        modules) and a load of PATH, checked before the old workers go."""
         self._whole("restart()")
-        if restore is not None:
-            checkpoint.restart_and_load(self, restore)
+        if restore is not None or setup is not None:
+            checkpoint.restart_and_load(self, restore, setup)
             return
         self._controller.restart()
 
