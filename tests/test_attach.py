@@ -44,24 +44,31 @@ def step():
     print(f"step {len(losses)} loss {loss.item():.6f}", flush=True)
 """
 
+# the first controller, once its mesh ``m`` is up: 3 steps, then 5 more in flight
+MID_TRAINING = """
+m.stream("side")
+m.exec(train).fetch(timeout=60)
+m.exec("for _ in range(3): step()").fetch(timeout=60)
+# in flight when this process dies: it finishes without a controller
+m.exec("import time\\nfor _ in range(5):\\n    time.sleep(0.3)\\n    step()")
+for _ in range(600):  # (bounded) until both ranks run it: it left this process
+    ranks = m.status()["ranks"].values()
+    now = [r["streams"]["default"]["running"] for r in ranks]
+    if all(x and x["what"].startswith("exec: import time") for x in now):
+        break
+    time.sleep(0.05)
+print("READY", flush=True)
+"""
+
 FIRST = textwrap.dedent(
     """
     import sys, time
     import monarch_nb as mnb
     name, keep, train = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
     m = mnb.local_mesh(dp=2, keep_alive=keep, name=name)
-    m.stream("side")
-    m.exec(train).fetch(timeout=60)
-    m.exec("for _ in range(3): step()").fetch(timeout=60)
-    # in flight when this process dies: it finishes without a controller
-    m.exec("import time\\nfor _ in range(5):\\n    time.sleep(0.3)\\n    step()")
-    for _ in range(600):  # (bounded) until both ranks run it: it left this process
-        ranks = m.status()["ranks"].values()
-        now = [r["streams"]["default"]["running"] for r in ranks]
-        if all(x and x["what"].startswith("exec: import time") for x in now):
-            break
-        time.sleep(0.05)
-    print("READY", flush=True)
+    """
+) + MID_TRAINING + textwrap.dedent(
+    """
     if sys.argv[4] == "stay":  # drive on until another process takes the mesh over
         while True:
             try:

@@ -16,36 +16,27 @@ import weakref
 
 import pytest
 from keepalive_helpers import cli
-from test_attach import TRAIN, _reference
+from test_attach import MID_TRAINING, TRAIN, _reference
 from test_remote_agents import relay, tree, wait_file
 from wait_helpers import pids_gone, wait_for
 
 import monarch_nb as mnb
 from monarch_nb.protocol import keepalive
 
-FIRST = textwrap.dedent(
-    """
-    import sys, time
-    import monarch_nb as mnb
-    name, keep, train, conn = sys.argv[1], sys.argv[2], open(sys.argv[3]).read(), sys.argv[4]
-    m = mnb.connect_mesh(
-        2, connection_file=conn, keep_alive=keep, name=name, timeout=120,
-        heartbeat_timeout=5, dp=2,
+FIRST = (
+    textwrap.dedent(
+        """
+        import sys, time
+        import monarch_nb as mnb
+        name, keep, train = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
+        m = mnb.connect_mesh(
+            2, connection_file=sys.argv[4], keep_alive=keep, name=name, timeout=120,
+            heartbeat_timeout=5, dp=2,
+        )
+        """
     )
-    m.stream("side")
-    m.exec(train).fetch(timeout=60)
-    m.exec("for _ in range(3): step()").fetch(timeout=60)
-    # in flight when this process dies: it finishes without a controller
-    m.exec("import time\\nfor _ in range(5):\\n    time.sleep(0.3)\\n    step()")
-    for _ in range(600):  # (bounded) until both ranks run it: it left this process
-        ranks = m.status()["ranks"].values()
-        now = [r["streams"]["default"]["running"] for r in ranks]
-        if all(x and x["what"].startswith("exec: import time") for x in now):
-            break
-        time.sleep(0.05)
-    print("READY", flush=True)
-    time.sleep(600)
-    """
+    + MID_TRAINING
+    + "time.sleep(600)\n"
 )
 
 
