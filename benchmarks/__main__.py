@@ -45,6 +45,7 @@ MODULES = (
     "benchmarks.tensor_real",
     "benchmarks.tensor_vs_monarch",
     "benchmarks.mesh_start",
+    "benchmarks.mesh_attach_remote",
     "benchmarks.scale",
 )
 
