@@ -113,7 +113,7 @@ def _attach_remote(entry: dict, steal: bool, timeout: float) -> DeviceMesh:
     launcher = ExternalLauncher(
         name, entry["dims"], entry.get("connection_file"), interface=entry["interface"],
         agent_timeout=settings["heartbeat_timeout"], keep_alive=entry["keep_alive"],
-        rejoin=True,
+        rejoin=bytes.fromhex(entry["key"]),
     )  # fmt: skip
     advertise = entry["address"].rsplit("/", 1)[1].rsplit(":", 1)[0]
     try:
@@ -123,6 +123,8 @@ def _attach_remote(entry: dict, steal: bool, timeout: float) -> DeviceMesh:
             settings=settings, rejoin=Rejoin(bytes.fromhex(entry["key"]), port, None),
         )  # fmt: skip
     except OSError as e:  # its port is taken: by a process attaching at the same time
+        if "cannot listen on" not in str(e):
+            raise
         raise RuntimeError(f"{e}: another process attaches to it (monarch-nb list)") from None
     mesh = _registered(ctrl, entry)
     mesh.connection_file = entry.get("connection_file")

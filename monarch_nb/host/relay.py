@@ -33,6 +33,7 @@ import sys
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .._version import __version__
 from ..protocol import agent_link
@@ -141,7 +142,10 @@ class Relay(Orphanage):
                                 self.fan.holding = False
                 elif what is self.monitor:
                     while self.monitor.poll(0):
-                        self.monitor.recv_multipart()
+                        if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_CONNECTED:
+                            self.connected = True
+                            continue
+                        self.connected = False
                         closed_at = time.monotonic()
                         if self.fan is not None and self.keep_alive is not None:
                             self.fan.holding = True  # what the ranks send waits here

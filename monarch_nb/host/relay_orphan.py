@@ -23,6 +23,7 @@ from ..protocol import host_messages as hm
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer
 
 ORPHAN_OUTPUT = 1 << 20  # bytes of each rank's output kept while no controller listens
+HELLO_EVERY = 1.0  # s: Hello again, while connected and not taken (a Hello may be dropped)
 
 
 class HeldRanks:
@@ -76,6 +77,8 @@ class Orphanage:
     slot: int = -1  # this host's index in the mesh (from a fan-out Spawn)
     _fan_spec: tuple | None = None  # (address, host, ranks directory) of the fan-out to rebuild
     _kept: list = []  # the ranks' output the fan-out had not sent when the controller went
+    connected = False  # the socket to the controller's address is connected (its monitor)
+    _next_hello = 0.0
 
     def _lose(self, why: str) -> None:
         """The controller is gone: end, or (a kept-alive mesh) wait for another."""
@@ -96,9 +99,7 @@ class Orphanage:
             self.poller.unregister(fan.rank_sockets.sock)
             fan.close(keep_dir=True)  # its ranks see their controller gone
             self._gated = False
-        first, count = self.block
-        self._new_socket()
-        self._send(self._hello(held=[first, count, self.slot]))
+        self._new_socket()  # it says Hello once connected (_orphan_tick)
 
     def _new_socket(self) -> None:
         """A fresh DEALER to the controller's address (what the old one queued for a
@@ -114,13 +115,26 @@ class Orphanage:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)  # while the controller is away: then dropped
+        # watched before it connects: a controller listening there already connects it at once
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.connected = False
         self.sock.connect(self.address)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if getattr(self, "poller", None) is not None:
             self.poller.register(self.sock, zmq.POLLIN)
             self.poller.register(self.monitor, zmq.POLLIN)
 
     def _orphan_tick(self, now: float) -> None:
+        if self.connected and now >= self._next_hello:
+            # only while connected: a Hello queued meanwhile would reach the next
+            # controller with every other one; again and again, since a controller that
+            # is not ready for it (or one that failed to attach) drops it
+            self._next_hello = now + HELLO_EVERY
+            first, count = self.block
+            frames = agent_link.seal(self.sealer, self.signer, self._hello([first, count, self.slot]))
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                self.sealer.retract()
         if now - self.orphaned_at > self.keep_alive:
             self.log(
                 f"no controller attached within the keep-alive ({self.keep_alive:g} s): "

@@ -4,6 +4,7 @@ ExternalLauncher: workers, or host agents, that another launcher starts."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -187,11 +188,11 @@ class ExternalLauncher(Launcher):
         interface: str = "127.0.0.1",
         agent_timeout: float = 10.0,
         keep_alive: float | None = None,
-        rejoin: bool = False,
+        rejoin: bytes | None = None,
     ):
         """``keep_alive``: the host agents keep their ranks that long once this process
-        is gone (per-rank workers do not: they end with it); ``rejoin``: this process
-        attached to such a mesh, whose agents come back (``held``)."""
+        is gone (per-rank workers do not: they end with it); ``rejoin``: the key of such
+        a mesh this process attaches to, whose agents come back (``held``)."""
         self.keep_alive, self.rejoin = keep_alive, rejoin
         self.name = name
         self.dims = dict(dims)
@@ -209,6 +210,9 @@ class ExternalLauncher(Launcher):
         """The mesh's IO loop: host agents reach its ROUTER, the only port of the mesh."""
         self._io = io
         io.on_disconnect = lambda fd: self.agents.disconnected(fd) if self.agents else None
+        if self.rejoin is not None:  # before the ROUTER reads: a relay's Hello may wait there
+            world = math.prod(self.dims.values())
+            self._channel(f"tcp://{self.interface}:{io.port}", self.rejoin, world)
 
     def _channel(self, address: str, key: bytes, world: int):
         if self.agents is None:
@@ -219,7 +223,7 @@ class ExternalLauncher(Launcher):
             host = address.rsplit(":", 1)[0].split("//", 1)[-1]
             self.agents = AgentChannel(
                 self.name, self._io, host, key, world, self.agent_timeout, self._out,
-                self.keep_alive, self.rejoin,
+                self.keep_alive, self.rejoin is not None,
             )  # fmt: skip
         return self.agents
 
