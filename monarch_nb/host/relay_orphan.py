@@ -76,7 +76,7 @@ class Orphanage:
     orphaned_at: float | None = None  # monotonic: when the controller went
     slot: int = -1  # this host's index in the mesh (from a fan-out Spawn)
     _fan_spec: tuple | None = None  # (address, host, ranks directory) of the fan-out to rebuild
-    _kept: list = []  # the ranks' output the fan-out had not sent when the controller went
+    _kept: tuple | list = ()  # the ranks' output the fan-out had not sent when the controller went
     connected = False  # the socket to the controller's address is connected (its monitor)
     _next_hello = 0.0
 
@@ -104,7 +104,7 @@ class Orphanage:
     def _new_socket(self) -> None:
         """A fresh DEALER to the controller's address (what the old one queued for a
         controller that is gone is dropped) and a fresh sequence."""
-        if getattr(self, "sock", None) is not None:
+        if self.sock is not None:
             self.poller.unregister(self.sock)
             self.poller.unregister(self.monitor)
             self.monitor.close(0)
@@ -119,7 +119,7 @@ class Orphanage:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.connected = False
         self.sock.connect(self.address)
-        if getattr(self, "poller", None) is not None:
+        if self.poller is not None:
             self.poller.register(self.sock, zmq.POLLIN)
             self.poller.register(self.monitor, zmq.POLLIN)
 
@@ -130,11 +130,7 @@ class Orphanage:
             # is not ready for it (or one that failed to attach) drops it
             self._next_hello = now + HELLO_EVERY
             first, count = self.block
-            frames = agent_link.seal(self.sealer, self.signer, self._hello([first, count, self.slot]))
-            try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:
-                self.sealer.retract()
+            self._send(self._hello([first, count, self.slot]))
         if now - self.orphaned_at > self.keep_alive:
             self.log(
                 f"no controller attached within the keep-alive ({self.keep_alive:g} s): "
@@ -156,4 +152,4 @@ class Orphanage:
         if spec is not None:
             address, host, directory = spec
             self._fan_out_to(address, host, directory).send_after_rejoins(self._kept)
-            self._kept = []
+            self._kept = ()

@@ -39,7 +39,7 @@ from collections import OrderedDict
 
 import zmq
 
-from ..protocol import BadMessage
+from ..protocol import BadMessage, keepalive
 from ..protocol import messages as m
 from ..protocol.constants import RECV_HWM
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, VersionMismatch, unseal
@@ -80,11 +80,9 @@ def sweep_stale(root: str | None = None) -> list:
 def _owner_runs(d: str) -> bool:
     try:
         with open(os.path.join(d, "owner")) as f:
-            pid = int(f.read())
-        os.kill(pid, 0)
+            return keepalive.process_runs(int(f.read()))
     except (OSError, ValueError):
         return False
-    return True
 
 
 def _listened(path: str) -> bool:

@@ -8,6 +8,8 @@ import os
 import socket
 import stat
 
+from ..protocol import keepalive
+
 
 def default_connection_file(name: str) -> str:
     """``monarch-mesh-NAME.json`` in the user's Jupyter runtime dir."""
@@ -84,17 +86,7 @@ def _remove_if_stale(path: str) -> bool:
         pid, host = int(info["pid"]), info["host"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    if host != socket.gethostname() or pid == os.getpid() or _alive(pid):
+    if host != socket.gethostname() or pid == os.getpid() or keepalive.process_runs(pid):
         return False
     os.unlink(path)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

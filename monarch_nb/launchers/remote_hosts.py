@@ -67,6 +67,7 @@ class AgentChannel:
         gone (its registry entry, ``name``'s, touched at each beat); ``rejoin``: a
         controller that attached, which takes back the relays that kept their ranks."""
         self.keep_alive, self.rejoin = keep_alive, rejoin
+        self._entry = keepalive.entry_path(name) if keep_alive is not None else None
         self.name, self.world, self.heartbeat_timeout, self._out = (
             name,
             world,
@@ -190,8 +191,8 @@ class AgentChannel:
                     next_beat = now + BEAT_S
                     for agent in self.hosts():
                         self._send(agent.identity, hm.Beat())
-                    if self.keep_alive is not None:
-                        keepalive.touch_entry(self.name)  # its mtime: when we were last here
+                    if self._entry is not None:
+                        keepalive.touch_entry(self._entry)  # its mtime: when we were last here
                 self._check(now)
         finally:
             self._flush()

@@ -126,11 +126,12 @@ def update_entry(name: str, **fields) -> None:
     write_entry(name, entry)
 
 
-def touch_entry(name: str) -> None:
-    """Mark that the controller of remote mesh ``name`` is still here (its mtime)."""
+def touch_entry(path: str) -> None:
+    """Mark that the controller of the remote mesh whose entry is at ``path``
+    (``entry_path``) is still here: the entry's mtime."""
     try:
-        os.utime(entry_path(name))
-    except (OSError, ValueError):
+        os.utime(path)
+    except OSError:
         pass
 
 
@@ -155,16 +156,13 @@ def live_entries() -> list[dict]:
 def agent_alive(entry: dict) -> bool:
     """Whether the entry's agent runs (its pid, and a host agent's command line)."""
     pid = entry.get("agent_pid")
-    if not isinstance(pid, int):
+    if not process_runs(pid):
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return b"monarch_nb.host" in f.read()
     except OSError:
         return False
-    return state != "Z" and b"monarch_nb.host" in cmd
 
 
 def process_runs(pid) -> bool:
@@ -180,12 +178,10 @@ def process_runs(pid) -> bool:
 
 def orphaned_at(entry: dict) -> float | None:
     """When the mesh's controller went (wall time), or None while it has the mesh."""
-    if not entry.get("remote"):
-        return entry.get("orphaned_at")
-    if entry.get("orphaned_at") is None and process_runs(entry.get("controller_pid")):
+    if not entry.get("remote") or entry.get("orphaned_at") is not None:
+        return entry.get("orphaned_at")  # a local mesh's agent, or a detach, said so
+    if process_runs(entry.get("controller_pid")):
         return None
-    if entry.get("orphaned_at") is not None:
-        return entry["orphaned_at"]
     try:
         return os.stat(entry_path(entry["name"])).st_mtime
     except OSError:
