@@ -68,7 +68,7 @@ def test_a_compiled_training_step_matches_the_op_by_op_one(mesh, momentum):
     assert _commands_done(mesh) - before == 1
     before = _commands_done(mesh)
     _step(twin, twin_opt, x, y)
-    assert _commands_done(mesh) - before > 20
+    assert _commands_done(mesh) - before > 5  # op by op: forward, backward, SGD
 
 
 def test_a_float_that_changes_on_every_call_is_lifted_and_each_call_replays(mesh):

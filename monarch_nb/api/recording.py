@@ -132,7 +132,8 @@ class _Recorded:
 
     def inputs(self) -> tuple | None:
         """(recorded id, actual id) of each captured value now; None when a captured
-        or state tensor is gone (the recording no longer describes the program)."""
+        tensor is gone (the recording no longer describes the program). A state tensor
+        may be gone: nothing reads it (an activation the returned loss's graph held)."""
         pairs = []
         for rid, ref in self.captured:
             if type(ref) is weakref.ReferenceType:
@@ -140,10 +141,6 @@ class _Recorded:
                 if ref is None or ref._deleted:
                     return None
             pairs.append((rid, ref.id))
-        for _, w in self.state:
-            t = w()
-            if t is None or t._deleted:
-                return None
         return tuple(pairs)
 
 
@@ -289,7 +286,11 @@ class Compiled:
         self._sent(rec, ident)
         ctrl.send(m.CallRecording(ident, rec.id, inputs, tuple(new_ids.items()), ()), rec.targets)
         for rid, w in rec.state:  # after the replay is sent: the old values go after it
-            w()._rebind(new_ids[rid], ident)
+            t = w()
+            if t is None or t._deleted:
+                ctrl.delete_ref(new_ids[rid])  # a state tensor gone: its new value too
+            else:
+                t._rebind(new_ids[rid], ident)
         return _build(rec.template, new_ids, ident, refs)
 
     def _sent(self, rec: _Recorded, ident: int) -> None:

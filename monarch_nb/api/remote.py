@@ -35,6 +35,8 @@ class Ref:
     # no __slots__: a mesh tensor (``mnb.Tensor``) derives from torch.Tensor and Ref,
     # and slots would conflict with torch.Tensor's instance layout
 
+    _fetched: m.Function | None = None  # what a fetch sends of the value (None: itself)
+
     def __init__(self, ref_id: int, mesh: DeviceMesh, stream: Stream, ident: int):
         self.id = ref_id
         self.ident = ident  # the command that produces it
@@ -75,7 +77,7 @@ class Ref:
         ranks = mesh.targets if rank is None else (mesh._global_rank(rank),)
         args, _ = pack_args((self,), {})
         return ctrl.request(
-            m.SendValue(ctrl.next_ident(), None, args, self.stream.id),
+            m.SendValue(ctrl.next_ident(), self._fetched, args, self.stream.id),
             ranks,
             f"fetch of Ref {self.id}",
             stream=self.stream.id,

@@ -27,12 +27,21 @@ def resolve_op(name: str):
         ) from None
 
 
-def run_op(name: str, *args, **kwargs):
-    """Run the op ``name`` on this rank's shards (the arguments' Refs resolved)."""
+def op_named(name: str):
+    """The OpOverload ``name``, resolved once per process."""
     op = _ops.get(name)
     if op is None:
         op = _ops[name] = resolve_op(name)
-    return op(*args, **kwargs)
+    return op
+
+
+def run_op(name: str, *args, **kwargs):
+    """Run the op ``name`` on this rank's shards (the arguments' Refs resolved),
+    without autograd (``autograd.run_op_grad`` runs one with)."""
+    import torch
+
+    with torch.no_grad():
+        return op_named(name)(*args, **kwargs)
 
 
 def alias_after(value, mutated):

@@ -52,13 +52,16 @@ class CallFunction(NamedTuple):
 
 @sent_to(WORKER)
 class DefineOp(NamedTuple):
-    """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks an op's i-th Ref."""
+    """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks an op's i-th Ref.
+    ``grad``: the slots of its Refs that require grad on the controller, which ran it
+    in grad mode (so do the ranks: ``autograd.run_grad``), or None (in no_grad)."""
 
     op: int
     function: Function
     args: tuple
     kwargs: dict
     what: str
+    grad: tuple | None = None
 
 
 @sent_to(WORKER)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..protocol import messages as m
 from ..protocol.aten import OpSlot, resolve_op, run_op
+from ..protocol.autograd import prepare, run_grad
 from ..protocol.pickling import resolve_function
 from .ref_cell import Cell, get_value
 from .slots import fill, slot_keys
@@ -23,18 +24,22 @@ class OpTemplate:
         if fn is run_op and args and type(args[0]) is str:
             fn, args = resolve_op(args[0]), args[1:]  # the op itself: no lookup per call
         self.fn, self.args, self.kwargs, self.what = fn, args, kwargs, msg.what
+        self.grad = msg.grad  # with autograd (the slots that require grad), or None
         self._slots = [(i, a.i) for i, a in enumerate(args) if type(a) is OpSlot]
         self._nested = bool(slot_keys(kwargs, set())) or any(
             type(a) is not OpSlot and slot_keys(a, set()) for a in args
         )
 
     def run(self, values: list):
+        grad = self.grad
+        if grad is not None:
+            values = prepare(values, grad)
         if self._nested:
-            return self.fn(*fill(self.args, values), **fill(self.kwargs, values))
+            return run_grad(self.fn, grad, fill(self.args, values), fill(self.kwargs, values))
         a = list(self.args)
         for i, j in self._slots:
             a[i] = values[j]
-        return self.fn(*a, **self.kwargs)
+        return run_grad(self.fn, grad, a, self.kwargs)
 
 
 class _Undefined:

@@ -48,6 +48,7 @@ from .collectives import (
 )
 
 
+@torch.no_grad()  # a collective is outside autograd: it may write a parameter's shard
 def run_reduce(msg, comms: Comms, value, out):
     """A Reduce message's collective on this rank (``value`` and ``out`` may be
     DependentOnErrors)."""

@@ -6,6 +6,7 @@ propagation cached by input layout (``propagate``). ``mnb.Tensor`` (``tensor``)
 is the result: a torch wrapper subclass and a Ref. ``values`` brings shards back.
 """
 
+from . import backward as _backward  # noqa: F401 - installs mesh tensors' backward()
 from . import dispatch as _dispatch  # noqa: F401 - installs mesh tensors' dispatch
 from . import optim as _optim  # noqa: F401 - optimizers of mesh tensors take foreach
 from . import remote_call as _remote_call  # noqa: F401 - registers with mnb.remote

@@ -7,32 +7,39 @@ and the ref ids), which every worker set learns once per generation.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
-import weakref
+import threading
 
 import torch
 
 from ...protocol import messages as m
-from ...protocol.aten import OpSlot, alias_after, aliases_after
-from ...protocol.pickling import pack_ref_args, ref_placeholder
-from ...protocol.wire import RefUseError, function_ref, pack_args, register_ref_type
+from ...protocol.aten import OpSlot
+from ...protocol.autograd import saved_copy
+from ...protocol.wire import RefUseError, function_ref, pack_args
 from ..context import resolve_target
 from ..remote import check_refs
 from . import borrows, from_data
-from .plans import RUN_OP, Plan, key_of, lifts_floats, lookup, next_op_id, plan
+from .aliases import Holder, join, rename_aliases, rename_written
+from .plans import Plan, key_of, lifts_floats, lookup, plan
 from .propagate import DataDependentError, layout_of, op_name
+from .send import aux_template, call_of, run
 from .tensor import DISPATCH, Tensor
 
+__all__ = ["dispatch", "releasing", "rename_aliases"]  # rename_aliases: DISPATCH's users
+
 _GETITEM = function_ref(operator.getitem)
-_ALIAS = function_ref(alias_after)
-_ALIASES = function_ref(aliases_after)
+_GRAD = object()  # in a plan key: the places of the tensors that require grad follow
+_grad_on = torch.is_grad_enabled
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _COPY = torch.ops.aten.copy_.default  # a local source goes by value (load_state_dict)
 _CUDA = torch.device("cuda")
-_aux: dict = {}  # the templates of the dispatcher's own ops (an output of many, an alias)
-_defined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ctrl -> (gen, {op id})
-_last = [lambda: None, -1, set()]  # the controller sent to last: weakref, generation, op ids
+_DETACH = torch.ops.aten.detach.default
+_SAVED = function_ref(saved_copy)
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_releasing = threading.local()
 
 
 def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
@@ -48,6 +55,14 @@ def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
 def dispatch(func, args, kwargs, mesh=None):
     """Run ``func`` on the shards of its mesh tensors (or, for a factory, on
     ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
+    if func is _DETACH:
+        if getattr(_releasing, "on", False):
+            return _hollow(args[0])  # torch detaches a saved tensor it hands to releasing()
+        t = args[0]
+        if type(t) is Tensor and not _excluded(_AD_INPLACE_OR_VIEW) and not t.is_inference():
+            # not a user's detach (that comes through autograd): torch's copy of an
+            # op's output it saves or unpacks, which has the op's graph; on the ranks too
+            return _saved_copy(t)
     tensors: list = []
     local: list = []
     floats = [] if lifts_floats(func) else None
@@ -61,8 +76,12 @@ def dispatch(func, args, kwargs, mesh=None):
             floats = [] if floats is not None else None
             kw = key_of(tuple(kwargs.items()), tensors, local, floats)
             key = (id(func), key_of(args, [], [], floats), kw)
+    grad = None
     if tensors:
         key += tuple([t._layout for t in tensors])
+        if _grad_on():  # it runs with autograd on the ranks too (protocol/autograd.py)
+            grad = tuple([i for i, t in enumerate(tensors) if t.requires_grad])
+            key += (_GRAD, grad)
     if mesh is None:
         if not tensors:
             raise RuntimeError(f"{op_name(func)}: no mesh tensor among its arguments")
@@ -72,19 +91,48 @@ def dispatch(func, args, kwargs, mesh=None):
     p = lookup(key)
     if p is None:
         if from_data.known(key):
-            return from_data.run(func, args, kwargs, tensors, mesh)
+            return from_data.run(func, args, kwargs, tensors, mesh, grad is not None)
         try:
-            p = plan(func, args, kwargs, tensors, key, floats is not None)
+            p = plan(func, args, kwargs, tensors, key, floats is not None, grad)
         except DataDependentError:
             from_data.remember(key)
-            return from_data.run(func, args, kwargs, tensors, mesh)
+            return from_data.run(func, args, kwargs, tensors, mesh, grad is not None)
     if p.cuda:  # the plan may have been made on another mesh
         p.check_device(mesh)
     mesh, stream, ctrl = _target(p, tensors, mesh)
-    result, ident = _run(
-        ctrl, p.template, (p.qualname, *args), kwargs, tensors, mesh, stream, p.what, floats
+    result, ident = run(
+        ctrl, p.template, (p.qualname, *args), kwargs, tensors, mesh, stream, p.what, floats, grad
     )
     return _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream)
+
+
+@contextlib.contextmanager
+def releasing():
+    """Saved tensors dropped inside (``backward._free``): torch's detach of each runs
+    nothing, as the tensor goes."""
+    _releasing.on = True
+    try:
+        yield
+    finally:
+        _releasing.on = False
+
+
+def _saved_copy(t: Tensor) -> Tensor:
+    """torch's copy of a tensor autograd saves: on the ranks the tensor itself."""
+    mesh, stream = resolve_target(t.mesh, None)
+    check_refs([t], mesh, stream)
+    ctrl = mesh._controller
+    ctrl.check_usable(mesh.targets)
+    template = aux_template(("saved",), (OpSlot(0),), _SAVED, "detach")
+    rid, ident = run(ctrl, template, (t,), {}, (t,), mesh, stream, "detach")
+    return _output(t._layout, 0, rid, ident, mesh, stream, [t])
+
+
+def _hollow(t: Tensor) -> Tensor:
+    """A mesh tensor of ``t``'s layout naming nothing (deleted from the start)."""
+    out = Tensor(t._layout, t.id, t.mesh, t.stream, t.ident)
+    out._deleted = True
+    return out
 
 
 def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
@@ -107,9 +155,10 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)
     mesh, stream, ctrl = _target(p, tensors, mesh)
-    packed, _ = pack_args((p.qualname, *args), kwargs)
+    function, call = call_of(p.qualname, args, kwargs, bool(tensors) and _grad_on())
+    packed, _ = pack_args(call, kwargs)
     result, ident = ctrl.next_id(), ctrl.next_ident()
-    msg = m.CallFunction(ident, result, RUN_OP, packed, stream.id, mesh.id, p.what)
+    msg = m.CallFunction(ident, result, function, packed, stream.id, mesh.id, p.what)
     ctrl.send(msg, mesh.targets, stream.id, p.what)
     out = _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream)
     if to_gpu:
@@ -138,7 +187,7 @@ def _finish(p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh,
     """The op's outputs, once its command is sent: mesh tensors naming its values."""
     ctrl = mesh._controller
     if p.mutated:  # before the op's own value may be freed below
-        _rename_written([tensors[j] for j in p.mutated], _Holder(result), mesh, stream)
+        rename_written([tensors[j] for j in p.mutated], Holder(result), mesh, stream)
     entry = p.entry
     kind = entry[0]
     if kind == "one":
@@ -155,10 +204,10 @@ def _finish(p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh,
         if spec is None:
             outs.append(None)
             continue
-        held = (_Holder(result),)
-        rid, rident = _run(
+        held = (Holder(result),)
+        rid, rident = run(
             ctrl,
-            _aux_template(("getitem", i, what), (OpSlot(0), i), _GETITEM, what),
+            aux_template(("getitem", i, what), (OpSlot(0), i), _GETITEM, what),
             (held[0], i),
             {},
             held,
@@ -188,57 +237,6 @@ def _device_type(device) -> str:
     return device.type if isinstance(device, torch.device) else torch.device(device).type
 
 
-def _run(ctrl, template, args, kwargs, refs, mesh, stream, what: str, floats=None) -> tuple:
-    """Send one op: a RunOps entry of ``template`` (``(op id, DefineOp)``, defined on every
-    worker first) with ``floats`` for its scalar slots (``mnb.compile`` records it as
-    such), or, without a template (an unhashable key), a CallFunction of its arguments.
-    Returns (result id, ident)."""
-    result, ident = ctrl.next_id(), ctrl.next_ident()
-    if template is None:
-        function = RUN_OP
-        packed = pack_ref_args(args, kwargs, tuple([r.id for r in refs]))
-        msg = m.CallFunction(ident, result, function, packed, stream.id, mesh.id, what)
-        ctrl.send(msg, mesh.targets, stream.id, what)
-        return result, ident
-    op = _define(ctrl, template)
-    refs = tuple([r._wire_id() for r in refs])
-    scalars = tuple(floats) if floats else ()
-    ctrl.send_op((ident, result, op, refs, stream.id, scalars), mesh.targets, what)  # checked
-    return result, ident
-
-
-def _define(ctrl, template: tuple) -> int:
-    """The op id of ``template``, defined on ``ctrl``'s workers first if need be."""
-    op = template[0]
-    known = _known(ctrl)
-    if op not in known:
-        ctrl.send(template[1], None)
-        known.add(op)
-    return op
-
-
-def _known(ctrl) -> set:
-    """The op ids the workers of ``ctrl``'s current generation have been sent."""
-    last = _last
-    gen = ctrl.generation
-    if last[0]() is ctrl and last[1] == gen:
-        return last[2]
-    seen = _defined.get(ctrl)
-    if seen is None or seen[0] != gen:
-        seen = _defined[ctrl] = (gen, set())
-    last[:] = [weakref.ref(ctrl), gen, seen[1]]
-    return seen[1]
-
-
-def _aux_template(key: tuple, skeleton: tuple, function, what: str) -> tuple:
-    """The template of one of the dispatcher's own ops, made once."""
-    t = _aux.get(key)
-    if t is None:
-        op = next_op_id()
-        t = _aux[key] = (op, m.DefineOp(op, function, skeleton, {}, what))
-    return t
-
-
 def _output(spec, base, ref_id: int, ident: int, mesh, stream, tensors: list):
     if spec is None:
         mesh._controller.delete_ref(ref_id)
@@ -261,98 +259,8 @@ def _output(spec, base, ref_id: int, ident: int, mesh, stream, tensors: list):
             out = Tensor(spec, ref_id, mesh, stream, ident)
     else:
         out = Tensor(spec, ref_id, mesh, stream, ident)
-    _join(out, tensors[base])
+    join(out, tensors[base])
     return out
 
-
-def _join(view: Tensor, base: Tensor) -> None:
-    """``view`` shares ``base``'s storage on every rank: one alias group."""
-    group = base._aliases
-    if group is None:
-        group = base._aliases = [weakref.ref(base)]
-    elif len(group) >= 16:
-        group[:] = [r for r in group if r() is not None]
-    group.append(weakref.ref(view))
-    view._aliases = group
-
-
-def rename_aliases(t: Tensor, mesh, stream) -> None:
-    """After an in-place op on ``t``, every live tensor sharing its storage names
-    its value anew, after that op: a failure of the op reaches their readers too
-    (as the reference's ``mutates`` marks every alias)."""
-    live = []
-    for r in t._aliases:
-        u = r()
-        if u is None:
-            continue
-        live.append(r)
-        if u is not t and u.mesh.targets == mesh.targets and u.generation == t.generation:
-            _rename(u, t, mesh, stream)
-    t._aliases[:] = live
-
-
-def _rename_written(written: list, after, mesh, stream) -> None:
-    """Every tensor of ``written`` (an op wrote them without returning them: a foreach
-    op's lists), and every live tensor sharing storage with one, names its value anew
-    once ``after`` ran, so a failure of that op reaches their readers: one command
-    for all of them (``aliases_after``; an entry whose result is a tuple of ids)."""
-    names, seen = [], set()
-    for t in written:
-        group = [t]
-        if t._aliases is not None:
-            pairs = [(r, r()) for r in t._aliases]
-            t._aliases[:] = [r for r, u in pairs if u is not None]
-            group += [u for _, u in pairs if u is not None]
-        for u in group:
-            if id(u) in seen or u._deleted or u._borrow is not None or u.stream.id != stream.id:
-                continue
-            if u is t or (u.mesh.targets == mesh.targets and u.generation == t.generation):
-                seen.add(id(u))
-                names.append(u)
-    if not names:
-        return
-    ctrl, n = mesh._controller, len(names)
-    slots = tuple(OpSlot(i) for i in range(n + 1))
-    op = _define(ctrl, _aux_template(("aliases", n), slots, _ALIASES, "alias"))
-    ident, ids = ctrl.next_ident(), tuple([ctrl.next_id() for _ in names])
-    refs = (after._wire_id(), *[u._wire_id() for u in names])
-    ctrl.send_op((ident, ids, op, refs, stream.id, ()), mesh.targets, "alias")
-    for u, rid in zip(names, ids):
-        u._rebind(rid, ident)
-
-
-def _rename(u: Tensor, after, mesh, stream) -> None:
-    """``u`` names its value anew, once ``after`` (an op that wrote its storage) ran."""
-    if u._deleted or u._borrow is not None or u.stream.id != stream.id:
-        return
-    rid, rident = _run(
-        mesh._controller,
-        _aux_template(("alias",), (OpSlot(0), OpSlot(1)), _ALIAS, "alias"),
-        (u, after),
-        {},
-        (u, after),
-        mesh,
-        stream,
-        "alias",
-    )
-    u._rebind(rid, rident)
-
-
-class _Holder:
-    """The worker-side tuple of a multi-output op, named in the getitem calls."""
-
-    __slots__ = ("id",)
-
-    def __init__(self, ref_id: int):
-        self.id = ref_id
-
-    def _wire_id(self) -> int:
-        return self.id
-
-    def __reduce_ex__(self, protocol):
-        return ref_placeholder(self.id)
-
-
-register_ref_type(_Holder, operator.attrgetter("id"))
 
 DISPATCH.install(sys.modules[__name__])  # mesh tensors' __torch_dispatch__ comes here

@@ -12,6 +12,8 @@ key is remembered, so it is not propagated again.
 from __future__ import annotations
 
 from ...protocol import aten
+from ...protocol.autograd import run_op_grad, tensors_in
+from ...protocol.wire import function_ref
 from ..context import resolve_target
 from ..remote import remote
 from . import borrows
@@ -22,6 +24,7 @@ from .values import outputs
 
 _outcome = remote(aten.outcome)
 _run_op = remote(aten.run_op)
+RUN_OP_GRAD = function_ref(run_op_grad)
 _keys: set = set()  # the plan keys of ops that depend on the data
 _KEYS_MAX = 4096
 
@@ -52,9 +55,10 @@ def _comparable(outcome):
     return outcome
 
 
-def run(func, args, kwargs, tensors: list, mesh):
-    """Run ``func`` (which depends on the data) on the shards of ``tensors``; its
-    result as every rank of ``mesh`` (or the tensors' mesh) made it."""
+def run(func, args, kwargs, tensors: list, mesh, grad: bool = False):
+    """Run ``func`` (which depends on the data) on the shards of ``tensors`` (with
+    autograd when ``grad``: grad mode is on); its result as every rank of ``mesh``
+    (or the tensors' mesh) made it."""
     name = op_name(func)
     if func._schema.is_mutable:  # what it writes would need renaming by a layout unknown
         raise needs_values_error(f"{name} (it writes a tensor, and its result depends on the data)")
@@ -62,7 +66,12 @@ def run(func, args, kwargs, tensors: list, mesh):
     mesh, stream = resolve_target(mesh, None)
     if borrows.live[0]:
         borrows.check(name, tensors, ())
-    ref = _run_op._send((func.name(), *args), kwargs, mesh, stream, RUN_OP._replace(name=name))
+    if grad:
+        where = tuple(i for i, t in enumerate(tensors_in(args, kwargs)) if t.requires_grad)
+        call, function = (where, func.name(), *args), RUN_OP_GRAD._replace(name=name)
+    else:
+        call, function = (func.name(), *args), RUN_OP._replace(name=name)
+    ref = _run_op._send(call, kwargs, mesh, stream, function)
     try:
         made = _outcome._send((ref,), {}, mesh, stream).fetch()
         ranks = list(mesh.targets)

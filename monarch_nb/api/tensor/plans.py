@@ -118,10 +118,11 @@ def lookup(key):
         return None
 
 
-def plan(func, args, kwargs, tensors: list, key, lifted: bool = False) -> Plan:
+def plan(func, args, kwargs, tensors: list, key, lifted: bool = False, grad=None) -> Plan:
     """Propagate ``func`` once and keep its plan under ``key`` (unless None or
     unhashable); ``lifted``: its floats go to scalar slots after the tensors' slots,
-    in the order ``key_of`` met them (kwargs first)."""
+    in the order ``key_of`` met them (kwargs first); ``grad``: the places of the
+    tensors that require grad (it runs with autograd on the ranks), or None."""
     entry = propagate(func, args, kwargs, tensors, _is_mesh)
     mutated = _mutated_inputs(func, args, kwargs, tensors, entry)
     names = (func.name(), op_name(func))
@@ -134,7 +135,8 @@ def plan(func, args, kwargs, tensors: list, key, lifted: bool = False) -> Plan:
         index = {id(t): i for i, t in enumerate(tensors)}
         floats = [len(tensors)] if lifted else None  # the next scalar slot
         skel_kwargs = _skeleton(kwargs, index, floats)
-        template = _template((names[0], *_skeleton(args, index, floats)), skel_kwargs, names[1])
+        skel_args = (names[0], *_skeleton(args, index, floats))
+        template = _template(skel_args, skel_kwargs, names[1], grad)
     p = Plan(func, entry, mutated, _written(entry, mutated), names, template)
     if key is not None:
         if len(_plans) >= _PLANS_MAX:
@@ -144,18 +146,18 @@ def plan(func, args, kwargs, tensors: list, key, lifted: bool = False) -> Plan:
     return p
 
 
-def _template(args: tuple, kwargs: dict, what: str) -> tuple:
+def _template(args: tuple, kwargs: dict, what: str, grad=None) -> tuple:
     """``(op id, DefineOp)`` of an op with these arguments: one per distinct content,
     so that plans which differ only in their inputs' layouts (a slice's storage
     offset) send the same op (``mnb.compile`` sees the same command)."""
     try:
-        content = pickle.dumps((args, kwargs), 5)
+        content = pickle.dumps((args, kwargs, grad), 5)
     except Exception:
         content = None
     template = _templates.get(content) if content is not None else None
     if template is None:
         op = next_op_id()
-        template = (op, m.DefineOp(op, RUN_OP, args, kwargs, what))
+        template = (op, m.DefineOp(op, RUN_OP, args, kwargs, what, grad))
         if content is not None:
             _templates[content] = template
     return template

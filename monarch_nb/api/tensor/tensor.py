@@ -14,8 +14,9 @@ import weakref
 import torch
 
 from ...hooks import Hook
+from ...protocol.autograd import shard_value
 from ...protocol.pickling import ref_placeholder
-from ...protocol.wire import register_ref_type
+from ...protocol.wire import function_ref, register_ref_type
 from ..context import recording_trace
 from ..remote import Ref
 from . import borrows
@@ -25,6 +26,8 @@ from .agreed import agreed_shard
 class Tensor(torch.Tensor, Ref):
     """A tensor on a mesh: torch ops on it run on every rank (one remote call
     each); its values come back with ``mnb.inspect(t)`` or ``t.fetch()``."""
+
+    _fetched = function_ref(shard_value)  # a shard comes back without its rank's graph
 
     @staticmethod
     def __new__(cls, layout: tuple, ref_id: int, mesh, stream, ident: int):
@@ -70,6 +73,19 @@ class Tensor(torch.Tensor, Ref):
             copy._is_param = True
         memo[id(self)] = copy
         return copy
+
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        """``torch.Tensor.backward``, run by each rank's autograd engine on its shards
+        in one command where it can (see ``backward.py``)."""
+        return BACKWARD.value.backward(self, gradient, retain_graph, create_graph, inputs)
+
+    def register_hook(self, hook):
+        BACKWARD.value.mark_hooked(self)
+        return super().register_hook(hook)
+
+    def retain_grad(self):
+        BACKWARD.value.mark_hooked(self)
+        return super().retain_grad()
 
     def _rebind(self, ref_id: int, ident: int) -> None:
         """An in-place op made the value ``ref_id`` (the same storage on each rank):
@@ -210,3 +226,5 @@ register_ref_type(Tensor, Ref._wire_id)
 
 # dispatch.py builds Tensors; it installs itself here when it loads (tensor/__init__)
 DISPATCH = Hook("tensor_dispatch", "the mesh tensor's op dispatch: .dispatch, .rename_aliases")
+# backward.py: a mesh tensor's backward() (.mark_hooked: a hook the ranks cannot run)
+BACKWARD = Hook("tensor_backward", "a mesh tensor's backward(), run on its ranks")

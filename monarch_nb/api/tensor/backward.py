@@ -1,0 +1,188 @@
+"""``loss.backward()`` on a mesh tensor as one command: each rank runs torch's
+autograd engine on the graph of its own shards.
+
+Every op that took a tensor requiring grad ran with autograd on the ranks too
+(``protocol.autograd``), so each rank holds the graph the controller holds, over
+its shards. The controller walks its graph only to find the leaves, sends one
+``backward_shards`` command, and names each leaf's new grad with a mesh tensor
+of the layout torch gives a leaf's grad. Where the ranks cannot do what torch on
+the controller would, the controller's engine runs the backward op by op, as
+before: ``create_graph``, ``inputs``, a custom ``autograd.Function`` (its
+backward is Python on the controller), a hook on a tensor of the graph
+(``register_hook``, ``retain_grad``, a leaf's post-accumulate hook), a leaf of
+another mesh or stream. A second backward through a freed
+graph fails on the ranks, with torch's own error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from ...protocol.aten import OpSlot
+from ...protocol.autograd import backward_shards
+from ...protocol.wire import function_ref
+from ..context import resolve_target
+from ..remote import check_refs
+from . import borrows
+from .dispatch import releasing
+from .send import aux_template, define
+from .tensor import BACKWARD, Tensor
+
+_BACKWARD = function_ref(backward_shards)
+HOOKED = "monarch_nb.hooked"  # a graph node's metadata: a hook the ranks cannot run
+_saved_names: dict = {}  # node type -> its _raw_saved_ attributes
+_FREED = (
+    "Trying to backward through the graph a second time (or directly access saved "
+    "tensors after they have already been freed): the ranks ran this graph's backward "
+    "without retain_graph=True. Specify retain_graph=True if you need to backward "
+    "through the graph a second time."
+)
+
+
+def backward(t: Tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    """``t.backward(...)``: on the ranks in one command where they can, else torch's."""
+    walked = None
+    if (
+        not create_graph
+        and inputs is None
+        and t.grad_fn is not None
+        and (gradient is None and t.numel() == 1 or _same_place(gradient, t))
+    ):
+        walked = _walk(t)
+    if walked is None:
+        return torch.Tensor.backward(t, gradient, retain_graph, create_graph, inputs)
+    leaves, nodes = walked
+    _send(t, gradient, bool(retain_graph), leaves)
+    if not retain_graph:
+        _free(nodes)
+    return None
+
+
+def mark_hooked(t: Tensor) -> None:
+    """A hook on the non-leaf ``t`` (``register_hook``, ``retain_grad``): a backward
+    through it runs on the controller, where the hook can run."""
+    if t.grad_fn is not None:
+        t.grad_fn.metadata[HOOKED] = True
+
+
+def _same_place(gradient, t: Tensor) -> bool:
+    return (
+        type(gradient) is Tensor
+        and gradient.mesh is t.mesh
+        and gradient.stream is t.stream
+        and gradient.shape == t.shape
+    )
+
+
+def _walk(t: Tensor) -> tuple | None:
+    """``(leaves, nodes)`` of ``t``'s graph (each once), or None where the ranks cannot
+    run it."""
+    seen = {id(t.grad_fn): t.grad_fn}  # the nodes, kept alive while their ids are keys
+    stack = [t.grad_fn]
+    leaves: dict = {}
+    while stack:
+        node = stack.pop()
+        meta = node.metadata
+        if meta and HOOKED in meta:
+            return None
+        if isinstance(node, BackwardCFunction):
+            return None
+        v = getattr(node, "variable", None)
+        if v is not None:  # AccumulateGrad
+            if not _same_leaf(v, t):
+                return None
+            leaves[id(v)] = v
+        for nxt, _ in node.next_functions:
+            if nxt is not None and id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                stack.append(nxt)
+    return list(leaves.values()), list(seen.values())
+
+
+def _free(nodes: list) -> None:
+    """Drop the controller's saved tensors of ``nodes``, as torch's engine does once it
+    ran them without retain_graph: the mesh tensors only the graph held are freed (on
+    the ranks too), and a later use of the graph raises torch's error."""
+    with releasing():
+        for node in nodes:
+            _free_node(node)
+
+
+def _free_node(node) -> None:
+    names = _saved_names.get(type(node))
+    if names is None:
+        names = _saved_names[type(node)] = tuple(
+            a for a in dir(type(node)) if a.startswith("_raw_saved_")
+        )
+    for name in names:
+        saved = getattr(node, name)
+        for one in saved if type(saved) is list else (saved,):
+            try:
+                one.register_hooks(_drop, _freed)
+            except (RuntimeError, AttributeError):  # freed already, or hooked at save
+                pass
+
+
+def _drop(_t) -> None:
+    return None
+
+
+def _freed(_packed):
+    raise RuntimeError(_FREED)
+
+
+def _same_leaf(v, t: Tensor) -> bool:
+    return (
+        type(v) is Tensor
+        and v.mesh is t.mesh
+        and v.stream is t.stream
+        and not v._deleted
+        and not v._backward_hooks
+        and not getattr(v, "_post_accumulate_grad_hooks", None)
+    )
+
+
+def _grad_layout(leaf: Tensor) -> tuple:
+    """``(size, stride)`` torch gives a leaf's grad: the leaf's strides where it is
+    dense and non-overlapping, else contiguous."""
+    size = tuple(leaf.shape)
+    if leaf.is_contiguous() or torch._prims_common.is_non_overlapping_and_dense(leaf):
+        return size, tuple(leaf.stride())
+    stride, acc = [], 1
+    for n in reversed(size):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return size, tuple(reversed(stride))
+
+
+def _send(t: Tensor, gradient, retain: bool, leaves: list) -> None:
+    mesh, stream = resolve_target(t.mesh, None)
+    grads = [lf.grad for lf in leaves]
+    layouts = [_grad_layout(lf) for lf in leaves]
+    spec = (
+        gradient is not None,
+        retain,
+        tuple((g is not None, size, stride) for g, (size, stride) in zip(grads, layouts)),
+    )
+    refs = [t, *([gradient] if gradient is not None else []), *leaves]
+    refs += [g for g in grads if g is not None]
+    check_refs(refs, mesh, stream)
+    if borrows.live[0]:
+        borrows.check("backward()", refs, ())  # it reads them; the grads it makes are new
+    ctrl = mesh._controller
+    ctrl.check_usable(mesh.targets)
+    skeleton = (spec, *[OpSlot(i) for i in range(len(refs))])
+    op = define(ctrl, aux_template(("backward", spec), skeleton, _BACKWARD, "backward"))
+    ident, ids = ctrl.next_ident(), tuple([ctrl.next_id() for _ in leaves])
+    wire = tuple([r._wire_id() for r in refs])
+    ctrl.send_op((ident, ids, op, wire, stream.id, ()), mesh.targets, "backward")
+    with torch.no_grad():
+        for leaf, rid, (size, stride) in zip(leaves, ids, layouts):
+            layout = (size, stride, 0, leaf.dtype, leaf.device)
+            leaf.grad = Tensor(layout, rid, mesh, stream, ident)
+
+
+BACKWARD.install(sys.modules[__name__])  # mesh tensors' backward() comes here
