@@ -210,3 +210,23 @@ def test_a_compiled_step_keeps_one_command_per_call(mesh):
         lopt.step()
         want.append(loss.item())
     assert first == want
+
+
+def _halve(t):
+    t.mul_(0.5)  # in place, on a parameter's shard: no autograd error on the rank
+
+
+def test_remote_functions_and_pushes_see_shards_without_the_graph(mesh):
+    with mesh.activate():
+        model, x, y = _model_and_data()
+        _loss(model, x, y).backward()
+        w = model[0].weight
+        before = mnb.inspect(w)
+        assert not before.requires_grad
+        mnb.remote(_halve)(w)
+        assert torch.equal(mnb.inspect(w), before * 0.5)
+        mesh.push(w=w)
+        assert mesh.exec("w.requires_grad").fetch(rank=0) is False
+        model.zero_grad()
+        _loss(model, x, y).backward()  # the graph on the ranks still goes to the shard
+        assert mnb.inspect(w.grad).abs().sum() > 0

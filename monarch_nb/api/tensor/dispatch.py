@@ -129,8 +129,12 @@ def _saved_copy(t: Tensor) -> Tensor:
 
 
 def _hollow(t: Tensor) -> Tensor:
-    """A mesh tensor of ``t``'s layout naming nothing (deleted from the start)."""
-    out = Tensor(t._layout, t.id, t.mesh, t.stream, t.ident)
+    """A mesh tensor of ``t``'s layout naming nothing (deleted from the start): made
+    without a Ref's bookkeeping, as only its deletion ever reads it."""
+    size, stride, offset, dtype, device = t._layout
+    out = torch.Tensor._make_wrapper_subclass(
+        Tensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=device
+    )
     out._deleted = True
     return out
 
