@@ -34,6 +34,9 @@ from .tensor import BACKWARD, Tensor
 _BACKWARD = function_ref(backward_shards)
 HOOKED = "monarch_nb.hooked"  # a graph node's metadata: a hook the ranks cannot run
 _saved_names: dict = {}  # node type -> its _raw_saved_ attributes
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
 _FREED = (
     "Trying to backward through the graph a second time (or directly access saved "
     "tensors after they have already been freed): the ranks ran this graph's backward "
@@ -105,25 +108,40 @@ def _walk(t: Tensor) -> tuple | None:
 def _free(nodes: list) -> None:
     """Drop the controller's saved tensors of ``nodes``, as torch's engine does once it
     ran them without retain_graph: the mesh tensors only the graph held are freed (on
-    the ranks too), and a later use of the graph raises torch's error."""
-    with releasing():
+    the ranks too), and a later use of the graph raises torch's error. torch detaches
+    each saved tensor it drops: past the Python key that detach runs no dispatch of
+    ours; where torch cannot run it so, the dispatcher's ``releasing`` runs nothing."""
+    again = []
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
         for node in nodes:
-            _free_node(node)
+            for one in _saved(node):
+                try:
+                    one.register_hooks(_drop, _freed)
+                except (RuntimeError, AttributeError):  # freed or hooked already, or refused
+                    again.append(one)
+    with releasing():
+        for one in again:
+            try:
+                one.register_hooks(_drop, _freed)
+            except (RuntimeError, AttributeError):
+                pass
 
 
-def _free_node(node) -> None:
+def _saved(node) -> list:
+    """The SavedTensors of ``node`` (its ``_raw_saved_`` attributes)."""
     names = _saved_names.get(type(node))
     if names is None:
         names = _saved_names[type(node)] = tuple(
             a for a in dir(type(node)) if a.startswith("_raw_saved_")
         )
+    found = []
     for name in names:
         saved = getattr(node, name)
-        for one in saved if type(saved) is list else (saved,):
-            try:
-                one.register_hooks(_drop, _freed)
-            except (RuntimeError, AttributeError):  # freed already, or hooked at save
-                pass
+        if type(saved) is list:
+            found += saved
+        elif saved is not None:
+            found.append(saved)
+    return found
 
 
 def _drop(_t) -> None:
