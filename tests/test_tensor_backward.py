@@ -230,3 +230,30 @@ def test_remote_functions_and_pushes_see_shards_without_the_graph(mesh):
         model.zero_grad()
         _loss(model, x, y).backward()  # the graph on the ranks still goes to the shard
         assert mnb.inspect(w.grad).abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_backward_on_a_cuda_mesh_gives_local_cuda_grads():
+    """On a GPU the ranks' engine runs the backward of CUDA ops on its device
+    thread; the grads equal local torch's on the same GPU."""
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    gpu_mesh = mnb.local_mesh(dp=1, name="tensor-backward-cuda")
+    try:
+        with gpu_mesh.activate():
+            torch.manual_seed(0)
+            ours = torch.nn.Sequential(
+                torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)
+            )
+            x = torch.randn(10, 6)
+            loss = ours(x).pow(2).sum()
+            before = _done(gpu_mesh)
+            loss.backward()
+            assert _done(gpu_mesh) - before == 1
+        local.cuda()
+        lx = mnb.inspect(x)
+        local(lx).pow(2).sum().backward()
+        for p, q in zip(local.parameters(), ours.parameters()):
+            assert torch.equal(mnb.inspect(q.grad), p.grad)
+    finally:
+        gpu_mesh.shutdown()
