@@ -379,3 +379,16 @@ def test_restart_restore_magic(tmp_path):
         _, msgs = k.run("%%monarch\nkept")
         assert plain(msgs) == ["[rank 0] [0, 'kept']", "[rank 1] [1, 'kept']"]
         assert k.value("mnb.get_mesh('default').exec('model.weight.tolist()').fetch()") == want
+
+
+def test_a_short_write_on_a_full_disk_is_named_no_space():
+    """torch's zip writer reports a write the full disk cut short as a RuntimeError of
+    its own ("unexpected pos"): a save that failed on a full disk says so all the same."""
+    from monarch_nb.protocol.checkpoint_ops import _problem
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    kind, message = _problem(short, "writing the checkpoint failed, ck is unchanged", full=True)
+    assert kind == "OSError"
+    assert "No space left on device" in message and "unexpected pos 704" in message
+    assert _problem(short, "writing", full=False)[0] == "RuntimeError"
+    assert _problem(OSError(28, "No space left on device"), "writing", full=True)[0] == "OSError"

@@ -5,6 +5,7 @@ a Ctrl-C in a loop of mesh-tensor ops is raised every time (real dp=2 mesh)."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -127,11 +128,35 @@ def test_a_failure_at_any_stage_leaves_the_engine_as_it_was(mesh, monkeypatch, s
 def test_ctrl_c_in_a_loop_of_ops_lands_every_time(mesh):
     """Issue 26: in 4 of 6 tries the interrupt landed in a dropped tensor's __del__,
     where Python ignores it, and the loop ran on."""
+    _interrupt_a_loop_of_ops(mesh, 20)
+
+
+def test_a_ctrl_c_landing_in_a_gc_callback_is_handed_back(mesh):
+    """A library's gc callback (hypothesis installs one) is a finalizer too: a Ctrl-C
+    that lands there was dropped, and the loop ran on."""
+
+    def slow(phase, info):
+        if phase == "start":
+            time.sleep(0.002)  # where a Ctrl-C lands, often
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(slow)
+    gc.set_threshold(20)
+    try:
+        _interrupt_a_loop_of_ops(mesh, 10, after=20)
+    finally:
+        gc.callbacks.remove(slow)
+        gc.set_threshold(*threshold)
+
+
+def _interrupt_a_loop_of_ops(mesh, times: int, after: int = 200) -> None:
+    """Ctrl-C ``times`` times, each once ``after`` ops ran: each one lands within the
+    loop (which would run on for 20 s without it)."""
     main = threading.main_thread().ident
     landed = 0
     with mesh.activate():
         x = torch.ones(16)
-        for _ in range(20):
+        for _ in range(times):
             fired = threading.Event()
 
             def press(fired=fired):
@@ -144,12 +169,12 @@ def test_ctrl_c_in_a_loop_of_ops_lands_every_time(mesh):
                 while time.monotonic() - start < 20:  # bounded: a lost Ctrl-C fails, not hangs
                     x = x * 1.0001
                     i += 1
-                    if i == 200:
+                    if i == after:
                         fired.set()
             landed += 1
             mesh.wait(timeout=60)
         x = x * 1.0  # and the engine goes on
-    assert landed == 20
+    assert landed == times
     assert mnb.inspect(x).shape == (16,)
 
 

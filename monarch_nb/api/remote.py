@@ -6,7 +6,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..controller import AsyncResult, hand_back_interrupts_of, keep_unraisable_hook
+from ..controller import AsyncResult, hand_back_interrupts, keep_unraisable_hook
 from ..hooks import Hook
 from ..protocol import messages as m
 from ..protocol.reduce_options import REDUCTIONS, check_combination
@@ -252,7 +252,7 @@ class Ref:
 
 
 register_ref_type(Ref, Ref._wire_id)
-hand_back_interrupts_of(Ref.__del__)
+hand_back_interrupts()  # Ref.__del__ runs in every loop of tensor ops
 _packing = threading.local()  # .stream: the stream of the call whose arguments are pickled
 
 

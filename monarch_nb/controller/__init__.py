@@ -13,7 +13,7 @@ from .errors import (
     fold_by_rank,
     format_ranks,
 )
-from .sigint import hand_back_interrupts_of, keep_unraisable_hook
+from .sigint import hand_back_interrupts, keep_unraisable_hook
 from .state import MeshState
 
 __all__ = [
@@ -28,6 +28,6 @@ __all__ = [
     "WorkerUnresponsive",
     "fold_by_rank",
     "format_ranks",
-    "hand_back_interrupts_of",
+    "hand_back_interrupts",
     "keep_unraisable_hook",
 ]

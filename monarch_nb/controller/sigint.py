@@ -35,17 +35,15 @@ def held_interrupt(fn, *args) -> None:
                 raise KeyboardInterrupt
 
 
-_finalizers: set = set()  # the __del__ functions whose Ctrl-C is handed back
 _previous_hook: list = []
 
 
-def hand_back_interrupts_of(finalizer) -> None:
-    """A Ctrl-C that lands in ``finalizer`` (a ``__del__``, which cannot raise: Python
-    prints "Exception ignored" and drops it) is raised again on the main thread at
-    its next bytecode, in the user's code. A loop that makes and drops mesh tensors
-    spends much of its time in their ``__del__``: without this, Ctrl-C was lost in
-    about half of the tries."""
-    _finalizers.add(finalizer)
+def hand_back_interrupts() -> None:
+    """A Ctrl-C that lands in a finalizer (a ``__del__``, which cannot raise: Python
+    prints "Exception ignored" and drops it) or a gc callback on the main thread is
+    raised again there at its next bytecode, in the user's code. A loop that makes and
+    drops mesh tensors spends much of its time in their ``__del__``: without this,
+    Ctrl-C was lost in about half of the tries."""
     _reraiser()  # started now, not first in the hook (where a Ctrl-C may land again)
     keep_unraisable_hook()
 
@@ -59,10 +57,11 @@ def keep_unraisable_hook() -> None:
 
 
 def _unraisable(unraisable) -> None:
+    # any finalizer or gc callback on the main thread, not only ours: a library's gc
+    # callback (hypothesis installs one) dropped a Ctrl-C in a loop of tensor ops
     if (
         unraisable.exc_type is not None
         and issubclass(unraisable.exc_type, KeyboardInterrupt)
-        and unraisable.object in _finalizers
         and threading.current_thread() is threading.main_thread()
     ):
         # raised in this hook it would be dropped again: the re-raiser thread signals

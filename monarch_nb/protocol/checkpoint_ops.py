@@ -239,14 +239,27 @@ def _first(gathered: list):
     return next((g["problem"] for g in gathered if g["problem"] is not None), None)
 
 
-def _problem(e: BaseException, doing: str) -> tuple:
+def _problem(e: BaseException, doing: str, full: bool = False) -> tuple:
+    """``(kind, message)`` of a failed write; ``full``: the disk was found full after it
+    (torch's zip writer reports a short write as a RuntimeError of its own)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(e, CheckpointException):  # the ranks' own errors: an OSError first
         errors = [x[0] if isinstance(x, tuple) else x for _, x in sorted(e.failures.items())]
         e = next((x for x in errors if isinstance(x, OSError)), errors[0] if errors else e)
+    if full and not isinstance(e, OSError):
+        why = f"{type(e).__name__}: {e}"
+        return ("OSError", f"{doing}: OSError: [Errno 28] No space left on device ({why})")
     kind = "OSError" if isinstance(e, OSError) else "RuntimeError"
     return (kind, f"{doing}: {type(e).__name__}: {e}")
+
+
+def _no_space(where: str) -> bool:
+    """Whether the filesystem of ``where`` has no room left (under one page)."""
+    try:
+        return shutil.disk_usage(where).free < 4096
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------ save
@@ -300,9 +313,10 @@ def save(ns: dict, names: tuple, path: str, tmp: str, group, engine: dict | None
         with quiet(group):
             dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
     except (Exception, CheckpointException) as e:
+        full = _no_space(os.path.dirname(tmp) or ".")  # before the temporary goes
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        return {"error": _problem(e, f"writing the checkpoint failed, {path} is unchanged")}
+        return {"error": _problem(e, f"writing the checkpoint failed, {path} is unchanged", full)}
     if me != 0:
         return {"ok": True}
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class DependentOnError(Exception):
     """Reading a value whose computation failed (in command ``ident``).
@@ -62,3 +64,22 @@ def raw(cell: Cell):
     if isinstance(v, MissingRef):
         raise v
     return v
+
+
+AUTOGRAD = "monarch_nb.protocol.autograd"  # the functions that build a rank's graph
+
+
+def without_graph(resolve):
+    """``resolve`` (a ref id -> its value) giving a shard that requires grad (the graph
+    the tensor engine builds on each rank) detached: a user's function or namespace
+    sees the values, and may write them in place, as it always could."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return resolve
+    tensor = torch.Tensor
+
+    def get(rid):
+        v = resolve(rid)
+        return v.detach() if isinstance(v, tensor) and v.requires_grad else v
+
+    return get

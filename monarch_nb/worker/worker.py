@@ -31,7 +31,7 @@ from .failure import describe, format_user_stack
 from .forked import ChildOutputReader
 from .insight_handlers import InsightHandlers
 from .op_handlers import OpHandlers
-from .ref_cell import Cell, DependentOnError, MissingRef, get_value
+from .ref_cell import AUTOGRAD, Cell, DependentOnError, MissingRef, get_value, without_graph
 from .shell_handlers import ShellHandlers
 from .stream import Stream, interruptible_sleep
 
@@ -168,8 +168,8 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
 
         def work():
             fn = resolve_function(function)
-            own = getattr(fn, "__module__", None) == _AUTOGRAD  # builds this rank's graph
-            a, kw = unpack_args(args, resolve if own else _without_graph(resolve))
+            own = getattr(fn, "__module__", None) == AUTOGRAD  # builds this rank's graph
+            a, kw = unpack_args(args, resolve if own else without_graph(resolve))
             return breakpoints.call(fn, a, kw)
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
@@ -186,7 +186,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
         ns = self.namespace
 
         def work():
-            _, kw = unpack_args(msg.args, _without_graph(resolve))
+            _, kw = unpack_args(msg.args, without_graph(resolve))
             ns.update(kw)
 
         self._stream(msg.stream).schedule(msg.ident, "push", work)
@@ -375,25 +375,6 @@ def _fetch_failure(e: BaseException, pickling: bool):
         why = str(e) if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
         return m.RemoteFailure(type(e).__name__, f"cannot send the value back: {why}", "")
     return describe(e)
-
-
-_AUTOGRAD = "monarch_nb.protocol.autograd"
-
-
-def _without_graph(resolve):
-    """``resolve`` giving a shard that requires grad (the graph the tensor engine builds
-    on each rank) detached: a user's function or namespace sees the values, and may
-    write them in place, as it always could."""
-    torch = sys.modules.get("torch")
-    if torch is None or resolve is _no_refs:
-        return resolve
-    tensor = torch.Tensor
-
-    def get(rid):
-        v = resolve(rid)
-        return v.detach() if isinstance(v, tensor) and v.requires_grad else v
-
-    return get
 
 
 def _no_refs(rid):
