@@ -61,7 +61,9 @@ def dispatch(func, args, kwargs, mesh=None):
         t = args[0]
         if type(t) is Tensor and not _excluded(_AD_INPLACE_OR_VIEW) and not t.is_inference():
             # not a user's detach (that comes through autograd): torch's copy of an
-            # op's output it saves or unpacks, which has the op's graph; on the ranks too
+            # op's output it saves or unpacks, which has the op's graph; on the ranks too.
+            # (t.data comes here as well: harmless, as each later use is detached on the
+            # ranks unless it requires grad here; only t.data.requires_grad_() differs)
             return _saved_copy(t)
     tensors: list = []
     local: list = []
