@@ -102,7 +102,7 @@ def test_a_failure_at_any_stage_leaves_the_engine_as_it_was(mesh, monkeypatch, s
     exc = KeyboardInterrupt() if stage == "sending-interrupted" else Injected(stage)
     owner, name = {
         "planning": (tensor_dispatch, "plan"),
-        "dispatching": (tensor_dispatch, "_target"),
+        "dispatching": (tensor_dispatch, "target"),
         "sending": (Controller, "send_op"),
         "sending-interrupted": (Controller, "send_op"),
         "finishing": (tensor_dispatch, "_output"),

@@ -3,7 +3,7 @@
 An op runs on each rank in the grad mode it ran in on the controller, and its
 inputs that require grad there require grad on the rank too (a leaf shard
 starts to), while any other input that requires grad on the rank is detached
-(``prepare``, ``run_grad``). So every rank holds the graph the controller
+(``requiring``, ``run_grad``). So every rank holds the graph the controller
 holds, over its own shards, and no other. A ``loss.backward()`` is then one
 command (``backward_shards``): each rank runs torch's engine on its graph, and
 the controller names the leaves' new grads.
@@ -19,7 +19,7 @@ _set_grad = torch._C._set_grad_enabled
 _grad_on = torch.is_grad_enabled
 
 
-def _requiring(values: list, grad: tuple) -> list:
+def requiring(values: list, grad: tuple) -> list:
     """``values`` with those at ``grad`` requiring grad (a leaf shard starts to) and
     every other tensor that requires grad here detached (the controller's graph does
     not go through it, so this rank's must not)."""
@@ -37,18 +37,13 @@ def _requiring(values: list, grad: tuple) -> list:
 
 def run_grad(fn, grad, args: list, kwargs: dict):
     """``fn(*args, **kwargs)`` in grad mode when ``grad`` is a tuple (the tensor slots
-    that require grad, already applied by ``prepare``), else in no_grad."""
+    that require grad, already applied by ``requiring``), else in no_grad."""
     was = _grad_on()
     _set_grad(grad is not None)
     try:
         return fn(*args, **kwargs)
     finally:
         _set_grad(was)
-
-
-def prepare(values: list, grad) -> list:
-    """The values an op runs on: see ``_requiring`` (none to change without grad)."""
-    return values if grad is None else _requiring(values, grad)
 
 
 def tensors_in(args: tuple, kwargs: dict) -> list:
@@ -89,7 +84,7 @@ def run_op_grad(grad: tuple, name: str, *args, **kwargs):
     """``aten.run_op`` with autograd: the tensors of its arguments at ``grad`` (in
     ``tensors_in``'s order) require grad."""
     found = tensors_in(args, kwargs)
-    args, kwargs = replace_tensors(args, kwargs, _requiring(found, grad))
+    args, kwargs = replace_tensors(args, kwargs, requiring(found, grad))
     return run_grad(op_named(name), grad, args, kwargs)
 
 

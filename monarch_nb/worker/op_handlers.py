@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..protocol import messages as m
 from ..protocol.aten import OpSlot, resolve_op, run_op
-from ..protocol.autograd import prepare, run_grad
+from ..protocol.autograd import requiring, run_grad
 from ..protocol.pickling import resolve_function
 from .ref_cell import Cell, get_value
 from .slots import fill, slot_keys
@@ -33,7 +33,7 @@ class OpTemplate:
     def run(self, values: list):
         grad = self.grad
         if grad is not None:
-            values = prepare(values, grad)
+            values = requiring(values, grad)
         if self._nested:
             return run_grad(self.fn, grad, fill(self.args, values), fill(self.kwargs, values))
         a = list(self.args)

@@ -168,8 +168,9 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
 
         def work():
             fn = resolve_function(function)
-            own = getattr(fn, "__module__", None) == AUTOGRAD  # builds this rank's graph
-            a, kw = unpack_args(args, resolve if own else without_graph(resolve))
+            # a user's function sees shards without this rank's graph; ours build it
+            raw = resolve is _no_refs or getattr(fn, "__module__", None) == AUTOGRAD
+            a, kw = unpack_args(args, resolve if raw else without_graph(resolve))
             return breakpoints.call(fn, a, kw)
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))

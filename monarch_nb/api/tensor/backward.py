@@ -24,16 +24,14 @@ from torch.autograd.function import BackwardCFunction
 from ...protocol.aten import OpSlot
 from ...protocol.autograd import backward_shards
 from ...protocol.wire import function_ref
-from ..context import resolve_target
-from ..remote import check_refs
-from . import borrows
-from .dispatch import releasing
+from .dispatch import target
 from .send import aux_template, define
 from .tensor import BACKWARD, Tensor
 
 _BACKWARD = function_ref(backward_shards)
 HOOKED = "monarch_nb.hooked"  # a graph node's metadata: a hook the ranks cannot run
 _saved_names: dict = {}  # node type -> its _raw_saved_ attributes
+_SAVED_TENSOR = torch._C._autograd.SavedTensor
 _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
     torch._C.DispatchKey.PythonTLSSnapshot
 )
@@ -109,22 +107,15 @@ def _free(nodes: list) -> None:
     """Drop the controller's saved tensors of ``nodes``, as torch's engine does once it
     ran them without retain_graph: the mesh tensors only the graph held are freed (on
     the ranks too), and a later use of the graph raises torch's error. torch detaches
-    each saved tensor it drops: past the Python key that detach runs no dispatch of
-    ours; where torch cannot run it so, the dispatcher's ``releasing`` runs nothing."""
-    again = []
+    each saved tensor it drops: past the Python key, that detach runs no dispatch of
+    ours. One torch refuses to drop (hooked at save) stays until the graph goes."""
     with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
         for node in nodes:
             for one in _saved(node):
                 try:
                     one.register_hooks(_drop, _freed)
-                except (RuntimeError, AttributeError):  # freed or hooked already, or refused
-                    again.append(one)
-    with releasing():
-        for one in again:
-            try:
-                one.register_hooks(_drop, _freed)
-            except (RuntimeError, AttributeError):
-                pass
+                except RuntimeError:  # freed or hooked already
+                    pass
 
 
 def _saved(node) -> list:
@@ -137,10 +128,9 @@ def _saved(node) -> list:
     found = []
     for name in names:
         saved = getattr(node, name)
-        if type(saved) is list:
-            found += saved
-        elif saved is not None:
-            found.append(saved)
+        for one in saved if type(saved) in (list, tuple) else (saved,):
+            if type(one) is _SAVED_TENSOR:  # (a list of an optional tensor holds None)
+                found.append(one)
     return found
 
 
@@ -177,7 +167,6 @@ def _grad_layout(leaf: Tensor) -> tuple:
 
 
 def _send(t: Tensor, gradient, retain: bool, leaves: list) -> None:
-    mesh, stream = resolve_target(t.mesh, None)
     grads = [lf.grad for lf in leaves]
     layouts = [_grad_layout(lf) for lf in leaves]
     spec = (
@@ -187,11 +176,8 @@ def _send(t: Tensor, gradient, retain: bool, leaves: list) -> None:
     )
     refs = [t, *([gradient] if gradient is not None else []), *leaves]
     refs += [g for g in grads if g is not None]
-    check_refs(refs, mesh, stream)
-    if borrows.live[0]:
-        borrows.check("backward()", refs, ())  # it reads them; the grads it makes are new
-    ctrl = mesh._controller
-    ctrl.check_usable(mesh.targets)
+    # it reads them; the grads it makes are new tensors: it writes none
+    mesh, stream, ctrl = target(refs, t.mesh, "backward()", ())
     skeleton = (spec, *[OpSlot(i) for i in range(len(refs))])
     op = define(ctrl, aux_template(("backward", spec), skeleton, _BACKWARD, "backward"))
     ident, ids = ctrl.next_ident(), tuple([ctrl.next_id() for _ in leaves])

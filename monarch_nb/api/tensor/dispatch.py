@@ -7,10 +7,8 @@ and the ref ids), which every worker set learns once per generation.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import sys
-import threading
 
 import torch
 
@@ -27,7 +25,7 @@ from .propagate import DataDependentError, layout_of, op_name
 from .send import aux_template, call_of, run
 from .tensor import DISPATCH, Tensor
 
-__all__ = ["dispatch", "releasing", "rename_aliases"]  # rename_aliases: DISPATCH's users
+__all__ = ["dispatch", "rename_aliases", "target"]  # rename_aliases: DISPATCH's users
 
 _GETITEM = function_ref(operator.getitem)
 _GRAD = object()  # in a plan key: the places of the tensors that require grad follow
@@ -39,7 +37,6 @@ _DETACH = torch.ops.aten.detach.default
 _SAVED = function_ref(saved_copy)
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 _excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_releasing = threading.local()
 
 
 def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
@@ -56,8 +53,6 @@ def dispatch(func, args, kwargs, mesh=None):
     """Run ``func`` on the shards of its mesh tensors (or, for a factory, on
     ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
     if func is _DETACH:
-        if getattr(_releasing, "on", False):
-            return _hollow(args[0])  # torch detaches a saved tensor it hands to releasing()
         t = args[0]
         if type(t) is Tensor and not _excluded(_AD_INPLACE_OR_VIEW) and not t.is_inference():
             # not a user's detach (that comes through autograd): torch's copy of an
@@ -101,44 +96,19 @@ def dispatch(func, args, kwargs, mesh=None):
             return from_data.run(func, args, kwargs, tensors, mesh, grad is not None)
     if p.cuda:  # the plan may have been made on another mesh
         p.check_device(mesh)
-    mesh, stream, ctrl = _target(p, tensors, mesh)
+    mesh, stream, ctrl = target(tensors, mesh, p.what, p.written)
     result, ident = run(
         ctrl, p.template, (p.qualname, *args), kwargs, tensors, mesh, stream, p.what, floats, grad
     )
     return _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream)
 
 
-@contextlib.contextmanager
-def releasing():
-    """Saved tensors dropped inside (``backward._free``): torch's detach of each runs
-    nothing, as the tensor goes."""
-    _releasing.on = True
-    try:
-        yield
-    finally:
-        _releasing.on = False
-
-
 def _saved_copy(t: Tensor) -> Tensor:
     """torch's copy of a tensor autograd saves: on the ranks the tensor itself."""
-    mesh, stream = resolve_target(t.mesh, None)
-    check_refs([t], mesh, stream)
-    ctrl = mesh._controller
-    ctrl.check_usable(mesh.targets)
+    mesh, stream, ctrl = target([t], t.mesh, "detach", ())
     template = aux_template(("saved",), (OpSlot(0),), _SAVED, "detach")
     rid, ident = run(ctrl, template, (t,), {}, (t,), mesh, stream, "detach")
     return _output(t._layout, 0, rid, ident, mesh, stream, [t])
-
-
-def _hollow(t: Tensor) -> Tensor:
-    """A mesh tensor of ``t``'s layout naming nothing (deleted from the start): made
-    without a Ref's bookkeeping, as only its deletion ever reads it."""
-    size, stride, offset, dtype, device = t._layout
-    out = torch.Tensor._make_wrapper_subclass(
-        Tensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=device
-    )
-    out._deleted = True
-    return out
 
 
 def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
@@ -160,7 +130,7 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
                 raise _local_error(op_name(func), t, mesh)
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)
-    mesh, stream, ctrl = _target(p, tensors, mesh)
+    mesh, stream, ctrl = target(tensors, mesh, p.what, p.written)
     function, call = call_of(p.qualname, args, kwargs, bool(tensors) and _grad_on())
     packed, _ = pack_args(call, kwargs)
     result, ident = ctrl.next_id(), ctrl.next_ident()
@@ -172,14 +142,15 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
     return out
 
 
-def _target(p: Plan, tensors: list, mesh) -> tuple:
-    """``(mesh, stream, controller)`` the op runs on, its tensors checked against them
-    (their mesh and stream, the borrows live) and the ranks usable."""
+def target(tensors: list, mesh, what: str, written: tuple) -> tuple:
+    """``(mesh, stream, controller)`` a command named ``what`` runs on, its tensors
+    checked against them (their mesh and stream; the live borrows, ``written`` the
+    places of those it writes) and the ranks usable."""
     mesh, stream = resolve_target(mesh, None)
     if tensors:
         check_refs(tensors, mesh, stream)
         if borrows.live[0]:
-            borrows.check(p.what, tensors, p.written)
+            borrows.check(what, tensors, written)
     ctrl = mesh._controller
     ctrl.check_usable(mesh.targets)
     return mesh, stream, ctrl

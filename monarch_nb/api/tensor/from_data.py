@@ -12,19 +12,16 @@ key is remembered, so it is not propagated again.
 from __future__ import annotations
 
 from ...protocol import aten
-from ...protocol.autograd import run_op_grad, tensors_in
-from ...protocol.wire import function_ref
 from ..context import resolve_target
 from ..remote import remote
 from . import borrows
 from .agreed import agreed, check_not_recording
-from .plans import RUN_OP
 from .propagate import needs_values_error, op_name
+from .send import call_of
 from .values import outputs
 
 _outcome = remote(aten.outcome)
 _run_op = remote(aten.run_op)
-RUN_OP_GRAD = function_ref(run_op_grad)
 _keys: set = set()  # the plan keys of ops that depend on the data
 _KEYS_MAX = 4096
 
@@ -66,12 +63,8 @@ def run(func, args, kwargs, tensors: list, mesh, grad: bool = False):
     mesh, stream = resolve_target(mesh, None)
     if borrows.live[0]:
         borrows.check(name, tensors, ())
-    if grad:
-        where = tuple(i for i, t in enumerate(tensors_in(args, kwargs)) if t.requires_grad)
-        call, function = (where, func.name(), *args), RUN_OP_GRAD._replace(name=name)
-    else:
-        call, function = (func.name(), *args), RUN_OP._replace(name=name)
-    ref = _run_op._send(call, kwargs, mesh, stream, function)
+    function, call = call_of(func.name(), args, kwargs, grad)
+    ref = _run_op._send(call, kwargs, mesh, stream, function._replace(name=name))
     try:
         made = _outcome._send((ref,), {}, mesh, stream).fetch()
         ranks = list(mesh.targets)
