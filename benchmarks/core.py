@@ -2,6 +2,8 @@
 
 * ``rtt``      a no-op remote call and a fetch of its result, one at a time
 * ``dispatch`` many no-op calls pipelined, then ``mesh.wait()``
+* ``dispatch_notebook`` its twin with what a notebook sends: a function defined in
+  ``__main__`` (pickled by value) that reads ``torch`` and a global
 * ``fetch``    a 100 MB float32 tensor brought back from the worker
 
 Ours and the baseline run alternately (after a warm-up) in the same process,
@@ -64,11 +66,41 @@ def bench_rtt(quick: bool) -> list[Entry]:
     ]
 
 
+NOTEBOOK_CELL = """
+import torch
+SCALE = 2.0
+
+def scaled(x=None):
+    return None if x is None else torch.as_tensor(x) * SCALE
+"""
+
+
+def notebook_function():
+    """``scaled`` as a notebook cell defines it: in ``__main__``, so pickled by value."""
+    ns = {"__name__": "__main__"}
+    exec(compile(NOTEBOOK_CELL, "<notebook cell>", "exec"), ns)
+    return ns["scaled"]
+
+
 def bench_dispatch(quick: bool) -> list[Entry]:
+    return _dispatch(quick, "dispatch", noop, "mnb.remote(noop)(mesh=mesh), noop importable,")
+
+
+def bench_dispatch_notebook(quick: bool) -> list[Entry]:
+    return _dispatch(
+        quick,
+        "dispatch_notebook",
+        notebook_function(),
+        "mnb.remote(scaled)(mesh=mesh), scaled defined in __main__ as in a notebook (by "
+        "value; it reads torch and a global),",
+    )
+
+
+def _dispatch(quick: bool, name: str, fn, what: str) -> list[Entry]:
     n, reps = (2_000, 7) if quick else (10_000, 9)
     submit: list[float] = []
     with _mesh_and_peer() as (mnb, mesh, peer):
-        f = mnb.remote(noop)
+        f = mnb.remote(fn)
         mesh.wait()
 
         def ours() -> float:
@@ -85,7 +117,7 @@ def bench_dispatch(quick: bool) -> list[Entry]:
     recorded = sorted(submit[-reps:])  # the recorded reps, not the warm-up
     return [
         Entry(
-            "dispatch",
+            name,
             ours_r,
             base_r,
             "calls/s",
@@ -93,8 +125,8 @@ def bench_dispatch(quick: bool) -> list[Entry]:
             f"{n} pickled tuples pipelined over raw pyzmq ROUTER->DEALER; the peer unpickles "
             f"each and acknowledges only the last",
             note=(
-                f"{n} x mnb.remote(noop)(mesh=mesh) with the Refs dropped (so DeleteRefs are sent "
-                f"too), then mesh.wait(), on local_mesh(dp=1); median over {reps} reps"
+                f"{n} x {what} with the Refs dropped (so DeleteRefs are sent too), then "
+                f"mesh.wait(), on local_mesh(dp=1); median over {reps} reps"
             ),
             extra={"ours_submit_only": round(recorded[len(recorded) // 2])},
         )
@@ -140,5 +172,6 @@ def bench_fetch(quick: bool) -> list[Entry]:
 BENCHMARKS = [
     ("rtt", bench_rtt),
     ("dispatch", bench_dispatch),
+    ("dispatch_notebook", bench_dispatch_notebook),
     ("fetch", bench_fetch),
 ]

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Any
 from ..controller import AsyncResult, hand_back_interrupts, keep_unraisable_hook
 from ..hooks import Hook
 from ..protocol import messages as m
+from ..protocol.function_guard import pickled
 from ..protocol.reduce_options import REDUCTIONS, check_combination
 from ..protocol.wire import (
     RefUseError,
-    function_ref,
-    is_by_value,
     load_group,
     pack_args,
     register_ref_type,
@@ -327,12 +326,8 @@ class RemoteFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def _function(self) -> m.Function:
-        if self._cached is not None:
-            return self._cached
-        f = function_ref(self._fn)
-        if not is_by_value(self._fn):
-            self._cached = f  # by-value functions are pickled per call: their globals may change
-        return f
+        function, self._cached = pickled(self._fn, self._cached)
+        return function
 
     def __call__(
         self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs

@@ -1,0 +1,158 @@
+"""Whether a function pickled by value would pickle the same again.
+
+A function defined in a notebook goes to the workers by value, and cloudpickle
+scans every loaded module for each module the function uses (about 1 ms a call
+once torch is loaded). A ``FunctionGuard`` notes everything that pickle read:
+the function's code, defaults, closure cells and attributes, and each global
+its code names (present or not), recursively through the notebook functions it
+calls. While all of those are the same objects, and no module was imported
+since, the pickle made with the guard is the one a new pickle would give.
+
+Only values whose pickle follows from their identity are guarded: modules,
+importable functions and classes, numbers, strings, and tuples of those. A
+function reading a list, a dict, a tensor or a notebook class is pickled per
+call, as before, so that the workers always see the values of the moment.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from .messages import Function
+from .pickling import function_ref, is_by_value
+
+_MISSING = object()
+_ATOMS = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        type(Ellipsis),
+        types.ModuleType,
+        types.BuiltinFunctionType,
+    }
+)
+
+
+class _Unstable(Exception):
+    """A value whose pickle may change while it stays the same object."""
+
+
+def _names(code: types.CodeType, out: set) -> set:
+    """The names ``code`` (and the code nested in it) may read as globals."""
+    out.update(code.co_names)
+    for c in code.co_consts:
+        if type(c) is types.CodeType:
+            _names(c, out)
+    return out
+
+
+def _state(fn: types.FunctionType) -> tuple:
+    """The function's own parts that its pickle holds (compared by identity)."""
+    cells = fn.__closure__
+    contents = () if cells is None else tuple([c.cell_contents for c in cells])
+    return (
+        fn.__code__,
+        fn.__defaults__,
+        fn.__kwdefaults__,
+        fn.__name__,
+        fn.__qualname__,
+        fn.__module__,
+        fn.__doc__,
+        fn.__annotations__,
+        len(fn.__dict__),
+        *contents,
+    )
+
+
+class FunctionGuard:
+    """What a by-value function's pickle read; ``holds()`` while it is all unchanged."""
+
+    def __init__(self):
+        self._modules = len(sys.modules)
+        self._globals: list[tuple[dict, str, object]] = []  # (namespace, name, value or _MISSING)
+        self._functions: list[tuple[types.FunctionType, tuple]] = []  # (function, _state)
+        self._seen: set[int] = set()
+
+    @classmethod
+    def of(cls, fn) -> FunctionGuard | None:
+        """A guard of ``fn``'s pickle, or None when it reads a value that may change
+        in place (then it must be pickled per call)."""
+        if type(fn) is not types.FunctionType:
+            return None
+        guard = cls()
+        try:
+            guard._function(fn)
+        except (_Unstable, ValueError):  # ValueError: an empty closure cell
+            return None
+        del guard._seen
+        return guard
+
+    def holds(self) -> bool:
+        """Whether a new pickle of the function would be the guarded one."""
+        if len(sys.modules) != self._modules:
+            return False
+        for namespace, name, value in self._globals:
+            if namespace.get(name, _MISSING) is not value:
+                return False
+        for fn, state in self._functions:
+            now = _state(fn)
+            if len(now) != len(state) or any(a is not b for a, b in zip(now, state)):
+                return False
+        return True
+
+    def _function(self, fn: types.FunctionType) -> None:
+        if id(fn) in self._seen:  # recursion: a function that calls itself
+            return
+        self._seen.add(id(fn))
+        if fn.__dict__:
+            raise _Unstable("attributes")
+        state = _state(fn)
+        self._functions.append((fn, state))
+        for value in (state[1], *state[9:]):  # defaults, closure cells
+            self._value(value)
+        if fn.__kwdefaults__:
+            for value in fn.__kwdefaults__.values():
+                self._value(value)
+        for value in fn.__annotations__.values():
+            self._value(value)
+        namespace = fn.__globals__
+        for name in sorted(_names(fn.__code__, set())):
+            value = namespace.get(name, _MISSING)
+            self._globals.append((namespace, name, value))
+            if value is not _MISSING:
+                self._value(value)
+
+    def _value(self, value) -> None:
+        tp = type(value)
+        if tp in _ATOMS:
+            return
+        if tp is tuple or tp is frozenset:
+            for v in value:
+                self._value(v)
+            return
+        if tp is dict and not value:  # an empty **kwdefaults
+            return
+        if isinstance(value, (types.FunctionType, type)) and not is_by_value(value):
+            return  # pickled by its name
+        if tp is types.FunctionType:
+            self._function(value)  # a notebook function it calls: guarded likewise
+            return
+        raise _Unstable(tp.__name__)
+
+
+def pickled(fn, cached: tuple | None) -> tuple[Function, tuple | None]:
+    """``(Function, cache)``: ``fn`` described for the workers (``function_ref``), or
+    the Function in ``cached`` (the cache this returned last) while a new pickle
+    would give the same. An importable function's is kept for good."""
+    if cached is not None and (cached[1] is None or cached[1].holds()):
+        return cached[0], cached
+    by_value = is_by_value(fn)
+    guard = FunctionGuard.of(fn) if by_value else None
+    f = function_ref(fn)  # after the guard: a change meanwhile fails it
+    return f, ((f, guard) if guard is not None or not by_value else None)
