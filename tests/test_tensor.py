@@ -673,6 +673,37 @@ def test_a_failing_foreach_op_marks_every_tensor_it_writes(mesh):
     assert mnb.inspect(y, dp=1).tolist() == [2.0, 2.0]
 
 
+def _done(mesh) -> int:
+    mesh.wait()
+    return mesh.status()["ranks"][0]["streams"]["default"]["done"]
+
+
+def test_an_op_of_several_outputs_is_one_command_and_long_lists_key_by_place(mesh):
+    def body(xs, x):
+        roots = torch._foreach_sqrt(xs)  # a list of 20 values: one command
+        # the same tensors twice, in two lists of 20: each keeps its place in the key
+        torch._foreach_addcmul_(xs, roots, roots, value=0.5)
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, [4], None, None, 1e-5)
+        parts = x.split(1)
+        values, where = x.max(dim=1)
+        return [*roots, *xs, out, mean, rstd, *parts, values, where]
+
+    torch.manual_seed(0)
+    xs, x = [torch.rand(3) + i for i in range(20)], torch.randn(3, 4)
+    local = body([t.clone() for t in xs], x)
+    with mesh.activate():
+        mxs, mx = [torch.tensor(t.tolist()) for t in xs], torch.tensor(x.tolist())
+        before = _done(mesh)
+        torch._foreach_sqrt(mxs)
+        assert _done(mesh) - before == 1
+        before = _done(mesh)
+        torch.ops.aten.native_layer_norm(mx, [4], None, None, 1e-5)
+        assert _done(mesh) - before == 1
+        ours = body(mxs, mx)
+    for a, b in zip(ours, local):
+        assert torch.equal(mnb.inspect(a, dp=1), b)
+
+
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
 def test_foreach_optimizers_match_the_per_tensor_path(mesh, opt_cls):
     import copy

@@ -63,7 +63,7 @@ class _Spread:
         self.cells = cells
 
     def set(self, value) -> None:
-        if type(value) is tuple and len(value) == len(self.cells):
+        if (type(value) is tuple or type(value) is list) and len(value) == len(self.cells):
             for c, v in zip(self.cells, value):
                 c.set(v)
         else:

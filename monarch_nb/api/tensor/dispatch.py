@@ -98,7 +98,17 @@ def dispatch(func, args, kwargs, mesh=None):
         p.check_device(mesh)
     mesh, stream, ctrl = target(tensors, mesh, p.what, p.written)
     result, ident = run(
-        ctrl, p.template, (p.qualname, *args), kwargs, tensors, mesh, stream, p.what, floats, grad
+        ctrl,
+        p.template,
+        (p.qualname, *args),
+        kwargs,
+        tensors,
+        mesh,
+        stream,
+        p.what,
+        floats,
+        grad,
+        p.outputs,
     )
     return _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream)
 
@@ -161,10 +171,13 @@ def _names(func) -> tuple:
 
 
 def _finish(p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh, stream):
-    """The op's outputs, once its command is sent: mesh tensors naming its values."""
+    """The op's outputs, once its command is sent: mesh tensors naming its values
+    (``result``: a tuple of ids, one per item of a value of several, or one id)."""
     ctrl = mesh._controller
+    several = type(result) is tuple
     if p.mutated:  # before the op's own value may be freed below
-        rename_written([tensors[j] for j in p.mutated], Holder(result), mesh, stream)
+        after = Holder(result[0] if several else result)
+        rename_written([tensors[j] for j in p.mutated], after, mesh, stream)
     entry = p.entry
     kind = entry[0]
     if kind == "one":
@@ -175,7 +188,10 @@ def _finish(p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh,
     if kind == "value":
         ctrl.delete_ref(result)
         return entry[1]
-    outs = []
+    if several:  # each item already has its id on the ranks
+        specs = zip(entry[2], entry[3], result)
+        return entry[1]([_output(s, b, rid, ident, mesh, stream, tensors) for s, b, rid in specs])
+    outs = []  # a CallFunction's value: one getitem command per item
     what = p.what
     for i, (spec, base) in enumerate(zip(entry[2], entry[3])):
         if spec is None:

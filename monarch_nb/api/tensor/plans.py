@@ -32,6 +32,7 @@ _LOCAL = object()
 _FLOAT = object()  # a lifted float's place in a key
 _lifting: dict = {}  # id(op) -> whether its floats are lifted
 _SCALARS = (float, bool, complex)
+_LONG = 8  # a list longer than this is keyed by ids (a foreach op's: tens of tensors)
 _plans: dict = {}
 _templates: dict = {}  # a template's pickled arguments -> (op id, DefineOp)
 _PLANS_MAX = 100_000
@@ -44,7 +45,9 @@ class Plan:
     writes (``written``), its names, and its template ``(op id, DefineOp)``
     (None for a call whose key is unhashable)."""
 
-    __slots__ = ("entry", "mutated", "written", "qualname", "what", "template", "func", "cuda")
+    __slots__ = (
+        "entry", "mutated", "written", "qualname", "what", "template", "func", "cuda", "outputs"
+    )
 
     def __init__(self, func, entry, mutated: tuple, written: tuple, names: tuple, template):
         self.func = func  # kept alive: the key holds its id
@@ -54,6 +57,7 @@ class Plan:
         self.qualname, self.what = names
         self.template = template
         self.cuda = _makes_cuda(entry)  # checked against each mesh it runs on
+        self.outputs = len(entry[2]) if entry[0] == "many" else 0  # items of its value
 
     def check_device(self, mesh) -> None:
         """A CUDA result on a mesh without GPUs is refused at the call."""
@@ -96,6 +100,8 @@ def key_of(x, tensors: list, local: list, floats: list | None = None):
         tensors.append(x)
         return _marks[i] if i < 64 else (_MARK, i)
     if tp is list or tp is tuple:  # sizes, dims: ints mostly, taken here without a call
+        if len(x) > _LONG:
+            return _long_key(x, tensors, local, floats)
         return tuple(
             [y if type(y) is int or y is None else key_of(y, tensors, local, floats) for y in x]
         )
@@ -108,6 +114,28 @@ def key_of(x, tensors: list, local: list, floats: list | None = None):
         local.append(x)
         return (_LOCAL, len(local) - 1, x.dtype, x.dim())
     return x
+
+
+def _long_key(x, tensors: list, local: list, floats: list | None) -> tuple:
+    """``key_of`` of a long list (a foreach op's tensors): each tensor's place found
+    by its id, not by a scan of those met before."""
+    where = {id(t): i for i, t in enumerate(tensors)}
+    out = []
+    for y in x:
+        if type(y) is Tensor:
+            i = where.get(id(y))
+            if i is None:
+                i = where[id(y)] = len(tensors)
+                tensors.append(y)
+            out.append(_marks[i] if i < 64 else (_MARK, i))
+        elif type(y) is int or y is None:
+            out.append(y)
+        else:
+            n = len(tensors)
+            out.append(key_of(y, tensors, local, floats))
+            for j in range(n, len(tensors)):
+                where.setdefault(id(tensors[j]), j)
+    return tuple(out)
 
 
 def lookup(key):

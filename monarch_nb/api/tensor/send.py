@@ -18,11 +18,14 @@ _defined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ctrl -> (ge
 _last = [lambda: None, -1, set()]  # the controller sent to last: weakref, generation, op ids
 
 
-def run(ctrl, template, args, kwargs, refs, mesh, stream, what: str, floats=None, grad=None):
+def run(
+    ctrl, template, args, kwargs, refs, mesh, stream, what: str, floats=None, grad=None, outputs=0
+):
     """Send one op: a RunOps entry of ``template`` (``(op id, DefineOp)``, defined on every
     worker first) with ``floats`` for its scalar slots (``mnb.compile`` records it as
     such), or, without a template (an unhashable key), a CallFunction of its arguments
-    (with autograd when ``grad``). Returns (result id, ident)."""
+    (with autograd when ``grad``). Returns (result id, ident); the result is a tuple of
+    ``outputs`` ids (one per item of the op's value) for a template's op with outputs."""
     result, ident = ctrl.next_id(), ctrl.next_ident()
     if template is None:
         function, args = call_of(args[0], args[1:], kwargs, grad is not None)
@@ -31,6 +34,8 @@ def run(ctrl, template, args, kwargs, refs, mesh, stream, what: str, floats=None
         ctrl.send(msg, mesh.targets, stream.id, what)
         return result, ident
     op = define(ctrl, template)
+    if outputs:
+        result = (result, *[ctrl.next_id() for _ in range(outputs - 1)])
     refs = tuple([r._wire_id() for r in refs])
     scalars = tuple(floats) if floats else ()
     ctrl.send_op((ident, result, op, refs, stream.id, scalars), mesh.targets, what)  # checked
