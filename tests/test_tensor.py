@@ -704,6 +704,25 @@ def test_an_op_of_several_outputs_is_one_command_and_long_lists_key_by_place(mes
         assert torch.equal(mnb.inspect(a, dp=1), b)
 
 
+def test_clip_grad_norm_takes_the_foreach_path_with_local_numbers(mesh):
+    torch.manual_seed(3)
+    local = [torch.randn(5, requires_grad=True) for _ in range(12)]
+    for p in local:
+        p.grad = torch.randn(5)
+    with mesh.activate():
+        ours = [torch.tensor(p.tolist(), requires_grad=True) for p in local]
+        for p, q in zip(ours, local):
+            p.grad = torch.tensor(q.grad.tolist())
+        before = _done(mesh)
+        norm = torch.nn.utils.clip_grad_norm_(ours, 0.5)
+        commands = _done(mesh) - before
+    total = torch.nn.utils.clip_grad_norm_(local, 0.5)
+    assert commands < 12  # a few foreach commands for 12 grads, not two per grad
+    assert torch.equal(mnb.inspect(norm, dp=1), total)
+    for p, q in zip(ours, local):
+        assert torch.equal(mnb.inspect(p.grad, dp=0), q.grad)
+
+
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
 def test_foreach_optimizers_match_the_per_tensor_path(mesh, opt_cls):
     import copy

@@ -6,11 +6,18 @@ step of its update (AdamW: 8 per parameter). The foreach path sends those as a f
 commands for all parameters, and on the ranks the foreach kernels run the same
 per-tensor arithmetic (a step gives local torch's numbers exactly). A group that
 says ``foreach=False`` (or ``fused``, or ``differentiable``) keeps its choice.
+
+torch's utilities that choose foreach by the tensors' type (``clip_grad_norm_``,
+``clip_grad_value_``, the optimizers' default) take mesh tensors as plain tensors, as
+DTensor registers itself: a clip of 30 gradients is 2 commands, not 60, and takes the
+path local torch takes.
 """
 
 from __future__ import annotations
 
+from torch.optim.optimizer import _foreach_supported_types as _optim_types
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._foreach_utils import _foreach_supported_types as _util_types
 
 from .tensor import Tensor
 
@@ -30,3 +37,8 @@ def foreach_for_mesh_tensors(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_pre_hook(foreach_for_mesh_tensors)
+
+
+for _types in (_util_types, _optim_types):
+    if Tensor not in _types:
+        _types.append(Tensor)
