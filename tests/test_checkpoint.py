@@ -13,7 +13,6 @@ import torch
 from wait_helpers import wait_for
 
 import monarch_nb as mnb
-from monarch_nb import config
 
 SETUP = """
 import torch
@@ -258,22 +257,19 @@ def test_restart_restore_rebuilds_a_sharded_module_with_setup(mesh, tmp_path):
     assert same(got[0], want) and same(got[1], want)  # the model and its rebuilt optimizer
 
 
-def test_a_big_save_shows_a_progress_bar(mesh, tmp_path, capfd):
-    s = config.settings()
-    old = s.progress_delay
-    s.progress_delay = 0.0
-    try:
-        mesh.exec("big = torch.randn(9 << 20) + rank\nsmall = torch.ones(3)").fetch()  # 36 MiB a rank
-        capfd.readouterr()
-        mesh.save(str(tmp_path / "small"), "small")
-        assert "saving" not in capfd.readouterr().err
-        path = str(tmp_path / "big")
-        mesh.save(path, "big")
-        err = capfd.readouterr().err
-        assert f"saving {path}" in err and "100%" in err
-        mesh.exec("del big").fetch()
-    finally:
-        s.progress_delay = old
+def test_a_big_save_shows_a_progress_bar(mesh, tmp_path, capfd, monkeypatch):
+    # by its variable: a value set on config.settings() would stay "set here" after the
+    # test, over every later test's variable
+    monkeypatch.setenv("MONARCH_NB_PROGRESS_DELAY", "0")
+    mesh.exec("big = torch.randn(9 << 20) + rank\nsmall = torch.ones(3)").fetch()  # 36 MiB a rank
+    capfd.readouterr()
+    mesh.save(str(tmp_path / "small"), "small")
+    assert "saving" not in capfd.readouterr().err
+    path = str(tmp_path / "big")
+    mesh.save(path, "big")
+    err = capfd.readouterr().err
+    assert f"saving {path}" in err and "100%" in err
+    mesh.exec("del big").fetch()
 
 
 def test_a_tensor_engine_module_saved_and_loaded_in_place(mesh, tmp_path):
