@@ -4,14 +4,17 @@ notebook defines them (in ``__main__``), and the workers seeing each change."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 import textwrap
+import weakref
 
 import pytest
+import torch
 
 import monarch_nb as mnb
-from monarch_nb.protocol.function_guard import FunctionGuard
+from monarch_nb.protocol.function_guard import FunctionGuard, pickled
 
 CELL = """
 import math
@@ -131,3 +134,23 @@ def test_workers_see_every_change_of_a_notebook_function(mesh):
     assert h(1, mesh=mesh).fetch() == [2, 2]
     bump(5)
     assert h(1, mesh=mesh).fetch() == [6, 6]
+
+
+def test_a_remote_made_per_call_reuses_the_pickle_and_sees_changes(mesh):
+    ns = _notebook()
+    assert mnb.remote(ns["f"])(1, mesh=mesh).fetch() == [3, 3]  # mnb.remote(f)(x) in a loop
+    assert mnb.remote(ns["f"])._function() is mnb.remote(ns["f"])._function()
+    ns["SCALE"] = 5
+    assert mnb.remote(ns["f"])(1, mesh=mesh).fetch() == [6, 6]
+    ones = mnb.remote(torch.ones)
+    assert ones._function() is mnb.remote(torch.ones)._function()  # a builtin, by name
+
+
+@pytest.mark.unit
+def test_the_cache_keeps_no_redefined_function_alive():
+    ns = _notebook()
+    old = weakref.ref(ns["fact"])  # it names itself: its guard reads it
+    pickled(ns["fact"], None)
+    exec("def fact(n):\n    return 2\n", ns)
+    gc.collect()
+    assert old() is None

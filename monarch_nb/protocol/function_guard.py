@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 
 from .messages import Function
 from .pickling import function_ref, is_by_value
@@ -70,13 +71,36 @@ def _state(fn: types.FunctionType) -> tuple:
     )
 
 
+_GONE = object()  # a weakly held value that died: never what a namespace holds
+
+
+def _held(value) -> tuple:
+    """What a guard keeps of ``value``: a weak reference where it takes one (a cached
+    function must not keep itself, or a function it replaced, alive), else the value."""
+    if type(value) in _ATOMS and type(value) is not types.ModuleType:
+        return (False, value)
+    try:
+        return (True, weakref.ref(value))
+    except TypeError:
+        return (False, value)
+
+
+def _value_of(held: tuple):
+    weak, v = held
+    if not weak:
+        return v
+    v = v()
+    return _GONE if v is None else v
+
+
 class FunctionGuard:
     """What a by-value function's pickle read; ``holds()`` while it is all unchanged."""
 
     def __init__(self):
         self._modules = len(sys.modules)
-        self._globals: list[tuple[dict, str, object]] = []  # (namespace, name, value or _MISSING)
-        self._functions: list[tuple[types.FunctionType, tuple]] = []  # (function, _state)
+        # (namespace, name, _held(value or _MISSING)); (_held(function), _state)
+        self._globals: list[tuple[dict, str, tuple]] = []
+        self._functions: list[tuple[tuple, tuple]] = []
         self._seen: set[int] = set()
 
     @classmethod
@@ -97,10 +121,13 @@ class FunctionGuard:
         """Whether a new pickle of the function would be the guarded one."""
         if len(sys.modules) != self._modules:
             return False
-        for namespace, name, value in self._globals:
-            if namespace.get(name, _MISSING) is not value:
+        for namespace, name, held in self._globals:
+            if namespace.get(name, _MISSING) is not _value_of(held):
                 return False
-        for fn, state in self._functions:
+        for held, state in self._functions:
+            fn = _value_of(held)
+            if fn is _GONE:
+                return False
             now = _state(fn)
             if len(now) != len(state) or any(a is not b for a, b in zip(now, state)):
                 return False
@@ -113,7 +140,7 @@ class FunctionGuard:
         if fn.__dict__:
             raise _Unstable("attributes")
         state = _state(fn)
-        self._functions.append((fn, state))
+        self._functions.append((_held(fn), state))
         for value in (state[1], *state[9:]):  # defaults, closure cells
             self._value(value)
         if fn.__kwdefaults__:
@@ -124,7 +151,7 @@ class FunctionGuard:
         namespace = fn.__globals__
         for name in sorted(_names(fn.__code__, set())):
             value = namespace.get(name, _MISSING)
-            self._globals.append((namespace, name, value))
+            self._globals.append((namespace, name, _held(value)))
             if value is not _MISSING:
                 self._value(value)
 
@@ -146,13 +173,33 @@ class FunctionGuard:
         raise _Unstable(tp.__name__)
 
 
+_by_function: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> (Function, guard)
+_builtins: dict[int, tuple] = {}  # id(fn) -> (fn, (Function, None)): torch.ones and the like
+
+
 def pickled(fn, cached: tuple | None) -> tuple[Function, tuple | None]:
     """``(Function, cache)``: ``fn`` described for the workers (``function_ref``), or
-    the Function in ``cached`` (the cache this returned last) while a new pickle
-    would give the same. An importable function's is kept for good."""
+    the Function in ``cached`` (the cache this returned last; else what the last call
+    for ``fn`` made, so that ``mnb.remote(f)(x)`` in a loop pickles ``f`` once) while
+    a new pickle would give the same. An importable function's is kept for good."""
+    tp = type(fn)
+    if cached is None:
+        if tp is types.FunctionType:
+            cached = _by_function.get(fn)
+        elif tp is types.BuiltinFunctionType:
+            held = _builtins.get(id(fn))
+            cached = held[1] if held is not None and held[0] is fn else None
     if cached is not None and (cached[1] is None or cached[1].holds()):
         return cached[0], cached
     by_value = is_by_value(fn)
     guard = FunctionGuard.of(fn) if by_value else None
     f = function_ref(fn)  # after the guard: a change meanwhile fails it
-    return f, ((f, guard) if guard is not None or not by_value else None)
+    entry = (f, guard) if guard is not None or not by_value else None
+    if tp is types.FunctionType:
+        if entry is None:
+            _by_function.pop(fn, None)
+        else:
+            _by_function[fn] = entry
+    elif tp is types.BuiltinFunctionType and entry is not None and len(_builtins) < 4096:
+        _builtins[id(fn)] = (fn, entry)
+    return f, entry
