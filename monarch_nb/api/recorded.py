@@ -56,6 +56,8 @@ class Trace:
         return self.hold
 
     def note(self, refs) -> None:
+        if self.hold:  # a checked call: only a recording call defines inputs from them
+            return
         for r in refs:
             if hasattr(r, "_layout"):
                 self.tensors.setdefault(r.id, weakref.ref(r))
