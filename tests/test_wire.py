@@ -9,6 +9,7 @@ import torch
 from monarch_nb.protocol import BadMessage, Signer, decode, encode, envelope, new_secret, wire
 from monarch_nb.protocol import messages as m
 from monarch_nb.protocol.ndslice import NDSlice
+from monarch_nb.protocol.pickling import IN_BAND
 from monarch_nb.protocol.wire import (
     FULL_COVER,
     function_ref,
@@ -43,7 +44,7 @@ def test_wrong_key_is_rejected_before_unpickling(tmp_path):
 @pytest.mark.parametrize("where", [0, 1, 2])
 def test_any_tampered_frame_is_rejected(where):
     s = Signer(new_secret())
-    t = torch.arange(1000, dtype=torch.float32)
+    t = torch.arange(2000, dtype=torch.float32)  # over IN_BAND: its bytes are frame 2
     frames = [bytearray(f) for f in encode(m.FetchResult(1, 0, t, None), s)]
     frames[where][-1] ^= 1
     with pytest.raises(BadMessage):
@@ -124,6 +125,17 @@ def test_tensor_bytes_travel_out_of_band():
     out = decode(frames, s).value
     out += 1  # a received tensor is writable
     assert float(out[0]) == 2.0
+
+
+def test_a_small_tensor_travels_inside_the_pickle_and_arrives_writable():
+    s = Signer(new_secret())
+    t = torch.arange(IN_BAND // 4, dtype=torch.float32)  # the largest that goes in band
+    frames = encode(m.FetchResult(1, 0, t, None), s)
+    assert len(frames) == 2  # one message of two frames: it batches with its neighbours
+    out = decode(frames, s).value
+    out += 1
+    assert torch.equal(out, t + 1)
+    assert len(encode(m.FetchResult(1, 0, torch.arange(IN_BAND // 4 + 1.0), None), s)) == 3
 
 
 def test_parameter_keeps_its_type():

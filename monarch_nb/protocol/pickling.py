@@ -1,7 +1,9 @@
 """Pickling for the wire: protocol 5 with out-of-band buffers, Refs as placeholders.
 
 * Tensors and other large contiguous buffers are out-of-band: each becomes a
-  frame of its own, sent and received without being copied into the pickle.
+  frame of its own, sent and received without being copied into the pickle. A
+  tensor of up to ``IN_BAND`` bytes goes inside the pickle (its message stays
+  two frames, batched with its neighbours').
 * Functions, classes and lambdas defined in ``__main__`` (a script or a
   notebook) or in a local scope are pickled by value with cloudpickle (keeping
   their real file names, and the source lines of notebook cells); everything
@@ -58,6 +60,7 @@ def load_group(key: int):
 
 
 _tls = threading.local()
+IN_BAND = 4096  # bytes: a tensor up to this size travels inside the pickle
 
 
 def _load_ref(ref_id: int):
@@ -182,7 +185,10 @@ def _reduce_tensor(t):
         flat = d.reshape(-1)
         if flat.stride(0) != 1:  # size-1 dims broadcast by stride 0 count as contiguous
             flat = flat.clone(memory_format=torch.contiguous_format)
-        data = pickle.PickleBuffer(flat.view(torch.uint8).numpy())
+        raw = flat.view(torch.uint8).numpy()
+        # a small one inside the pickle: its message stays two frames and goes in one
+        # batch with its neighbours; a large one out of band, never copied
+        data = raw.tobytes() if raw.nbytes <= IN_BAND else pickle.PickleBuffer(raw)
     return (_rebuild_tensor, (data, dtype, tuple(d.shape), t.requires_grad))
 
 
