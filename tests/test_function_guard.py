@@ -36,6 +36,9 @@ def fact(n):
 def typed(x: int) -> int:
     return x + LATER
 
+def attrs(batch):
+    return batch.TABLE  # an attribute, not the notebook's list
+
 def outer(v):
     def inner(x):
         return x + v
@@ -109,6 +112,7 @@ def test_closure_cells_recursion_and_values_that_change_in_place():
     assert not guard.holds()
 
     assert FunctionGuard.of(ns["fact"]).holds()  # calls itself
+    assert FunctionGuard.of(ns["attrs"]).holds()  # .TABLE reads no global
     assert FunctionGuard.of(ns["g"]) is None  # reads a list: pickled per call
     ns["f"].note = "x"
     assert FunctionGuard.of(ns["f"]) is None  # attributes: pickled per call

@@ -16,6 +16,7 @@ call, as before, so that the workers always see the values of the moment.
 
 from __future__ import annotations
 
+import dis
 import sys
 import types
 import weakref
@@ -44,9 +45,19 @@ class _Unstable(Exception):
     """A value whose pickle may change while it stays the same object."""
 
 
+# the instructions that name a global (the *_NAME ones: a class body's, inside a function)
+_GLOBAL_OPS = frozenset(
+    dis.opmap[op]
+    for op in (
+        "LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "STORE_NAME", "DELETE_NAME"
+    )
+)
+
+
 def _names(code: types.CodeType, out: set) -> set:
-    """The names ``code`` (and the code nested in it) may read as globals."""
-    out.update(code.co_names)
+    """The globals ``code`` (and the code nested in it) names, as cloudpickle finds
+    them: an attribute named like a notebook's variable (``batch.model``) is none."""
+    out.update(i.argval for i in dis.get_instructions(code) if i.opcode in _GLOBAL_OPS)
     for c in code.co_consts:
         if type(c) is types.CodeType:
             _names(c, out)
