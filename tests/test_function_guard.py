@@ -114,6 +114,12 @@ def test_closure_cells_recursion_and_values_that_change_in_place():
     assert FunctionGuard.of(ns["fact"]).holds()  # calls itself
     assert FunctionGuard.of(ns["attrs"]).holds()  # .TABLE reads no global
     assert FunctionGuard.of(ns["g"]) is None  # reads a list: pickled per call
+    exec("def kw(*, k=1):\n    return k\n", ns)
+    guard = FunctionGuard.of(ns["kw"])
+    ns["kw"].__kwdefaults__["k"] = 2  # changed in place
+    assert not guard.holds()
+    empty, _ = ns["outer"]({})  # a closure over a dict, empty or not: pickled per call
+    assert FunctionGuard.of(empty) is None
     ns["f"].note = "x"
     assert FunctionGuard.of(ns["f"]) is None  # attributes: pickled per call
     assert FunctionGuard.of(print) is None

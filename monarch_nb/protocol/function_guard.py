@@ -68,6 +68,8 @@ def _state(fn: types.FunctionType) -> tuple:
     """The function's own parts that its pickle holds (compared by identity)."""
     cells = fn.__closure__
     contents = () if cells is None else tuple([c.cell_contents for c in cells])
+    kw = fn.__kwdefaults__  # its names and values: a dict may change in place
+    keywords = () if not kw else tuple([x for item in kw.items() for x in item])
     return (
         fn.__code__,
         fn.__defaults__,
@@ -78,6 +80,7 @@ def _state(fn: types.FunctionType) -> tuple:
         fn.__doc__,
         fn.__annotations__,
         len(fn.__dict__),
+        *keywords,
         *contents,
     )
 
@@ -152,11 +155,8 @@ class FunctionGuard:
             raise _Unstable("attributes")
         state = _state(fn)
         self._functions.append((_held(fn), state))
-        for value in (state[1], *state[9:]):  # defaults, closure cells
+        for value in (state[1], *state[9:]):  # defaults, keyword defaults, closure cells
             self._value(value)
-        if fn.__kwdefaults__:
-            for value in fn.__kwdefaults__.values():
-                self._value(value)
         for value in fn.__annotations__.values():
             self._value(value)
         namespace = fn.__globals__
@@ -173,8 +173,6 @@ class FunctionGuard:
         if tp is tuple or tp is frozenset:
             for v in value:
                 self._value(v)
-            return
-        if tp is dict and not value:  # an empty **kwdefaults
             return
         if isinstance(value, (types.FunctionType, type)) and not is_by_value(value):
             return  # pickled by its name
