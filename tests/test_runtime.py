@@ -150,6 +150,30 @@ def test_status_shape(mesh):
     json.dumps(st)
 
 
+def _collector_state():
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle a user's code makes: only the collector frees it
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
+    return gc.get_freeze_count(), len(gc.get_objects()), gone() is None
+
+
+def test_start_up_objects_are_frozen_and_later_garbage_is_collected(mesh):
+    """A worker freezes what start-up made (torch, its own modules), so a full
+    collection does not walk it; what user code makes later is collected as usual."""
+    for frozen, tracked, collected in mnb.remote(_collector_state)(mesh=mesh).fetch(timeout=30):
+        assert frozen > 50_000, frozen  # torch alone is well over that
+        assert tracked < frozen, (tracked, frozen)
+        assert collected
+
+
 def mark_then_sleep(path: str, seconds: float) -> None:
     open(f"{path}-{mnb.current_rank()}", "w").close()
     time.sleep(seconds)

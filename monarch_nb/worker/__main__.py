@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -128,7 +129,12 @@ def run_worker(
 
     from .worker import Worker
 
-    Worker(address, key, rank, world, local_rank, parent_pid, heartbeat).serve()
+    worker = Worker(address, key, rank, world, local_rank, parent_pid, heartbeat)
+    # what start-up made (torch, the worker's own modules: ~190k objects) lives as long
+    # as the process: left to the collector, each full collection walks it (~0.1 s
+    # here), and a tensor op's cells and closures trigger one every few thousand ops
+    gc.freeze()
+    worker.serve()
     sys.stdout.flush()
     os._exit(0)
 
