@@ -195,12 +195,10 @@ def test_an_input_that_lives_on_some_ranks_only_does_not_strand_a_replayed_colle
 
 def forget_on_rank_1(ref_id: int) -> None:
     """Drop a Ref's value on rank 1 only (as if it had never reached it)."""
-    import gc
-
-    from monarch_nb.worker.worker import Worker
+    from monarch_nb.worker import current
 
     if mnb.current_rank() == 1:
-        (worker,) = [o for o in gc.get_objects() if isinstance(o, Worker)]
+        worker = current.worker
         del worker.env[ref_id]
 
 

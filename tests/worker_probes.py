@@ -9,11 +9,9 @@ def env_size() -> int:
 
     Deletes of dropped Refs travel after the commands already sent: call
     ``mesh.wait()`` first so that this one comes after them."""
-    import gc
+    from monarch_nb.worker import current
 
-    from monarch_nb.worker.worker import Worker
-
-    (worker,) = [o for o in gc.get_objects() if isinstance(o, Worker)]
+    worker = current.worker
     return len(worker.env) - 1
 
 
@@ -27,9 +25,7 @@ def env_sizes(mesh) -> list[int]:
 
 def recordings() -> int:
     """The number of recordings (``mnb.compile``) the worker keeps."""
-    import gc
+    from monarch_nb.worker import current
 
-    from monarch_nb.worker.worker import Worker
-
-    (worker,) = [o for o in gc.get_objects() if isinstance(o, Worker)]
+    worker = current.worker
     return len(worker.recordings)

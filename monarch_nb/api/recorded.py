@@ -114,21 +114,31 @@ class Signature:
         floats: list = []
         skeleton: list | None = []
 
+        number = canon.setdefault
+
         def c(rid):
-            return None if rid is None else canon.setdefault(rid, len(canon))
+            return None if rid is None else number(rid, len(canon))
 
         for command, targets, _ in commands:
+            if type(command) is tuple:  # a tensor op (most commands), inline: ~2x faster
+                _, result, op, reads, stream, scalars = command
+                read = tuple([number(r, len(canon)) for r in reads])
+                if type(result) is tuple:
+                    made.update(result)
+                    made_here = tuple([number(r, len(canon)) for r in result])
+                else:
+                    made.add(result)
+                    made_here = (number(result, len(canon)),)
+                if skeleton is not None:
+                    floats.extend(scalars)
+                    skeleton.append(("op", targets, stream, op, read, made_here, len(scalars)))
+                continue
             result, reads, stream = fields(command)
             read = tuple([c(r) for r in reads])
             made.update(results_of(result))
-            if type(command) is tuple or skeleton is None:
-                made_here = tuple([c(r) for r in results_of(result)])
             if skeleton is None:
-                continue
-            if type(command) is tuple:
-                scalars = command[5]
-                floats.extend(scalars)
-                skeleton.append(("op", targets, stream, command[2], read, made_here, len(scalars)))
+                for r in results_of(result):
+                    c(r)
                 continue
             try:
                 skeleton.append(_message_skeleton(command, targets, c))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 _state: dict = {}
 namespace: dict = {}  # the worker's persistent namespace (set by the worker)
+worker = None  # the Worker serving this process (set by it): its state, for probes and tests
 
 
 def _set(rank: int, size: int, coords: dict) -> None:

@@ -79,7 +79,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
 
     def serve(self) -> None:
         """Run until Exit: the receiver on a thread, the default stream here."""
-        current.namespace = self.namespace
+        current.namespace, current.worker = self.namespace, self
         sys.stdout = capture.RoutedWriter("stdout", sys.__stdout__)
         sys.stderr = capture.RoutedWriter("stderr", sys.__stderr__)
         sys.stdin = capture.NoInput()
