@@ -18,6 +18,7 @@ import pytest
 from keepalive_helpers import cli, start_controller
 from kernel_helpers import Kernel, errors_text, text
 from wait_helpers import alive, pids_gone, wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.protocol import keepalive
@@ -131,7 +132,7 @@ def test_a_new_process_attaches_after_a_sigkill_and_trains_on(tmp_path, mesh_dir
             mnb.attach("att_train")
         mesh.restart()  # fresh ranks, forked by the same agent through its door
         assert mesh.exec("'losses' in globals()").fetch(timeout=60) == [False, False]
-        new_pids = list(mesh._controller.worker_pids().values())
+        new_pids = list(rank_pids(mesh).values())
         assert set(new_pids).isdisjoint(pids)
         mesh.detach()  # the agent waits again ...
         with pytest.raises(mnb.MeshClosedError, match=rf"pid {os.getpid()}\) detached it"):

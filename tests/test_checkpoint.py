@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import torch
 from wait_helpers import wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 
@@ -228,7 +229,7 @@ def test_restart_restore_gives_fresh_workers_with_the_state(mesh, tmp_path):
     mesh.exec("model(torch.ones(1, 4)).sum().backward(); opt.step()").fetch()
     assert not same(mesh.exec("model.state_dict()").fetch(), [b[0] for b in before])
     # after a crash: the mesh is broken, the restore brings it back with the state
-    victim = mesh._controller.worker_pids()[1]
+    victim = rank_pids(mesh)[1]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: not mesh.alive, 30, "the mesh to notice the crash")
     mesh.restart(restore=path)
@@ -368,9 +369,9 @@ def test_restart_restore_magic(tmp_path):
         reply, msgs = k.run("%monarch_mesh --restore " + path)
         assert reply["content"]["status"] == "error" and not errors(msgs)
         assert "--restore PATH goes with --restart" in stream(msgs, "stderr")
-        old = k.value("sorted(mnb.get_mesh('default')._controller.worker_pids().values())")
+        old = k.value("sorted(i['pid'] for i in mnb.get_mesh('default').status()['ranks'].values())")
         k.ok(f"%monarch_mesh --restart --restore {path}", timeout=120)
-        new = k.value("sorted(mnb.get_mesh('default')._controller.worker_pids().values())")
+        new = k.value("sorted(i['pid'] for i in mnb.get_mesh('default').status()['ranks'].values())")
         assert not set(old) & set(new)
         _, msgs = k.run("%%monarch\nkept")
         assert plain(msgs) == ["[rank 0] [0, 'kept']", "[rank 1] [1, 'kept']"]

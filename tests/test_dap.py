@@ -285,7 +285,7 @@ def test_a_worker_that_dies_while_paused_leaves_the_threads(k, dap):
         lambda ev: ev["event"] == "stopped" and ev["body"]["threadId"] >= THREAD_BASE
     )
     tid, since = ev["body"]["threadId"], ev["seq"]
-    pid = k.value("mnb.get_mesh()._controller.worker_pids()[1]", output_hook=dap.hook)
+    pid = k.value("mnb.get_mesh().status()['ranks'][1]['pid']", output_hook=dap.hook)
     psutil.Process(pid).kill()
     dap.wait_event(
         lambda ev: ev["event"] == "thread" and ev["body"]["threadId"] == tid and ev["seq"] > since

@@ -238,7 +238,7 @@ def test_restart_and_shutdown_buttons_and_the_docked_dashboard(kw):
     assert "docked in the side area" in "".join(
         m["content"]["data"].get("text/plain", "") for m in msgs if m["msg_type"] == "display_data"
     )
-    before = value(k, w, "list(mnb.get_mesh('b')._controller.worker_pids().values())")
+    before = value(k, w, "[i['pid'] for i in mnb.get_mesh('b').status()['ranks'].values()]")
     restart = w.find("mnb-dash-restart")
     w.click(restart)
     w.wait_text("mnb-dash-note", "click again")
@@ -246,7 +246,7 @@ def test_restart_and_shutdown_buttons_and_the_docked_dashboard(kw):
     w.click(restart)
     w.wait_text("mnb-dash-main", "generation 1", timeout=120)
     w.wait_text("mnb-dash-note", "restarted: generation 1", timeout=60)
-    after = value(k, w, "list(mnb.get_mesh('b')._controller.worker_pids().values())")
+    after = value(k, w, "[i['pid'] for i in mnb.get_mesh('b').status()['ranks'].values()]")
     assert not set(before) & set(after)
     reply, msgs = run(k, w, "%%monarch --mesh b\nrank + 10")
     assert "[rank 0] 10" in str(msgs)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from cgroup_helpers import pids_cgroup
 from wait_helpers import alive, pids_gone, wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.api.mesh import DeviceMesh
@@ -83,7 +84,7 @@ def test_a_setting_read_at_import_that_changed_starts_a_fresh_agent(monkeypatch)
         with mnb.local_mesh(dp=1, name="after-drift") as m2:
             new = local_agent()
             assert new is not old and new.alive
-            assert psutil.Process(m2._controller.worker_pids()[0]).ppid() == new.pid
+            assert psutil.Process(rank_pids(m2)[0]).ppid() == new.pid
             assert mnb.remote(_stall_after)(mesh=m2).fetch(rank=0, timeout=60) == 7.0
             assert old.alive  # retired: it serves its ranks until they end
             m.exec("a = 1")
@@ -96,7 +97,7 @@ def test_a_setting_read_at_import_that_changed_starts_a_fresh_agent(monkeypatch)
 def test_ranks_are_forked_by_the_agent_and_run_cells_and_collectives(hosted):
     agent = local_agent()
     assert psutil.Process(agent.pid).ppid() == os.getpid()
-    for pid in hosted._controller.worker_pids().values():
+    for pid in rank_pids(hosted).values():
         assert psutil.Process(pid).ppid() == agent.pid
     hosted.exec("import torch\nx = torch.full((3,), float(__import__('os').environ['RANK']))")
     assert hosted.pull("x", rank=1).tolist() == [1.0, 1.0, 1.0]
@@ -169,9 +170,9 @@ def test_restart_keeps_the_agent_and_forks_new_ranks():
     with mnb.local_mesh(dp=2, name="renewed") as m:
         agent = local_agent()
         m.exec("kept = 1").fetch(timeout=60)
-        before = m._controller.worker_pids()
+        before = rank_pids(m)
         m.restart()
-        after = m._controller.worker_pids()
+        after = rank_pids(m)
         assert local_agent() is agent and agent.alive
         assert not set(before.values()) & set(after.values())
         assert pids_gone(before.values()) == []
@@ -187,7 +188,7 @@ def test_a_killed_rank_is_reported_with_its_rank_and_output():
     with mnb.local_mesh(dp=2, name="crashing") as m:
         m.exec("import os\nos.write(2, b'last words of this rank\\n')").fetch(timeout=60)
         busy = m.exec("import time\ntime.sleep(60)")
-        os.kill(m._controller.worker_pids()[1], signal.SIGKILL)
+        os.kill(rank_pids(m)[1], signal.SIGKILL)
         with pytest.raises(WorkerCrashed) as ei:
             busy.fetch(timeout=30)  # the agent's report fails it long before this bound
         assert ei.value.rank == 1 and ei.value.exit_code == -signal.SIGKILL
@@ -206,7 +207,7 @@ def test_the_controller_gone_takes_the_agent_and_its_ranks(end):
         "from monarch_nb.launchers.host_agent import local_agent\n"
         "m = mnb.local_mesh(dp=2, name='doomed')\n"
         "m.exec('x = 1').fetch(timeout=60)\n"
-        "print(json.dumps([local_agent().pid, *m._controller.worker_pids().values()]), "
+        "print(json.dumps([local_agent().pid, *[i['pid'] for i in m.status()['ranks'].values()]]), "
         "flush=True)\n"
         "sys.stdin.read()\n"
     )
@@ -353,7 +354,7 @@ def test_the_agent_killed_fails_its_ranks_clearly_and_a_restart_gets_a_new_one()
     m = mnb.local_mesh(dp=2, name="orphaned")
     try:
         agent = local_agent()
-        ranks = list(m._controller.worker_pids().values())
+        ranks = list(rank_pids(m).values())
         busy = m.exec("import time\ntime.sleep(60)")
         os.kill(agent.pid, signal.SIGKILL)
         with pytest.raises(WorkerCrashed) as ei:

@@ -11,6 +11,7 @@ from array import array
 import pytest
 import torch
 from wait_helpers import wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.controller.timeline import kind_of, stragglers
@@ -153,7 +154,7 @@ def test_timeline_since_and_without_asking_the_ranks(mesh, caplog):
     with pytest.raises(TypeError, match="since"):
         mesh.timeline(since="now")
     # measure=False reads what the controller holds: a stopped rank cannot hold it up
-    pid = mesh._controller.worker_pids()[1]
+    pid = rank_pids(mesh)[1]
     got: list = []
     os.kill(pid, signal.SIGSTOP)
     try:

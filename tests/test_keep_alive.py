@@ -17,6 +17,7 @@ import pytest
 from keepalive_helpers import cli, start_controller
 from kernel_helpers import Kernel, errors_text, text
 from wait_helpers import alive, pids_gone, wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.protocol import keepalive
@@ -142,11 +143,11 @@ def test_restart_and_shutdown_of_a_kept_alive_mesh(mesh_dir):
         entry = keepalive.read_entry("ka_shut")
         assert entry["world"] == 1 and entry["controller_pid"] == os.getpid()
         assert m.exec("6 * 7").fetch(rank=0) == 42
-        first = list(m._controller.worker_pids().values())
+        first = list(rank_pids(m).values())
         m.restart()  # forked again by the same agent
         assert m.exec("6 * 7").fetch(rank=0) == 42
         assert keepalive.read_entry("ka_shut")["agent_pid"] == entry["agent_pid"]
-        pids = [entry["agent_pid"], *first, *m._controller.worker_pids().values()]
+        pids = [entry["agent_pid"], *first, *rank_pids(m).values()]
         assert "ka_shut" in cli("list").stdout
     finally:
         m.shutdown()

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.kernel
 
 ALL_PIDS = (
     "sorted(p for m in mnb.api.mesh.all_meshes().values() "
-    "for p in m._controller.worker_pids().values())"
+    "for p in [i['pid'] for i in m.status()['ranks'].values()])"
 )
 
 

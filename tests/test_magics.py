@@ -31,7 +31,7 @@ def k(tmp_path_factory):
 
 
 def pids(k, name="default") -> list[int]:
-    return k.value(f"sorted(mnb.get_mesh({name!r})._controller.worker_pids().values())")
+    return k.value(f"sorted(i['pid'] for i in mnb.get_mesh({name!r}).status()['ranks'].values())")
 
 
 def usage_error(k, line: str) -> str:

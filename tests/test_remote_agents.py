@@ -21,6 +21,7 @@ from cgroup_helpers import pids_cgroup
 from connect_helpers import Waiting, wait_file
 from netns_helpers import bridged
 from wait_helpers import alive, pids_gone, wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.controller.errors import WorkerCrashed
@@ -130,9 +131,9 @@ def test_tab_and_shift_tab_reach_a_rank_behind_a_relay(hosts):
 def test_restart_forks_again_through_the_same_agents(hosts):
     mesh, relays, _ = hosts
     before = tree(relays[0]) + tree(relays[1])
-    ranks = list(mesh._controller.worker_pids().values())
+    ranks = list(rank_pids(mesh).values())
     mesh.restart()
-    after = mesh._controller.worker_pids()
+    after = rank_pids(mesh)
     assert sorted(after) == [0, 1, 2, 3] and not set(after.values()) & set(ranks)
     assert all(p.poll() is None for p in relays)
     agents = [psutil.Process(p.pid).children()[0].pid for p in relays]
@@ -145,7 +146,7 @@ def test_a_rank_killed_under_a_remote_agent_fails_pending_work_naming_host_and_r
     mesh, relays, _ = hosts
     mesh.exec("import os\nos.write(2, b'last words of rank 2\\n')").fetch(timeout=60)
     busy = mesh.exec("import time\ntime.sleep(60)")
-    os.kill(mesh._controller.worker_pids()[2], signal.SIGKILL)
+    os.kill(rank_pids(mesh)[2], signal.SIGKILL)
     with pytest.raises(WorkerCrashed) as ei:
         busy.fetch(timeout=30)  # the agent's report fails it long before this bound
     e = ei.value
@@ -161,7 +162,7 @@ def test_a_remote_agent_killed_fails_all_its_ranks_naming_its_host(hosts, victim
     mesh, relays, conn = hosts
     i = 0 if victim == "agent" else 1
     agent = psutil.Process(relays[i].pid).children()[0].pid
-    ranks = [pid for r, pid in mesh._controller.worker_pids().items() if r // 2 == i]
+    ranks = [pid for r, pid in rank_pids(mesh).items() if r // 2 == i]
     busy = mesh.exec("import time\ntime.sleep(60)")
     os.kill(agent if victim == "agent" else relays[i].pid, signal.SIGKILL)
     with pytest.raises(WorkerCrashed) as ei:

@@ -13,6 +13,7 @@ import traceback
 
 import pytest
 from wait_helpers import wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 
@@ -195,7 +196,7 @@ def crashy():
 def test_a_crash_is_said_once_then_each_call_says_restart(crashy, caplog):
     caplog.set_level(logging.WARNING, logger="monarch_nb.controller")
     fut = mnb.remote(time.sleep)(60, mesh=crashy).fetch_async()
-    os.kill(crashy._controller.worker_pids()[1], signal.SIGKILL)
+    os.kill(rank_pids(crashy)[1], signal.SIGKILL)
     with pytest.raises(mnb.WorkerCrashed) as ei:
         fut.result(timeout=30)
     first = ei.value
@@ -225,7 +226,7 @@ def test_a_crash_is_said_once_then_each_call_says_restart(crashy, caplog):
 
 def test_a_crash_with_nobody_waiting_is_logged_once(crashy, caplog):
     caplog.set_level(logging.WARNING, logger="monarch_nb.controller")
-    os.kill(crashy._controller.worker_pids()[0], signal.SIGKILL)
+    os.kill(rank_pids(crashy)[0], signal.SIGKILL)
     wait_for(lambda: not crashy.alive, 30, "the controller to see the crash")
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert logged == [

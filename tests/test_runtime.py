@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 from wait_helpers import file_appears, wait_for, wait_running
-from worker_probes import env_sizes
+from worker_probes import env_sizes, rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.controller.io_items import Send
@@ -302,7 +302,7 @@ def test_sigkill_during_long_command_then_new_mesh(worker_children):
         r = mnb.remote(time.sleep)(60, mesh=m1)
         fut = r.fetch_async(rank=0)
         wait_running(m1, [0, 1])  # killed in the middle of the command
-        victim = m1._controller.worker_pids()[1]
+        victim = rank_pids(m1)[1]
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(mnb.WorkerCrashed) as ei:
             fut.result(timeout=5)
@@ -337,7 +337,7 @@ def test_workers_die_with_a_sigkilled_controller(tmp_path):
         textwrap.dedent("""
         import sys, time, monarch_nb as mnb
         mesh = mnb.local_mesh(dp=2)
-        print(*mesh._controller.worker_pids().values(), flush=True)
+        print(*[i['pid'] for i in mesh.status()['ranks'].values()], flush=True)
         time.sleep(600)
     """)
     )
@@ -359,9 +359,9 @@ def test_restart_gives_fresh_workers():
         m1.exec("x = 41")
         old = m1.exec("x + 1")
         assert old.fetch(rank=0) == 42
-        pids = m1._controller.worker_pids()
+        pids = rank_pids(m1)
         m1.restart()
-        assert m1._controller.worker_pids() != pids
+        assert rank_pids(m1) != pids
         with pytest.raises(mnb.RefUseError, match="restarted"):
             old.fetch()
         with pytest.raises(mnb.RemoteError, match="NameError"):
@@ -371,7 +371,7 @@ def test_restart_gives_fresh_workers():
 def test_fetching_2gb_does_not_grow_memory(mesh):
     big = mnb.remote(torch.ones)(25 * 2**20, mesh=mesh)  # 100 MB
     procs = [psutil.Process(os.getpid())] + [
-        psutil.Process(p) for p in mesh._controller.worker_pids().values()
+        psutil.Process(p) for p in rank_pids(mesh).values()
     ]
     for _ in range(3):
         big.fetch(rank=0)

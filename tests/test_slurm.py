@@ -22,6 +22,7 @@ from dap_helpers import start as dap_start
 from kernel_helpers import Kernel, errors, errors_text, plain, stream
 from slurm_helpers import slurm_cluster
 from wait_helpers import wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.controller.errors import WorkerCrashed
@@ -79,9 +80,9 @@ def test_quickstart_on_four_nodes_of_two_ranks(cluster, job_env):
         expect = torch.arange(6.0).reshape(2, 3)
         assert torch.equal(mnb.inspect(s, hosts=3, ranks=1), 4 * (expect @ expect.T))
         # restart: the same job's agents fork the ranks again
-        before = mesh._controller.worker_pids()
+        before = rank_pids(mesh)
         mesh.restart()
-        after = mesh._controller.worker_pids()
+        after = rank_pids(mesh)
         assert set(before.values()).isdisjoint(after.values())
         assert [s[1:] for s in mnb.remote(where)(mesh=mesh).fetch(timeout=60)] == [
             (f"n{r // 2}", job) for r in range(8)

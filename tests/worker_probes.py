@@ -23,6 +23,11 @@ def env_sizes(mesh) -> list[int]:
     return mnb.remote(env_size)(mesh=mesh).fetch(timeout=60)
 
 
+def rank_pids(mesh) -> dict[int, int]:
+    """Rank -> the pid of its worker process, as ``mesh.status()`` reports it."""
+    return {r: info["pid"] for r, info in mesh.status()["ranks"].items()}
+
+
 def recordings() -> int:
     """The number of recordings (``mnb.compile``) the worker keeps."""
     from monarch_nb.worker import current

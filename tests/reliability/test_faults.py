@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from reliability_helpers import alive, run_trials, running, wait_for, wait_running
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 import monarch_nb.controller.interrupts as interrupts_mod
@@ -77,14 +78,14 @@ def native_sleep(seconds: int):
 
 
 def pid_of(mesh, rank: int) -> int:
-    return mesh._controller.worker_pids()[rank]
+    return rank_pids(mesh)[rank]
 
 
 def restart_and_check(mesh) -> None:
     """Restart works: fresh workers that compute, collectives included."""
-    before = set(mesh._controller.worker_pids().values())
+    before = set(rank_pids(mesh).values())
     mesh.restart()
-    after = set(mesh._controller.worker_pids().values())
+    after = set(rank_pids(mesh).values())
     assert not before & after
     assert all(not alive(p) for p in before), "a worker of the old generation survived"
     assert mnb.remote(add)(1, 2, mesh=mesh).fetch(timeout=60) == [3, 3]

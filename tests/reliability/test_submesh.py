@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reliability_helpers import wait_for
+from worker_probes import rank_pids
 
 import monarch_nb as mnb
 
@@ -34,14 +35,14 @@ def test_a_slice_interrupts_only_its_ranks(mesh):
 @pytest.mark.parametrize("call", ["shutdown", "restart", "with"])
 def test_life_cycle_calls_on_a_slice_say_they_act_on_the_whole_mesh(mesh, call):
     sub = mesh.slice(dp=0)
-    pids = mesh._controller.worker_pids()
+    pids = rank_pids(mesh)
     with pytest.raises(ValueError, match=rf"acts on the whole mesh {mesh.name!r}.*ranks \[0\]"):
         if call == "with":
             with sub:
                 pass
         else:
             getattr(sub, call)()
-    assert mesh._controller.worker_pids() == pids and mesh.alive
+    assert rank_pids(mesh) == pids and mesh.alive
     assert mnb.remote(torch.ones)(1, mesh=sub).fetch(timeout=30) == [torch.ones(1)]
 
 
