@@ -54,14 +54,23 @@ _GLOBAL_OPS = frozenset(
 )
 
 
-def _names(code: types.CodeType, out: set) -> set:
-    """The globals ``code`` (and the code nested in it) names, as cloudpickle finds
-    them: an attribute named like a notebook's variable (``batch.model``) is none."""
-    out.update(i.argval for i in dis.get_instructions(code) if i.opcode in _GLOBAL_OPS)
-    for c in code.co_consts:
-        if type(c) is types.CodeType:
-            _names(c, out)
-    return out
+_names_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # code -> its globals
+
+
+def _names(code: types.CodeType) -> tuple:
+    """The globals ``code`` (and the code nested in it) names, sorted, as cloudpickle
+    finds them: an attribute named like a notebook's variable (``batch.model``) is
+    none. Kept per code object (as cloudpickle keeps its own): reading the
+    instructions costs ~0.1 ms, and a function that reads a list is guarded anew
+    at each call."""
+    names = _names_of.get(code)
+    if names is None:
+        found = {i.argval for i in dis.get_instructions(code) if i.opcode in _GLOBAL_OPS}
+        for c in code.co_consts:
+            if type(c) is types.CodeType:
+                found.update(_names(c))
+        names = _names_of[code] = tuple(sorted(found))
+    return names
 
 
 def _state(fn: types.FunctionType) -> tuple:
@@ -160,7 +169,7 @@ class FunctionGuard:
         for value in fn.__annotations__.values():
             self._value(value)
         namespace = fn.__globals__
-        for name in sorted(_names(fn.__code__, set())):
+        for name in _names(fn.__code__):
             value = namespace.get(name, _MISSING)
             self._globals.append((namespace, name, _held(value)))
             if value is not _MISSING:
