@@ -99,6 +99,10 @@ class Relay:
         self.thread.join(10)
 
 
+THIS = envelope.PROTOCOL_VERSION
+OTHER = THIS + 1
+
+
 def opened(frames, signer):
     """(header, messages) of an envelope."""
     header, parts = envelope.unseal(frames, signer)
@@ -106,9 +110,12 @@ def opened(frames, signer):
 
 
 def sealed(signer, inner: list, rank: int, sock: int, seq: int, version=envelope.PROTOCOL_VERSION):
-    """An envelope with a header of our choosing, signed with the mesh's secret."""
+    """An envelope of one message with a header of our choosing, signed with the mesh's
+    secret (what a Sealer covers: the message's signature, or its pickle if it has none)."""
     header = envelope.HEADER.pack(version, rank, sock, seq, 1)
-    return [signer.mac(header + inner[0]), header, *inner]
+    sig, payload = inner[0], inner[1]
+    entry = envelope.ENTRY.pack(len(sig), len(payload))
+    return [signer.mac_of(header, entry, sig or payload), header, *inner]
 
 
 def find(relay, signer, direction: str, pred):
@@ -196,17 +203,17 @@ def test_a_worker_of_another_version_is_refused_naming_both(relayed, caplog):
         ready = encode(
             m.WorkerReady(0, 2, os.getpid(), socket.gethostname(), False, {}), ctrl.signer
         )
-        s.send_multipart(sealed(ctrl.signer, ready, 0, 99, 1, version=3))
+        s.send_multipart(sealed(ctrl.signer, ready, 0, 99, 1, version=OTHER))
         assert s.poll(10_000), "no answer from the controller"
         header, msgs = opened(s.recv_multipart(), ctrl.signer)
     finally:
         s.close()
-    assert (header.version, header.rank) == (2, envelope.CONTROLLER)
-    assert msgs == [m.Refused("worker speaks protocol 3, this mesh 2")]
+    assert (header.version, header.rank) == (envelope.PROTOCOL_VERSION, envelope.CONTROLLER)
+    assert msgs == [m.Refused(f"worker speaks protocol {OTHER}, this mesh {THIS}")]
     after = rejections(mesh)
     assert after["version"] == before["version"] + 1
     assert sum(after.values()) == mesh.status()["bad_messages"]
-    assert "worker speaks protocol 3, this mesh 2" in caplog.text
+    assert f"worker speaks protocol {OTHER}, this mesh {THIS}" in caplog.text
     serves(mesh)
 
 
@@ -383,11 +390,11 @@ def test_a_worker_leaves_naming_both_versions_when_the_controller_speaks_another
         assert router.poll(120_000), "the worker never said it was ready"
         ident, *frames = router.recv_multipart()
         header, msgs = opened(frames, signer)
-        assert (header.version, header.rank, header.seq) == (2, 0, 1)
+        assert (header.version, header.rank, header.seq) == (THIS, 0, 1)
         assert type(msgs[0]) is m.WorkerReady
-        router.send_multipart([ident, *sealed(signer, encode(m.Ping(), signer), -1, 7, 1, 3)])
+        router.send_multipart([ident, *sealed(signer, encode(m.Ping(), signer), -1, 7, 1, OTHER)])
         assert w.wait(60) == 2
-        assert "the controller speaks protocol 3, this worker 2" in w.stderr.read()
+        assert f"the controller speaks protocol {OTHER}, this worker {THIS}" in w.stderr.read()
     finally:
         w.kill()
         router.close()

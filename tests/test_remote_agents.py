@@ -210,14 +210,14 @@ def test_bad_agents_are_refused_with_the_cause_and_the_mesh_serves_on(hosts, tmp
         prefix=[
             sys.executable,
             "-c",
-            "import sys, monarch_nb.protocol.envelope as e; e.PROTOCOL_VERSION = 3; "
+            "import sys, monarch_nb.protocol.envelope as e; e.PROTOCOL_VERSION = 4; "
             "from monarch_nb.host.__main__ import main; main(sys.argv[1:])",
         ],
     )
     assert other.wait(60) == 2
-    assert "the controller speaks protocol 2, this host agent 3" in other.stderr.read()
+    assert "the controller speaks protocol 3, this host agent 4" in other.stderr.read()
     refusals = mesh._controller.workers.launcher.agents.refusals
-    assert any("a host agent speaks protocol 3, this mesh 2" in r for r in refusals)
+    assert any("a host agent speaks protocol 4, this mesh 3" in r for r in refusals)
     assert mesh.pull("__name__") == ["__main__"] * 4
 
 
@@ -319,7 +319,7 @@ def test_spawns_over_the_network_carry_no_secret_and_every_record_is_signed(tmp_
 
     from monarch_nb.protocol import agent_link
     from monarch_nb.protocol import host_messages as hm
-    from monarch_nb.protocol.envelope import Sealer
+    from monarch_nb.protocol.envelope import ENTRY, Sealer
     from monarch_nb.protocol.wire import Signer
 
     conn = tmp_path / "mesh.json"
@@ -346,7 +346,11 @@ def test_spawns_over_the_network_carry_no_secret_and_every_record_is_signed(tmp_
                 return msg
 
     def hmac_ok(frames, signer):
-        return frames[0] == signer.mac(frames[1] + frames[2]) and frames[2] == signer.mac(frames[3])
+        entry = ENTRY.pack(len(frames[2]), len(frames[3]))  # the record's own signature
+        return (
+            frames[0] == signer.mac_of(frames[1], entry, frames[2])
+            and frames[2] == signer.mac(frames[3])
+        )
 
     try:
         send(hm.Hello("handmade", os.getpid(), mnb.__version__, 2, None))

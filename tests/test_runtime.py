@@ -254,7 +254,10 @@ def test_wrong_key_message_is_not_executed(mesh, tmp_path):
     evil = m.RunCode(
         ctrl.next_ident(), ctrl.next_id(), f"open({str(marker)!r}, 'w')", "<x>", 0, 0, "x"
     )
-    frames = encode(evil, Signer(new_secret()))
+    # signed by its builder with another key (a small message would go unsigned, for the
+    # controller's envelope to cover: forgeries on the wire are test_wire_fuzz.py's)
+    payload = encode(evil, ctrl.signer)[1]
+    frames = [Signer(new_secret()).digest(payload, []), payload]
     ctrl.io.submit(Send([0], frames))
     assert mnb.remote(add)(1, 1, mesh=mesh).fetch(rank=0) == 2  # the worker keeps serving
     bad = wait_for(

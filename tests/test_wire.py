@@ -1,5 +1,6 @@
 """Unit tests of the wire: signing, framing, zero-copy tensors, functions by value, and
-the envelope of protocol v2 (version, rank, sequence numbers) with its PeerTable."""
+the envelope of protocol v3 (version, rank, sequence numbers, one frame and one HMAC for
+a batch of small messages) with its PeerTable."""
 
 import pickle
 
@@ -21,10 +22,23 @@ from monarch_nb.protocol.wire import (
 pytestmark = pytest.mark.unit  # in-process: no worker, kernel or browser
 
 
+def roundtrip(msg, s: Signer):
+    """``msg`` encoded, sealed, unsealed and decoded: as a receiver gets it."""
+    _, parts = envelope.unseal(envelope.Sealer(s, 0).seal(encode(msg, s)), s)
+    return decode(parts[0], s)
+
+
 def test_roundtrip_and_signature():
     s = Signer(new_secret())
     msg = m.Status(1, 0, 5, (5, 5, 3))
-    assert decode(encode(msg, s), s) == msg
+    assert roundtrip(msg, s) == msg
+    frames = encode(msg, s)
+    assert frames[0] == b""  # small and buffer-less: its envelope covers it
+    with pytest.raises(BadMessage, match="wrong length"):  # and alone it is refused
+        decode(frames, s)
+    big = m.Output(0, 0, None, "stdout", "x" * (wire.COVER_MAX + 1))
+    assert len(encode(big, s)[0]) == wire.SIG_LEN  # a large pickle is signed by its builder
+    assert decode(encode(big, s), s) == big == roundtrip(big, s)
 
 
 def test_wrong_key_is_rejected_before_unpickling(tmp_path):
@@ -34,10 +48,16 @@ def test_wrong_key_is_rejected_before_unpickling(tmp_path):
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    frames = encode(m.Output(0, 0, None, "stdout", "x"), Signer(new_secret()))
-    frames[1] = pickle.dumps(Evil())
-    with pytest.raises(BadMessage):
-        decode(frames, Signer(new_secret()))
+    s = Signer(new_secret())
+    for msg in (m.Output(0, 0, None, "stdout", "x"), m.Output(0, 0, None, "stdout", "x" * 20_000)):
+        sealed = envelope.Sealer(s, 0).seal(encode(msg, s))
+        sealed[3] = pickle.dumps(Evil())  # the pickle, replaced on the way
+        for signer in (s, Signer(new_secret())):
+            with pytest.raises(BadMessage):
+                _, parts = envelope.unseal(sealed, signer)
+                decode(parts[0], signer)
+        with pytest.raises(BadMessage):
+            decode(sealed[2:], s)
     assert not marker.exists()
 
 
@@ -77,7 +97,7 @@ def test_nested_records_travel_as_plain_tuples_and_arrive_as_records():
     for msg in msgs:
         frames = encode(msg, s)
         assert b"monarch_nb.protocol.values" not in frames[1]  # no class to look up
-        got = decode(frames, s)
+        got = roundtrip(msg, s)
         assert got == msg
         for a, b in zip(got, msg):
             assert type(a) is type(b)
@@ -111,7 +131,7 @@ def test_malformed_frames():
 )
 def test_tensor_roundtrip(t):
     s = Signer(new_secret())
-    out = decode(encode(m.FetchResult(1, 0, t, None), s), s).value
+    out = roundtrip(m.FetchResult(1, 0, t, None), s).value
     assert out.dtype == t.dtype and out.shape == t.shape
     assert torch.equal(out.detach(), t.detach().resolve_conj())
     assert out.requires_grad == t.requires_grad
@@ -132,7 +152,7 @@ def test_a_small_tensor_travels_inside_the_pickle_and_arrives_writable():
     t = torch.arange(IN_BAND // 4, dtype=torch.float32)  # the largest that goes in band
     frames = encode(m.FetchResult(1, 0, t, None), s)
     assert len(frames) == 2  # one message of two frames: it batches with its neighbours
-    out = decode(frames, s).value
+    out = roundtrip(m.FetchResult(1, 0, t, None), s).value
     out += 1
     assert torch.equal(out, t + 1)
     assert len(encode(m.FetchResult(1, 0, torch.arange(IN_BAND // 4 + 1.0), None), s)) == 3
@@ -141,7 +161,7 @@ def test_a_small_tensor_travels_inside_the_pickle_and_arrives_writable():
 def test_parameter_keeps_its_type():
     s = Signer(new_secret())
     p = torch.nn.Parameter(torch.ones(2))
-    out = decode(encode(m.FetchResult(1, 0, p, None), s), s).value
+    out = roundtrip(m.FetchResult(1, 0, p, None), s).value
     assert isinstance(out, torch.nn.Parameter)
 
 
@@ -182,7 +202,7 @@ def test_signer_repr_hides_secret():
     assert key.hex() not in repr(Signer(key))
 
 
-# ------------------------------------------------------------------ protocol v2: the envelope
+# ------------------------------------------------------------------ protocol v3: the envelope
 
 
 def _header(frames):
@@ -199,20 +219,36 @@ def test_envelope_roundtrip_one_message_and_a_batch():
     assert torch.equal(decode(parts[0], s).value, t)
     msgs = [m.Ping(), m.Refused("no"), m.DeleteRefs((1, 2))]
     batch = sealer.seal([f for x in msgs for f in encode(x, s)], len(msgs))
+    assert len(batch) == 3  # a batch is one frame
     h, parts = envelope.unseal(batch, s)
     assert (h.seq, h.count) == (2, 3) and [decode(p, s) for p in parts] == msgs
-    assert bytes(one[1])[:2] == (2).to_bytes(2, "little")  # the version leads the header
+    assert all(p[0] is None for p in parts)  # covered by the envelope
+    version = envelope.PROTOCOL_VERSION.to_bytes(2, "little")
+    assert bytes(one[1])[:2] == version  # the version leads the header
+    # a batch with a message its builder signed (a large pickle) among unsigned ones
+    msgs = [m.Ping(), m.Refused("x" * (wire.COVER_MAX + 1)), m.DeleteRefs((3,))]
+    h, parts = envelope.unseal(sealer.seal([f for x in msgs for f in encode(x, s)], 3), s)
+    assert [decode(p, s) for p in parts] == msgs
+    assert [p[0] is None for p in parts] == [True, False, True]
 
 
-@pytest.mark.parametrize("where", ["env_sig", "rank", "seq", "inner_sig", "count"])
+def _signed_one():
+    """A message with a buffer: signed by its builder, the envelope covers its signature."""
+    return m.FetchResult(1, 0, torch.arange(2000.0), None)
+
+
+@pytest.mark.parametrize("where", ["env_sig", "rank", "seq", "pickle", "inner_sig", "count"])
 def test_envelope_binds_rank_sequence_and_contents(where):
     s = Signer(new_secret())
-    frames = [bytearray(f) for f in envelope.Sealer(s, 0).seal(encode(m.Ping(), s))]
+    msg = _signed_one() if where == "inner_sig" else m.Ping()
+    frames = [bytearray(f) for f in envelope.Sealer(s, 0).seal(encode(msg, s))]
     h = _header(frames)
     if where == "env_sig":
         frames[0][0] ^= 1
     elif where == "inner_sig":
         frames[2][0] ^= 1
+    elif where == "pickle":
+        frames[3][-2] ^= 1
     else:
         change = {"rank": {"rank": 1}, "seq": {"seq": 7}, "count": {"count": 2}}[where]
         frames[1] = bytearray(envelope.HEADER.pack(*h._replace(**change)))
@@ -221,15 +257,31 @@ def test_envelope_binds_rank_sequence_and_contents(where):
     assert e.value.kind == ("malformed" if where == "count" else "signature")
 
 
+@pytest.mark.parametrize("at", range(3))
+def test_every_message_of_a_batch_is_covered(at):
+    s = Signer(new_secret())
+    msgs = [m.Ping(), m.Refused("no"), m.DeleteRefs((1, 2))]
+    frames = envelope.Sealer(s, 0).seal([f for x in msgs for f in encode(x, s)], 3)
+    _, parts = envelope.unseal(frames, s)
+    batch = bytearray(frames[2])
+    start = sum(envelope.ENTRY.size + len(p[1]) for p in parts[:at]) + envelope.ENTRY.size
+    batch[start + len(parts[at][1]) // 2] ^= 1  # a byte of message ``at``'s pickle
+    with pytest.raises(BadMessage) as e:
+        envelope.unseal([frames[0], frames[1], bytes(batch)], s)
+    assert e.value.kind == "signature"
+
+
 def test_envelope_of_another_version_names_it_before_anything_else():
     s = Signer(new_secret())
     frames = envelope.Sealer(s, 0).seal(encode(m.Ping(), s))
-    frames[1] = (3).to_bytes(2, "little") + frames[1][2:]
+    other = envelope.PROTOCOL_VERSION + 1
+    frames[1] = other.to_bytes(2, "little") + frames[1][2:]
     frames[0] = b"x"  # not even a signature: the version is read first
     with pytest.raises(envelope.VersionMismatch) as e:
         envelope.unseal(frames, s)
-    assert (e.value.kind, e.value.version) == ("version", 3)
-    assert "protocol 3" in str(e.value) and "this side 2" in str(e.value)
+    assert (e.value.kind, e.value.version) == ("version", other)
+    this = envelope.PROTOCOL_VERSION
+    assert f"protocol {other}" in str(e.value) and f"this side {this}" in str(e.value)
     with pytest.raises(envelope.VersionMismatch) as e:  # the wire before v2: [sig, pickle]
         envelope.unseal(encode(m.Ping(), s), s)
     assert e.value.version == 1
@@ -238,15 +290,43 @@ def test_envelope_of_another_version_names_it_before_anything_else():
 def test_malformed_envelopes():
     s = Signer(new_secret())
     good = envelope.Sealer(s, 0).seal(encode(m.Ping(), s))
-    batch = envelope.Sealer(s, 0).seal([*encode(m.Ping(), s), b"odd"], 2)
-    for frames in ([], [b"x"], [good[0], b"\x02"], [good[0], good[1] + b"x", *good[2:]], batch):
+    signed = envelope.Sealer(s, 0).seal(encode(_signed_one(), s))
+    batch = envelope.Sealer(s, 0).seal([*encode(m.Ping(), s), *encode(m.Ping(), s)], 2)
+    for frames in (
+        [],
+        [b"x"],
+        [good[0], b"\x02"],
+        [good[0], good[1] + b"x", *good[2:]],
+        [*batch, b"x"],  # a batch is one frame
+        [*batch[:2], batch[2][:-1]],  # shorter than its count
+        [*batch[:2], batch[2] + b"x"],  # longer
+        [*batch[:2], batch[2][:3]],  # not even an entry
+    ):
         with pytest.raises(BadMessage) as e:
             envelope.unseal(frames, s)
-        assert e.value.kind == "malformed"
-    _, parts = envelope.unseal(good[:3], s)  # an envelope of one message opens...
+        assert e.value.kind == "malformed", frames
+    with pytest.raises(BadMessage) as e:  # a buffer added to an unsigned message
+        envelope.unseal([*good, b"buffer"], s)
+    assert e.value.kind == "signature"
+    # a message without its pickle is refused alone (its envelope still counts: no gap)
+    _, parts = envelope.unseal(envelope.Sealer(s, 0).seal(good[2:3]), s)
+    with pytest.raises(BadMessage, match="at least 2 frames"):
+        decode(parts[0], s)
+    _, parts = envelope.unseal(signed[:4], s)  # a signed message without its buffer opens...
     with pytest.raises(BadMessage) as e:
-        decode(parts[0], s)  # ...and the message, a signature alone, is malformed
-    assert e.value.kind == "malformed"
+        decode(parts[0], s)  # ...and its own signature does not verify
+    assert e.value.kind == "signature"
+    # a signature of the wrong length fails its message alone, not the batch around it
+    inner = [*encode(m.Ping(), s), b"short", b"pickle", *encode(m.Refused("no"), s)]
+    _, parts = envelope.unseal(envelope.Sealer(s, 0).seal(inner, 3), s)
+    got = list(envelope.decode_each(parts, s))
+    assert got[0] == m.Ping() and got[2] == m.Refused("no")
+    assert isinstance(got[1], BadMessage) and "wrong length" in str(got[1])
+    _, parts = envelope.unseal(envelope.Sealer(s, 0).seal([b"short", b"pickle"]), s)
+    with pytest.raises(BadMessage, match="wrong length"):
+        decode(parts[0], s)
+    with pytest.raises(ValueError, match="pairs"):  # a sealer refuses to build a bad batch
+        envelope.Sealer(s, 0).seal([*encode(m.Ping(), s), b"odd"], 2)
 
 
 def test_sealer_retract_reuses_the_sequence_number():
@@ -299,7 +379,7 @@ def test_open_from_controller_admits_and_decode_each_names_what_fails():
     peers = envelope.PeerTable()
     peers.allow(envelope.CONTROLLER)
     ctrl = envelope.Sealer(s, envelope.CONTROLLER)
-    good, bad = encode(m.Ping(), s), encode(m.DeleteRefs((1,)), s)
+    good, bad = encode(m.Ping(), s), encode(m.Refused("x" * (wire.COVER_MAX + 1)), s)
     bad = [bytes([bad[0][0] ^ 1]) + bytes(bad[0][1:]), bad[1]]  # sealed as it is
     ctrl.seal(good)  # never delivered: a gap of one
     missed, parts = envelope.open_from_controller(ctrl.seal([*good, *bad], 2), s, peers)

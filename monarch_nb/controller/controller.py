@@ -96,7 +96,7 @@ class Controller:
         )
         self._secret = rejoin.secret if rejoin is not None else new_secret()
         self.signer = Signer(self._secret, full=settings["sign_full"])
-        # protocol v2: arrivals are checked against the peers' sockets (kept across
+        # protocol v3: arrivals are checked against the peers' sockets (kept across
         # restarts); the lease holder seals what leaves per destination
         self.peers = PeerTable(self.state.rejections)
         self.sealer = Sealer(self.signer, CONTROLLER)

@@ -108,10 +108,11 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def decode_plain(p, signer, cls: type):
-    """Record ``cls`` of the frames ``p`` (``[sig, pickle]``), verified; BadMessage when
-    it does not verify, or holds anything but plain data and the protocol's records."""
+    """Record ``cls`` of the frames ``p`` (``[sig, pickle]``, sig None: covered by its
+    envelope), verified; BadMessage when it does not verify, or holds anything but
+    plain data and the protocol's records."""
     payload = p[1].bytes if hasattr(p[1], "bytes") else bytes(p[1])
-    if not signer.verify(bytes(p[0]), payload, ()):
+    if p[0] is not None and not signer.verify(bytes(p[0]), payload, ()):
         raise BadMessage("signature does not verify", "signature")
     try:
         flat = _PlainUnpickler(io.BytesIO(payload)).load()

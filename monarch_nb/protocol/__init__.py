@@ -1,5 +1,5 @@
 """Messages (typed records), the wire (signing, framing), pickling, and the
-envelope of protocol v2 (version, rank, sequence number)."""
+envelope of protocol v3 (version, rank, sequence number)."""
 
 from . import envelope, messages
 from .wire import BadMessage, Signer, decode, encode, new_secret

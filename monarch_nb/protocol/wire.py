@@ -14,8 +14,10 @@ A message travels as the frames ``[signature, pickle, *buffers]``:
   loopback ZeroMQ); the setting ``sign_full`` (``MONARCH_NB_SIGN_FULL=1``) covers every byte.
 
 It is computed by the thread that builds the message (the caller's), so big
-payloads are never hashed by an IO thread. A frame set whose signature does
-not verify is never unpickled.
+payloads are never hashed by an IO thread. A message without buffers whose
+pickle is at most ``COVER_MAX`` bytes goes unsigned (``signature`` empty): the
+envelope that carries it covers its pickle (``envelope.py``), one HMAC for a
+whole batch. A frame set whose signature does not verify is never unpickled.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .pickling import (  # noqa: F401
 )
 
 SIG_LEN = 32
+COVER_MAX = 16 << 10  # a buffer-less pickle up to this size is covered by its envelope
 FULL_COVER = 1 << 20
 EDGE = 64 << 10
 
@@ -95,6 +98,15 @@ class Signer:
         """HMAC of a few bytes (an envelope's header and signatures)."""
         h = self._inner.copy()
         h.update(data)
+        outer = self._outer.copy()
+        outer.update(h.digest())
+        return outer.digest()
+
+    def mac_of(self, *parts) -> bytes:
+        """HMAC of ``parts`` one after another (bytes-like: no concatenation)."""
+        h = self._inner.copy()
+        for p in parts:
+            h.update(p)
         outer = self._outer.copy()
         outer.update(h.digest())
         return outer.digest()
@@ -166,7 +178,8 @@ _NESTED = {c: n for c in _TYPES if (n := _nested_fields(c))}
 
 
 def encode(msg, signer: Signer) -> list:
-    """Frames ``[signature, pickle, *buffers]`` of a message.
+    """Frames ``[signature, pickle, *buffers]`` of a message; ``signature`` empty
+    for a small buffer-less one (its envelope covers it).
 
     Records whose fields are plain data (everything but FetchResult, whose value
     is the user's) go through the C pickler alone: three times faster."""
@@ -185,6 +198,8 @@ def encode(msg, signer: Signer) -> list:
                     parts[i] = tuple(parts[i])
             flat = tuple(parts)
         payload = pickle.dumps(flat, 5, buffer_callback=buffers.append)
+    if not buffers and len(payload) <= COVER_MAX:
+        return [b"", payload]
     raws = [b.raw() for b in buffers]
     return [signer.digest(payload, raws), payload, *raws]
 
@@ -229,15 +244,22 @@ def small(f):
 
 
 def decode(frames: Sequence, signer: Signer):
-    """Verify and unpickle frames received with ``copy=False`` (or as bytes)."""
+    """Verify and unpickle frames received with ``copy=False`` (or as bytes); a
+    signature of None: covered by the envelope they came in (``envelope.unseal``)."""
     if len(frames) < 2:
         raise BadMessage(f"expected at least 2 frames, got {len(frames)}")
-    sig, payload = small(frames[0]), small(frames[1])
-    bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames[2:]]
-    if len(sig) != SIG_LEN:
-        raise BadMessage("signature frame has the wrong length")
-    if not signer.verify(sig, payload, bufs):
-        raise BadMessage("signature does not verify", "signature")
+    sig, payload = frames[0], small(frames[1])
+    if sig is None:
+        if len(frames) > 2:
+            raise BadMessage("an unsigned message with buffers")
+        bufs = ()
+    else:
+        sig = small(sig)
+        bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames[2:]]
+        if len(sig) != SIG_LEN:
+            raise BadMessage("signature frame has the wrong length")
+        if not signer.verify(sig, payload, bufs):
+            raise BadMessage("signature does not verify", "signature")
     try:
         flat = pickle.loads(payload, buffers=bufs)
     except Exception as e:
