@@ -1,5 +1,7 @@
 """``recording``: a step of 100 small remote ops replayed with ``mnb.compile`` vs
-the same step sent op by op, on ``local_mesh(dp=2)``."""
+the same step sent op by op, on ``local_mesh(dp=2)``. The JSON also holds the
+limit a replay approaches: the same 100 ops run by local torch in this process
+(``local_eager``), each rank's own work per step."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def bench_recording(quick: bool) -> list[Entry]:
             return steps / elapsed
 
         ours, base, _, _ = interleaved(lambda: run(compiled), lambda: run(step), reps)
+        local = _local_eager(torch, steps, reps)
     finally:
         mesh.shutdown()
     return [
@@ -59,8 +62,28 @@ def bench_recording(quick: bool) -> list[Entry]:
             note=f"mnb.compile replays the recorded step with one CallRecording per call; "
             f"{steps} steps then mesh.wait() (the result's check after the timing), dp=2; "
             f"median of {reps}",
+            extra={"local_eager": round(local, 1), "ours_vs_local_eager": round(ours / local, 3)},
         )
     ]
+
+
+def _local_eager(torch, steps: int, reps: int) -> float:
+    """Steps/s of the same step in plain torch here (one thread, as a rank has)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.zeros(4)
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                t = x
+                for _ in range(OPS):
+                    t = add_one(t)
+            rates.append(steps / (time.perf_counter() - t0))
+    finally:
+        torch.set_num_threads(threads)
+    return sorted(rates)[len(rates) // 2]
 
 
 BENCHMARKS = [("recording", bench_recording)]

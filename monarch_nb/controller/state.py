@@ -85,13 +85,14 @@ class MeshState:
             self.sent.setdefault(sid, deque())
 
     def record_sent(self, ident: int, sid: int, ranks, what: str) -> None:
-        with self.lock:
-            self.sent[sid].append((ident, ranks, what, time.time()))
+        # without the lock (once per command, on the sender's thread): a deque's append
+        # is atomic, and whoever reads a queue copies it at C speed or pops its left end
+        self.sent[sid].append((ident, ranks, what, time.time()))
 
     def what_of(self, sid: int, ident: int) -> str:
         """What command ``ident`` of stream ``sid`` is, while it is remembered."""
         with self.lock:
-            for i, _, what, _ in self.sent.get(sid, ()):
+            for i, _, what, _ in tuple(self.sent.get(sid, ())):
                 if i == ident:
                     return what
         return "?"
