@@ -1,4 +1,4 @@
-"""Protocol v2 on real sockets: versions, ranks bound to sockets, sequence numbers,
+"""The envelope (protocol v3) on real sockets: versions, ranks bound to sockets, sequence numbers,
 and the connection file of connect_mesh.
 
 Two joined workers (real processes) reach the controller through a relay, a real
