@@ -1,8 +1,8 @@
 """The timeline's cost per command against the cost of dispatching one.
 
 * ``timeline_cost`` what recording one command's start and end costs: on the
-  worker, the stream's append and the receiver's report (``take_timings`` and
-  encoding the Timings record); on the controller, decoding it and adding it to
+  worker, the stream's append and the receiver's report (``take_timings``,
+  encoding and sealing the Timings record); on the controller, opening and decoding it and adding it to
   the ring; run on the very functions the mesh runs, over as many records as a
   tenth of a second of dispatch brings, less the time of this harness's own empty
   loop over as many (the stream's loop runs whether it records or not). Baseline: the time per command of the
@@ -35,9 +35,11 @@ def _recording_cost(n: int) -> float:
     """Seconds per command that the timeline adds, worker and controller together."""
     from monarch_nb.controller.timeline import Timeline
     from monarch_nb.protocol import Signer, decode, encode
+    from monarch_nb.protocol.envelope import Sealer, unseal
     from monarch_nb.worker.timings import take_timings
 
     signer, stream, ring, clock = Signer(b"k" * 32), _Stream(), Timeline(), time.time
+    sealer = Sealer(signer, 0)
     t0 = time.perf_counter()
     for _i in range(n):  # this harness's own loop, taken off below: the stream loops anyway
         pass
@@ -49,8 +51,8 @@ def _recording_cost(n: int) -> float:
         tw("noop")
         ts(0.0)
         te(clock())
-    frames = encode(take_timings(0, [stream]), signer)  # the receiver's report
-    msg = decode(frames, signer)  # the controller's IO thread
+    frames = sealer.seal(encode(take_timings(0, [stream]), signer))  # the receiver's report
+    msg = decode(unseal(frames, signer)[1][0], signer)  # the controller's IO thread
     ring.add(msg.rank, msg.streams)
     return (time.perf_counter() - t0 - harness) / n
 
@@ -84,8 +86,8 @@ def bench_timeline_cost(quick: bool) -> list[Entry]:
             "one pipelined no-op call's time (the dispatch benchmark's work: mnb.remote(noop), "
             "then mesh.wait(), on local_mesh(dp=1))",
             note=(
-                f"recording {n} commands: the stream's append, the receiver's take_timings and "
-                f"encode, the controller's decode and Timeline.add; median over {reps} reps"
+                f"recording {n} commands: the stream's append, the receiver's take_timings, encode and "
+                f"seal, the controller's unseal, decode and Timeline.add; median over {reps} reps"
             ),
         )
     ]
