@@ -188,6 +188,14 @@ def rejections(mesh) -> dict:
     return mesh.status()["rejections"]
 
 
+def dealer(ctrl, linger: int):
+    """A DEALER socket of our own on the controller's ROUTER."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, linger)
+    s.connect(ctrl.address)
+    return s
+
+
 def serves(mesh) -> None:
     assert mesh.exec("6 * 7").fetch(timeout=30) == [42, 42]
 
@@ -196,9 +204,7 @@ def test_a_worker_of_another_version_is_refused_naming_both(relayed, caplog):
     mesh, *_ = relayed
     ctrl = mesh._controller
     before = rejections(mesh)
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(ctrl.address)
+    s = dealer(ctrl, linger=0)
     try:
         ready = encode(
             m.WorkerReady(0, 2, os.getpid(), socket.gethostname(), False, {}), ctrl.signer
@@ -265,9 +271,7 @@ def test_a_message_claiming_another_rank_is_dropped_and_counted(relayed):
     wait_for(lambda: rejections(mesh)["rank"] == before + 1, 10, "the rank claim counted")
 
     # a socket of rank 0 carrying a message of rank 1
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 1000)
-    s.connect(ctrl.address)
+    s = dealer(ctrl, linger=1000)
     s.send_multipart(sealed(ctrl.signer, forged, 0, 1234, 1))
     s.close()
     wait_for(lambda: rejections(mesh)["rank"] == before + 2, 10, "the second claim counted")
@@ -301,9 +305,7 @@ def test_unsealed_frames_are_counted_by_kind(relayed):
     mesh, *_ = relayed
     ctrl = mesh._controller
     before = rejections(mesh)
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 1000)
-    s.connect(ctrl.address)
+    s = dealer(ctrl, linger=1000)
     frames = sealed(ctrl.signer, encode(m.Ping(), ctrl.signer), 0, 5, 1)
     s.send_multipart([b"\0" * 32, *frames[1:]])
     s.send_multipart([frames[0], frames[1] + b"\0", *frames[2:]])  # a header too long
