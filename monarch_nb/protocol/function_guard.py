@@ -20,6 +20,7 @@ import dis
 import sys
 import types
 import weakref
+from operator import is_
 
 from .messages import Function
 from .pickling import function_ref, is_by_value
@@ -152,7 +153,7 @@ class FunctionGuard:
             if fn is _GONE:
                 return False
             now = _state(fn)
-            if len(now) != len(state) or any(a is not b for a, b in zip(now, state)):
+            if len(now) != len(state) or not all(map(is_, now, state)):  # at C speed
                 return False
         return True
 
