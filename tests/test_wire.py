@@ -187,6 +187,12 @@ def test_args_with_refs_resolve_late():
     assert args.refs == (5, 6) and len(refs) == 3
     a, kw = unpack_args(args, lambda i: i * 10)
     assert a == (50, [60, {"k": 50}]) and torch.equal(kw["t"], torch.ones(2))
+    # plain scalars and Refs alone: the C pickler's fast path, read the same way
+    args, refs = pack_args((R(5), 2.5, "s", None, True, b"b", R(7), R(5)), {"n": 3, "r": R(6)})
+    assert args.refs == (5, 7, 6) and len(refs) == 4 and args.buffers == ()
+    assert b"_RefToken" not in args.payload  # the worker needs no class of ours
+    a, kw = unpack_args(args, lambda i: i * 10)
+    assert a == (50, 2.5, "s", None, True, b"b", 70, 50) and kw == {"n": 3, "r": 60}
 
 
 def test_ndslice():
