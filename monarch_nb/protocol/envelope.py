@@ -94,7 +94,7 @@ class Sealer:
         header = HEADER.pack(PROTOCOL_VERSION, self.rank, self.socket, seq, count)
         if count != 1:
             batch, covered = _pack(inner)
-            return [self._signer.mac_of(header, covered), header, batch]
+            return [self._signer.mac_of(header, *covered), header, batch]
         if len(inner) == 2 and not inner[0]:  # unsigned: covered here
             payload = inner[1]
             mac = self._signer.mac_of(header, ENTRY.pack(0, len(payload)), payload)
@@ -160,29 +160,24 @@ def unseal(frames: Sequence, signer: Signer) -> tuple[Header, list]:
 
 
 def _pack(inner: Sequence) -> tuple:
-    """The batch frame of ``[sig, pickle, ...]`` pairs, and what the envelope's
-    signature covers of it (the batch itself when no message has a signature)."""
+    """The batch frame of ``[sig, pickle, ...]`` pairs, and the parts of it the
+    envelope's signature covers (the batch itself when no message has a signature)."""
     if len(inner) % 2:
         raise ValueError("a batch is [sig, pickle] pairs")
     out: list = []
-    signed = False
+    covered: list = []
     for i in range(0, len(inner), 2):
         sig, payload = inner[i], inner[i + 1]
         if sig:
-            signed = True
-            out += (ENTRY.pack(len(sig), len(payload)), sig, payload)
+            entry = ENTRY.pack(len(sig), len(payload))
+            out += (entry, sig, payload)
+            covered += (entry, sig)
         else:
-            out += (ENTRY.pack(0, len(payload)), payload)
+            entry = ENTRY.pack(0, len(payload))
+            out += (entry, payload)
+            covered += (entry, payload)
     batch = b"".join(out)
-    if not signed:
-        return batch, batch
-    covered = b"".join(
-        b"".join((ENTRY.pack(len(inner[i]), len(inner[i + 1])), inner[i]))
-        if inner[i]
-        else b"".join((ENTRY.pack(0, len(inner[i + 1])), inner[i + 1]))
-        for i in range(0, len(inner), 2)
-    )
-    return batch, covered
+    return batch, (batch,) if len(covered) == len(out) else covered
 
 
 def _unpack(frame, count: int) -> tuple:
