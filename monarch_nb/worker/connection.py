@@ -1,7 +1,14 @@
-"""The worker's link to the controller: its sockets, the receiver thread's loop
-(open the envelope, verify, dispatch each message to the handler of its name)
-and the receiver's tick (stale output, progress, health, stalls, and whether
-the controller is still there)."""
+"""The worker's link to the controller: its socket and who drives it, the receive
+step (open the envelope, verify, dispatch each message to the handler of its name)
+and the tick (stale output, progress, health, stalls, and whether the controller is
+still there).
+
+One thread at a time holds the socket's *lease*. The default stream's thread, while
+its queue is empty, receives itself: a command for it starts on the thread that
+received it, with no hand-over (one wake-up less per round trip). While it runs a
+command, the receiver thread finds the lease free (it looks every TAKE_OVER s, so a
+short command wakes nobody) and drives the socket, answering interrupts, pings and
+other streams' commands; the idle stream's thread then asks for it back."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -38,11 +46,15 @@ OUTPUT_AGE = 0.05  # flush output buffered longer than this
 PROGRESS_PERIOD = 0.1
 HEALTH_PERIOD = 1.0
 LOST_CONNECTION_GRACE = 3.0  # a dropped connection not back within this ends a joined worker
+# how soon the receiver thread takes the socket over once the default stream starts a
+# command (and with it answers interrupts, pings and requests for other streams)
+TAKE_OVER = 0.02
+_sleep = time.sleep  # the real one (streams get an interruptible one)
 
 
 class Connection:
-    """The receiver thread's part of Worker: Worker sets the address, signer,
-    rank, streams and handlers this uses."""
+    """The socket's part of Worker (the receiver thread, and the idle default stream's
+    thread): Worker sets the address, signer, rank, streams and handlers this uses."""
 
     def _init_connection(self) -> None:
         self.peers = PeerTable()  # of the controller's socket: its rank, its sequence
@@ -52,6 +64,15 @@ class Connection:
         self._last_heard = time.monotonic()
         self._lost_at: float | None = None
         self._sent_progress: dict = {}
+        # the socket's lease: the receiver thread holds it, except while the default
+        # stream's thread is idle and receives itself (``receive_while_idle``)
+        self._lease = threading.Lock()
+        self._idle_wants = False  # the default stream's thread waits for the lease
+        self._wake_r, self._wake_w = os.pipe()  # ends the holder's poll early
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._polled: list | None = None
+        self._monitor = None
 
     @property
     def controller_gone(self) -> bool:
@@ -74,7 +95,7 @@ class Connection:
         return s
 
     def _send(self, msg) -> None:
-        """Send on the receiver's own socket (receiver thread only)."""
+        """Send on the receiver's socket (the lease holder only)."""
         assert self._sock is not None and self._sealer is not None
         send_frames(self._sock, self._sealer.seal(encode(msg, self.signer)))
 
@@ -96,27 +117,26 @@ class Connection:
             self._next_progress = self._next_health = 0.0
             # whether the controller is there: a worker that is not its child exits when
             # it goes; a kept-alive one goes on, its output bounded (controller_gone)
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             # zmq_poll on plain ints: sock.poll builds a Poller (and enums) per call
-            polled = [(sock, int(zmq.POLLIN))]
-            if monitor is not None:
-                polled.append((monitor, int(zmq.POLLIN)))
+            polled = [(sock, int(zmq.POLLIN)), (self._wake_r, int(zmq.POLLIN))]
+            if self._monitor is not None:
+                polled.append((self._monitor, int(zmq.POLLIN)))
+            self._polled = polled
             while not self._exiting:
-                ready = [s for s, _ in zmq_poll(polled, 20)]
-                if monitor is not None and any(s is monitor for s in ready):
-                    self._watch_connection(monitor)
-                if any(s is sock for s in ready):
-                    self._last_heard = time.monotonic()
-                    for _ in range(256):
-                        frames = recv_ready(sock)
-                        if frames is None:
-                            break
-                        self._dispatch(frames)
-                        del frames  # a pushed tensor must not outlive its command here
-                        if self._exiting:
-                            break
-                self._tick()
-            self._tick(final=True)
+                # the lease is free while the default stream runs a command: drive the
+                # socket until its thread, idle again, wants it back. Checked on a timer,
+                # not by waiting on the lease: a short command wakes nobody.
+                if not self._idle_wants and self._lease.acquire(blocking=False):
+                    try:
+                        while not self._idle_wants and not self._exiting:
+                            self._receive_step(20)
+                    finally:
+                        self._lease.release()
+                else:
+                    _sleep(TAKE_OVER)
+            with self._lease:
+                self._tick(final=True)
         except Exception as e:
             logger.exception("receiver thread failed")
             try:
@@ -127,6 +147,67 @@ class Connection:
         finally:
             if self._sock is not None:
                 self._sock.close(linger=2000)
+
+    def _receive_step(self, timeout_ms: int, queue=None) -> None:
+        """One turn of the lease holder: wait up to ``timeout_ms`` for a message, handle
+        what came, then the tick (unless one is due, left to a later turn when ``queue``,
+        the idle stream's, has a command now: it starts first)."""
+        sock, monitor = self._sock, self._monitor
+        ready = [s for s, _ in zmq_poll(self._polled, timeout_ms)]
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if monitor is not None and any(s is monitor for s in ready):
+            self._watch_connection(monitor)
+        if any(s is sock for s in ready):
+            self._last_heard = time.monotonic()
+            for _ in range(256):
+                frames = recv_ready(sock)
+                if frames is None:
+                    break
+                self._dispatch(frames)
+                del frames  # a pushed tensor must not outlive its command here
+                if self._exiting:
+                    break
+        if queue is None or queue.empty() or time.monotonic() >= self._next_progress:
+            self._tick()
+
+    def receive_while_idle(self, stream) -> None:
+        """The default stream's thread, its queue empty: take the socket's lease and
+        receive here until a command for it (or the end) comes, so that a command to an
+        idle worker starts without a hand-over between threads."""
+        if self._polled is None or self._exiting:
+            return
+        lease = self._lease
+        if not lease.acquire(blocking=False):  # the receiver thread drives: ask for it
+            self._idle_wants = True
+            self.wake_holder()
+            lease.acquire()
+            self._idle_wants = False
+        try:
+            stream.receiving = True
+            q = stream.q
+            while q.empty() and not self._exiting:
+                self._receive_step(20, q)
+        except Exception as e:
+            logger.exception("receiving on the default stream's thread failed")
+            try:
+                self._send(m.InternalException(self.rank, internal_failure(e, "receiver")))
+            except Exception:
+                pass
+            os._exit(3)
+        finally:
+            stream.receiving = False
+            lease.release()
+
+    def wake_holder(self) -> None:
+        """End the lease holder's poll now."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
 
     def _dispatch(self, frames) -> None:
         try:

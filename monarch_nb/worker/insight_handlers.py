@@ -1,6 +1,6 @@
 """The worker's handlers of the timeline, memory and profiler requests (a part of
 Worker, which dispatches each message to the handler of its name). Each is
-answered at once by the receiver thread, whatever the streams run."""
+answered at once by the socket's lease holder, whatever the streams run."""
 
 from __future__ import annotations
 

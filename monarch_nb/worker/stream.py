@@ -81,6 +81,7 @@ class Stream:
         self._lock = threading.Lock()
         self._interrupt_sent = False
         self.main_thread = main_thread
+        self.receiving = False  # its (main) thread, idle, receives for the worker now
         self.cuda_stream = None
         if worker.cuda and not main_thread:
             import torch
@@ -109,6 +110,8 @@ class Stream:
         so that no interrupt can land before it starts and lose its reply."""
         self.queued = ident
         self.q.put((ident, what, work, results, report, replies))
+        if self.receiving:
+            self._wake_receiving()
 
     def schedule_many(self, commands: list) -> None:
         """Queue commands given as ``schedule``'s arguments, in order, as one item: a
@@ -117,13 +120,24 @@ class Stream:
         if commands:
             self.queued = commands[-1][0]
             self.q.put(commands)
+            if self.receiving:
+                self._wake_receiving()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Queue bookkeeping that runs in order with commands (markers, borrows)."""
         self.q.put((None, "", fn, (), False))
+        if self.receiving:
+            self._wake_receiving()
+
+    def _wake_receiving(self) -> None:
+        """Put from another thread while this one receives: end its poll."""
+        if threading.get_ident() != self.thread_id:
+            self.worker.wake_holder()
 
     def stop(self) -> None:
         self.q.put(_STOP)
+        if self.receiving:
+            self._wake_receiving()
         if self.paused is not None:
             self.debugger_queue.put(remote_pdb.INTERRUPT)
 
@@ -143,9 +157,13 @@ class Stream:
         self.outbox.close()
 
     def _loop(self) -> None:
+        receive = self.worker.receive_while_idle if self.main_thread else None
+        q = self.q
         while True:
             try:
-                item = self.q.get()
+                if receive is not None and q.empty():
+                    receive(self)
+                item = q.get()
                 if item is _STOP:
                     break
                 if type(item) is list:

@@ -1,0 +1,49 @@
+"""Workers tier: a worker's socket changes hands (worker/connection.py). The default
+stream's thread receives while it is idle; once it runs a command, the receiver
+thread takes the socket over, so that other streams, pings and interrupts are served
+meanwhile; the idle thread then asks for it back."""
+
+import os
+
+import pytest
+from wait_helpers import file_appears, wait_for
+
+import monarch_nb as mnb
+
+
+def held(gate: str) -> str:
+    open(f"{gate}-started-{mnb.current_rank()}", "w").close()
+    return "released" if file_appears(gate) else "never released"
+
+
+def echo(x):
+    return x
+
+
+def test_other_streams_are_served_while_the_default_stream_is_held_and_back_again(
+    mesh, tmp_path
+):
+    side = mesh.stream("handover")
+    for i in range(12):
+        gate = str(tmp_path / f"gate-{i}")
+        blocked = mnb.remote(held)(gate, mesh=mesh)
+        # answered while the default stream's thread is in user code: the receiver
+        # thread drives the socket now
+        assert mnb.remote(echo)(i, mesh=mesh, stream=side).fetch(timeout=30) == [i, i]
+        assert mesh.stacks(timeout=10)[0]["default"]["running"]
+        open(gate, "w").close()
+        assert blocked.fetch(timeout=30) == ["released", "released"]
+        # the default stream, idle again, has taken the socket back (or waits for it)
+        assert mnb.remote(echo)(-i, mesh=mesh).fetch(timeout=30) == [-i, -i]
+
+
+def test_an_interrupt_reaches_a_command_started_on_an_idle_worker(mesh, tmp_path):
+    gate = str(tmp_path / "never")
+    ref = mnb.remote(held)(gate, mesh=mesh)
+    # sent once the command is in user code on both ranks
+    wait_for(lambda: all(os.path.exists(f"{gate}-started-{r}") for r in (0, 1)), 30, "started")
+    mesh.interrupt()
+    with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt"):
+        ref.fetch(timeout=30)
+    assert not os.path.exists(gate)
+    assert mnb.remote(echo)(7, mesh=mesh).fetch(timeout=30) == [7, 7]
