@@ -138,12 +138,7 @@ class Connection:
             with self._lease:
                 self._tick(final=True)
         except Exception as e:
-            logger.exception("receiver thread failed")
-            try:
-                self._send(m.InternalException(self.rank, internal_failure(e, "receiver thread")))
-            except Exception:
-                pass
-            os._exit(3)
+            self._die(e, "receiver thread")
         finally:
             if self._sock is not None:
                 self._sock.close(linger=2000)
@@ -192,15 +187,20 @@ class Connection:
             while q.empty() and not self._exiting:
                 self._receive_step(20, q)
         except Exception as e:
-            logger.exception("receiving on the default stream's thread failed")
-            try:
-                self._send(m.InternalException(self.rank, internal_failure(e, "receiver")))
-            except Exception:
-                pass
-            os._exit(3)
+            self._die(e, "default stream's receiving")
         finally:
             stream.receiving = False
             lease.release()
+
+    def _die(self, e: Exception, where: str) -> None:
+        """A bug in the worker's own receiving: tell the controller (which breaks the
+        mesh, naming it) and exit."""
+        logger.exception("%s failed", where)
+        try:
+            self._send(m.InternalException(self.rank, internal_failure(e, where)))
+        except Exception:
+            pass
+        os._exit(3)
 
     def wake_holder(self) -> None:
         """End the lease holder's poll now."""
