@@ -16,6 +16,12 @@ def held(gate: str) -> str:
     return "released" if file_appears(gate) else "never released"
 
 
+def wait_started(gate: str) -> None:
+    """Until ``held(gate)`` runs user code on both ranks."""
+    paths = [f"{gate}-started-{r}" for r in (0, 1)]
+    wait_for(lambda: all(os.path.exists(p) for p in paths), 30, f"{paths} written")
+
+
 def echo(x):
     return x
 
@@ -27,8 +33,9 @@ def test_other_streams_are_served_while_the_default_stream_is_held_and_back_agai
     for i in range(12):
         gate = str(tmp_path / f"gate-{i}")
         blocked = mnb.remote(held)(gate, mesh=mesh)
-        # answered while the default stream's thread is in user code: the receiver
-        # thread drives the socket now
+        wait_started(gate)
+        # sent once the default stream's thread is in user code: only the receiver
+        # thread, taking the socket over, can answer it
         assert mnb.remote(echo)(i, mesh=mesh, stream=side).fetch(timeout=30) == [i, i]
         assert mesh.stacks(timeout=10)[0]["default"]["running"]
         open(gate, "w").close()
@@ -40,8 +47,7 @@ def test_other_streams_are_served_while_the_default_stream_is_held_and_back_agai
 def test_an_interrupt_reaches_a_command_started_on_an_idle_worker(mesh, tmp_path):
     gate = str(tmp_path / "never")
     ref = mnb.remote(held)(gate, mesh=mesh)
-    # sent once the command is in user code on both ranks
-    wait_for(lambda: all(os.path.exists(f"{gate}-started-{r}") for r in (0, 1)), 30, "started")
+    wait_started(gate)  # sent once the command is in user code on both ranks
     mesh.interrupt()
     with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt"):
         ref.fetch(timeout=30)

@@ -109,9 +109,7 @@ class Stream:
         ``replies`` marks its own user part (``enter_user_code`` ... ``leave_user_code``),
         so that no interrupt can land before it starts and lose its reply."""
         self.queued = ident
-        self.q.put((ident, what, work, results, report, replies))
-        if self.receiving:
-            self._wake_receiving()
+        self._put((ident, what, work, results, report, replies))
 
     def schedule_many(self, commands: list) -> None:
         """Queue commands given as ``schedule``'s arguments, in order, as one item: a
@@ -119,25 +117,21 @@ class Stream:
         still runs as a command of its own (ident, progress, failure, cancel)."""
         if commands:
             self.queued = commands[-1][0]
-            self.q.put(commands)
-            if self.receiving:
-                self._wake_receiving()
+            self._put(commands)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Queue bookkeeping that runs in order with commands (markers, borrows)."""
-        self.q.put((None, "", fn, (), False))
-        if self.receiving:
-            self._wake_receiving()
+        self._put((None, "", fn, (), False))
 
-    def _wake_receiving(self) -> None:
-        """Put from another thread while this one receives: end its poll."""
-        if threading.get_ident() != self.thread_id:
+    def _put(self, item) -> None:
+        """Queue ``item``; put from another thread while this one receives for the
+        worker (``Connection.receive_while_idle``), end its poll so that it runs now."""
+        self.q.put(item)
+        if self.receiving and threading.get_ident() != self.thread_id:
             self.worker.wake_holder()
 
     def stop(self) -> None:
-        self.q.put(_STOP)
-        if self.receiving:
-            self._wake_receiving()
+        self._put(_STOP)
         if self.paused is not None:
             self.debugger_queue.put(remote_pdb.INTERRUPT)
 
