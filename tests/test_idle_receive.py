@@ -53,3 +53,44 @@ def test_an_interrupt_reaches_a_command_started_on_an_idle_worker(mesh, tmp_path
         ref.fetch(timeout=30)
     assert not os.path.exists(gate)
     assert mnb.remote(echo)(7, mesh=mesh).fetch(timeout=30) == [7, 7]
+
+
+def slow_steps(path: str) -> int:
+    """Sixty 0.5 s sleeps, a line in ``path`` after each: a command that an interrupt
+    ends within one step, and whose file shows whether it ran on."""
+    import time
+
+    for i in range(60):
+        time.sleep(0.5)
+        with open(f"{path}-{mnb.current_rank()}", "a") as f:
+            f.write(f"{i}\n")
+    return 60
+
+
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_an_interrupt_sent_before_its_command_starts_lands_in_it(mesh, tmp_path, stream):
+    # sent right after the call: the command may not have started, or be queued in the
+    # same batch as the interrupt; it must not run on to its end either way
+    on = None if stream == "default" else mesh.stream("side-interrupt")
+    for i in range(10):
+        path = str(tmp_path / f"steps-{stream}-{i}")
+        ref = mnb.remote(slow_steps)(path, mesh=mesh, stream=on)
+        mesh.interrupt()
+        with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt") as e:
+            ref.fetch(timeout=20)
+        assert sorted(e.value.failures) == [0, 1]
+        # ended at its first step or before it: no rank got past a second line
+        for r in (0, 1):
+            lines = open(f"{path}-{r}").read().split() if os.path.exists(f"{path}-{r}") else []
+            assert len(lines) <= 1, (r, lines)
+        assert mnb.remote(echo)(i, mesh=mesh, stream=on).fetch(timeout=30) == [i, i]
+
+
+def test_an_interrupt_of_an_idle_mesh_leaves_the_next_command_alone(mesh):
+    assert mnb.remote(echo)(1, mesh=mesh).fetch(timeout=30) == [1, 1]
+    mesh.interrupt()  # nothing runs, nothing was sent before it that has not ended
+    assert mnb.remote(echo)(2, mesh=mesh).fetch(timeout=30) == [2, 2]
+    assert mnb.remote(echo)(3, mesh=mesh, stream=mesh.stream("idle-side")).fetch(timeout=30) == [
+        3,
+        3,
+    ]

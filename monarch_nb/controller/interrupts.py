@@ -62,7 +62,7 @@ class Interrupts:
                 for r, w in ctrl.state.workers.items()
                 if w.alive and (ranks is None or r in ranks)
             ]
-            ctrl.send(m.Interrupt(tuple(streams)), alive, check=False)
+            ctrl.send(m.Interrupt(tuple(streams), ctrl.next_ident()), alive, check=False)
 
     def interrupt_and_wait(self, streams=(), timeout: float = INTERRUPT_WAIT, ranks=None) -> None:
         """Interrupt (on ``ranks``, all by default), then wait up to ``timeout`` s for

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 from .wire import SIG_LEN, BadMessage, Signer, decode, small
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 CONTROLLER = -1  # the controller's rank in headers
 
 

@@ -154,9 +154,13 @@ class CommandGroup(NamedTuple):
 
 @sent_to(WORKER)
 class Interrupt(NamedTuple):
-    """Raise KeyboardInterrupt in what runs on these streams (empty: on every one)."""
+    """Raise KeyboardInterrupt in what runs on these streams (empty: on every one).
+    ``upto``: an ident newer than every command sent before this message; on a stream
+    not in user code now, the first of those commands to enter it gets the interrupt
+    (one sent just before it would otherwise start after it and run on)."""
 
     streams: tuple
+    upto: int = 0
 
 
 @sent_to(WORKER)

@@ -80,6 +80,9 @@ class Stream:
         self.last_failure: BaseException | None = None  # kept for post-mortem
         self._lock = threading.Lock()
         self._interrupt_sent = False
+        # an interrupt that found no user code running: the first command older than
+        # this ident to enter user code gets it (Interrupt.upto; 0: none)
+        self._interrupt_upto = 0
         self.main_thread = main_thread
         self.receiving = False  # its (main) thread, idle, receives for the worker now
         self.cuda_stream = None
@@ -204,6 +207,8 @@ class Stream:
         try:
             try:
                 self.in_user_code = not replies
+                if self._interrupt_upto and not replies:
+                    self._take_interrupt(ident)
                 if autoreload.ACTIVE and not replies:
                     autoreload.before_command()  # the user's changed modules, reloaded
                 value = work()
@@ -251,11 +256,18 @@ class Stream:
 
     # ------------------------------------------------------------ interrupt
 
-    def interrupt(self) -> bool:
-        """Raise KeyboardInterrupt in the running command, if any; True if one runs."""
+    def interrupt(self, upto: int = 0) -> bool:
+        """Raise KeyboardInterrupt in the running command, if any; True if one runs.
+        Else, with ``upto``, the first command older than that ident (sent before the
+        interrupt) to enter user code gets it there."""
         with self._lock:
+            # set first, then look: a command entering user code meanwhile either sees
+            # it (_take_interrupt) or is seen to run
+            if upto > self._interrupt_upto:
+                self._interrupt_upto = upto
             if not self.in_user_code or self.thread_id is None:
                 return False
+            self._interrupt_upto = 0  # it lands in the running command
             if self.paused is not None:  # pdb waits for a line: end the session instead
                 self.debugger_queue.put(remote_pdb.INTERRUPT)
                 return True
@@ -268,10 +280,21 @@ class Stream:
                 )
             return True
 
+    def _take_interrupt(self, ident: int) -> None:
+        """Raise the interrupt waiting for a command older than it (``ident``'s, now in
+        user code); a newer command clears one no command took."""
+        with self._lock:
+            upto, self._interrupt_upto = self._interrupt_upto, 0
+        if ident < upto:
+            raise KeyboardInterrupt
+
     def enter_user_code(self) -> None:
         """A reply's user part begins: interrupts land in it from now on."""
         with self._lock:
             self.in_user_code = True
+        running = self.running
+        if self._interrupt_upto and running is not None:
+            self._take_interrupt(running[0])
 
     def leave_user_code(self) -> None:
         """The running command's user part is over (what is left is the worker's own:

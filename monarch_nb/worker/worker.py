@@ -291,7 +291,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
     def Interrupt(self, msg: m.Interrupt) -> None:
         for s in list(self.streams.values()):
             if not msg.streams or s.id in msg.streams:
-                s.interrupt()
+                s.interrupt(msg.upto)
 
     def Cancel(self, msg: m.Cancel) -> None:
         for s in list(self.streams.values()):
