@@ -25,6 +25,7 @@ from worker_probes import rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.controller.errors import WorkerCrashed
+from monarch_nb.protocol.envelope import PROTOCOL_VERSION as THIS
 
 ROOT = Path(__file__).resolve().parents[1]
 # a remote host imports from its own environment: this test module too (where())
@@ -210,14 +211,14 @@ def test_bad_agents_are_refused_with_the_cause_and_the_mesh_serves_on(hosts, tmp
         prefix=[
             sys.executable,
             "-c",
-            "import sys, monarch_nb.protocol.envelope as e; e.PROTOCOL_VERSION = 4; "
+            f"import sys, monarch_nb.protocol.envelope as e; e.PROTOCOL_VERSION = {THIS + 1}; "
             "from monarch_nb.host.__main__ import main; main(sys.argv[1:])",
         ],
     )
     assert other.wait(60) == 2
-    assert "the controller speaks protocol 3, this host agent 4" in other.stderr.read()
+    assert f"the controller speaks protocol {THIS}, this host agent {THIS + 1}" in other.stderr.read()
     refusals = mesh._controller.workers.launcher.agents.refusals
-    assert any("a host agent speaks protocol 4, this mesh 3" in r for r in refusals)
+    assert any(f"a host agent speaks protocol {THIS + 1}, this mesh {THIS}" in r for r in refusals)
     assert mesh.pull("__name__") == ["__main__"] * 4
 
 

@@ -154,13 +154,11 @@ class CommandGroup(NamedTuple):
 
 @sent_to(WORKER)
 class Interrupt(NamedTuple):
-    """Raise KeyboardInterrupt in what runs on these streams (empty: on every one).
-    ``upto``: an ident newer than every command sent before this message; on a stream
-    not in user code now, the first of those commands to enter it gets the interrupt
-    (one sent just before it would otherwise start after it and run on)."""
+    """Raise KeyboardInterrupt in what runs on these streams (empty: on every one); a
+    stream in no user code passes it to its first command older than ``upto`` to start."""
 
     streams: tuple
-    upto: int = 0
+    upto: int = 0  # an ident newer than every command sent before this message
 
 
 @sent_to(WORKER)
