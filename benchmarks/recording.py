@@ -22,7 +22,8 @@ def bench_recording(quick: bool) -> list[Entry]:
 
     import monarch_nb as mnb
 
-    steps, reps = (20, 5) if quick else (30, 7)
+    # enough steps that the closing mesh.wait() (a round trip) is no part of the rate
+    steps, reps = (100, 5) if quick else (150, 7)
     mesh = mnb.local_mesh(dp=2)
     try:
         f = mnb.remote(add_one)
