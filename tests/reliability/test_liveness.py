@@ -96,6 +96,15 @@ def _spin_here_until(path: str):
     return "released"
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Each of the process's threads in state T (/proc/PID/task/TID/stat, field 3)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(s == "T" for s in states)
+
+
 def test_stacks_show_where_each_rank_is_and_a_silent_rank_as_none(watched, tmp_path):
     flag = str(tmp_path / "release")
     ref = mnb.remote(_spin_here_until)(flag, mesh=watched)
@@ -117,6 +126,8 @@ def test_stacks_show_where_each_rank_is_and_a_silent_rank_as_none(watched, tmp_p
     pid = _rank_status(watched, 1)["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+        # every thread of it stopped before it is asked (kill returns before they stop)
+        wait_for(lambda: _all_threads_stopped(pid), 10, "every thread of rank 1 stopped")
         silent = watched.stacks(timeout=1.0)
         assert silent[1] is None and "_spin_here_until" in silent[0]["default"]["stack"]
     finally:
