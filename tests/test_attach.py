@@ -61,27 +61,32 @@ for _ in range(600):  # (bounded) until both ranks run it: it left this process
 print("READY", flush=True)
 """
 
+# print() writes its pieces one by one and a rank's output line (written whole by the
+# controller's thread) came out between them: a script's own lines go in one write
+SAY = "def say(line): sys.stdout.write(line + '\\n'); sys.stdout.flush()"
+
 FIRST = textwrap.dedent(
     """
     import sys, time
     import monarch_nb as mnb
+    SAY
     name, keep, train = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
     m = mnb.local_mesh(dp=2, keep_alive=keep, name=name)
     """
-) + MID_TRAINING + textwrap.dedent(
+).replace("SAY", SAY) + MID_TRAINING + textwrap.dedent(
     """
     if sys.argv[4] == "stay":  # drive on until another process takes the mesh over
         while True:
             try:
                 m.exec("1").fetch(timeout=30)
             except mnb.MeshClosedError as e:
-                print("LET GO:", e, flush=True)
+                say(f"LET GO: {e}")
                 break
             time.sleep(0.05)
     else:
         time.sleep(600)
     """
-)
+).replace("SAY", SAY)
 
 
 def _reference(steps: int) -> list[list[float]]:
@@ -199,15 +204,16 @@ ATTACHER = textwrap.dedent(
     """
     import os, sys, time
     import monarch_nb as mnb
+    SAY
     try:
         m = mnb.attach(sys.argv[1])
     except RuntimeError as e:
-        print("REFUSED", e, flush=True)
+        say(f"REFUSED {e}")
     else:
-        print("ATTACHED", os.getpid(), m.exec("6 * 7").fetch(rank=0), flush=True)
+        say(f"ATTACHED {os.getpid()} {m.exec('6 * 7').fetch(rank=0)}")
         time.sleep(600)
     """
-)
+).replace("SAY", SAY)
 
 
 
