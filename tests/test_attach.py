@@ -58,7 +58,7 @@ for _ in range(600):  # (bounded) until both ranks run it: it left this process
     if all(x and x["what"].startswith("exec: import time") for x in now):
         break
     time.sleep(0.05)
-print("READY", flush=True)
+sys.stdout.write("READY\\n"); sys.stdout.flush()  # one write (see test_attach.SAY)
 """
 
 # print() writes its pieces one by one and a rank's output line (written whole by the

@@ -40,7 +40,7 @@ CONTROLLER = textwrap.dedent(
         "threading.Thread(target=count, daemon=True).start()\\n"
     )
     m.wait()
-    print("READY", flush=True)
+    sys.stdout.write("READY\\n"); sys.stdout.flush()  # one write (see test_attach.SAY)
     time.sleep(600)
     """
 )
@@ -65,7 +65,7 @@ FLOOD = textwrap.dedent(
         "threading.Thread(target=flood, daemon=True).start()\\n"
     )
     m.wait()
-    print("READY", flush=True)
+    sys.stdout.write("READY\\n"); sys.stdout.flush()  # one write (see test_attach.SAY)
     time.sleep(600)
     """
 )
