@@ -94,3 +94,42 @@ def test_an_interrupt_of_an_idle_mesh_leaves_the_next_command_alone(mesh):
         3,
         3,
     ]
+
+
+def held_until_interrupted(gate: str) -> None:
+    """``held``, and a mark when an interrupt ends it."""
+    try:
+        held(gate)
+    except KeyboardInterrupt:
+        open(f"{gate}-interrupted-{mnb.current_rank()}", "w").close()
+        raise
+
+
+def touch(path: str) -> None:
+    open(f"{path}-{mnb.current_rank()}", "w").close()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart"])
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_stopping_a_busy_mesh_interrupts_what_runs_and_starts_nothing_queued(
+    tmp_path, stream, how
+):
+    # before, the workers' Exit let the running command go on: stopping a busy mesh
+    # waited out the grace period (5 s; 3 s for a restart), then SIGTERM
+    mesh = mnb.local_mesh(dp=2, name=f"busy-{stream}-{how}")
+    try:
+        on = mesh.stream("side") if stream == "side" else None
+        gate, queued = str(tmp_path / "gate"), str(tmp_path / "queued")
+        running = mnb.remote(held_until_interrupted)(gate, mesh=mesh, stream=on)
+        mnb.remote(touch)(queued, mesh=mesh, stream=on)
+        wait_started(gate)
+        if how == "restart":
+            mesh.restart()
+            with pytest.raises(mnb.RefUseError):  # the old generation's, as before
+                running.fetch(timeout=30)
+            assert mnb.remote(echo)(7, mesh=mesh, stream=on).fetch(timeout=30) == [7, 7]
+    finally:
+        mesh.shutdown()
+    # the workers are gone: what they were to write is written
+    assert [os.path.exists(f"{gate}-interrupted-{r}") for r in (0, 1)] == [True, True]
+    assert [os.path.exists(f"{queued}-{r}") for r in (0, 1)] == [False, False]

@@ -102,8 +102,10 @@ def test_timeline_holds_each_ranks_commands_and_flags_the_straggler(mesh):
 
 
 def test_timeline_last_and_bad_input(mesh):
+    # 50 ms apart: instant calls left near-ties that a rank's clock offset ordered
+    # either way, and the last two could be rank 1's two calls (failed CI once)
     for _ in range(3):
-        mnb.remote(nap)(0, mesh=mesh)
+        mnb.remote(nap)([0.05, 0.05], mesh=mesh)
     mesh.wait()
 
     def keys(records):  # a later read may refine a rank's clock offset (and the order of

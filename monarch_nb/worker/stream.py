@@ -77,6 +77,7 @@ class Stream:
         self.interrupted_in_debugger = False
         self.cancelled: set[int] = set()  # idents to drop before they start (Cancel)
         self._cancelled_running: int | None = None
+        self.exiting = False  # the worker exits: nothing queued starts (stop_now)
         self.last_failure: BaseException | None = None  # kept for post-mortem
         self._lock = threading.Lock()
         self._interrupt_sent = False
@@ -138,6 +139,13 @@ class Stream:
         if self.paused is not None:
             self.debugger_queue.put(remote_pdb.INTERRUPT)
 
+    def stop_now(self) -> None:
+        """The worker exits: interrupt the running command; queued ones do not start
+        and, like it, report nothing (the controller fails its calls itself)."""
+        self.exiting = True
+        self.stop()
+        self.interrupt()
+
     def run_forever(self) -> None:
         if not self.main_thread:
             self.thread_id = threading.get_ident()
@@ -193,6 +201,11 @@ class Stream:
         if ident is None:
             work()
             return
+        if self.exiting:
+            failed = DependentOnError(ident)
+            for c in results:
+                c.set(failed)
+            return
         if self.cancelled:
             if ident in self.cancelled:
                 work = _dropped(ident)
@@ -233,7 +246,7 @@ class Stream:
             failed = DependentOnError(ident)
             for c in results:
                 c.set(failed)
-            if report:
+            if report and not self.exiting:
                 outbox.send(RemoteFunctionFailed(ident, self.worker.rank, self.id, describe(e)))
             del e
         finally:

@@ -314,7 +314,7 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
             pipe.close()
         self.pipes.clear()
         for s in list(self.streams.values()):
-            s.stop()
+            s.stop_now()
 
     # ------------------------------------------------------------ pipes
 
