@@ -48,6 +48,13 @@ def _dropped(ident: int):
     return work
 
 
+def _fail(results, ident: int) -> None:
+    """A command that did not finish: its results hold the failure dependents see."""
+    failed = DependentOnError(ident)
+    for c in results:
+        c.set(failed)
+
+
 class Stream:
     """A named queue of commands executed in order by one thread.
 
@@ -202,9 +209,7 @@ class Stream:
             work()
             return
         if self.exiting:
-            failed = DependentOnError(ident)
-            for c in results:
-                c.set(failed)
+            _fail(results, ident)
             return
         if self.cancelled:
             if ident in self.cancelled:
@@ -243,9 +248,7 @@ class Stream:
             elif not isinstance(e, bdb.BdbQuit):
                 self.last_failure = e
             self.interrupted_in_debugger = False
-            failed = DependentOnError(ident)
-            for c in results:
-                c.set(failed)
+            _fail(results, ident)
             if report and not self.exiting:
                 outbox.send(RemoteFunctionFailed(ident, self.worker.rank, self.id, describe(e)))
             del e
