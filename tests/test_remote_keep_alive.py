@@ -40,6 +40,17 @@ FIRST = (
 )
 
 
+# each rank's step() also leaves its count of steps in a file: the test sees the
+# orphaned command end (step 8) before anyone attaches
+MARKED = """
+import os as _os
+_plain_step = step
+def step():
+    _plain_step()
+    with open(_os.path.join({marks!r}, f"rank{{rank}}"), "w") as f:
+        f.write(str(len(losses)))
+"""
+
 RACER = textwrap.dedent(
     """
     import sys
@@ -60,7 +71,8 @@ def _first(tmp_path, name: str, keep: str, env=None):
     once its mesh trains; the relays' process trees."""
     script, train, conn = tmp_path / "first.py", tmp_path / "train.py", tmp_path / "mesh.json"
     script.write_text(FIRST)
-    train.write_text(TRAIN)
+    (tmp_path / "marks").mkdir()
+    train.write_text(TRAIN + MARKED.format(marks=str(tmp_path / "marks")))
     p = subprocess.Popen(
         [sys.executable, str(script), name, keep, str(train), str(conn)],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
@@ -81,6 +93,12 @@ def _first(tmp_path, name: str, keep: str, env=None):
     return p, relays, [pid for t in trees for pid in t]
 
 
+def _steps(tmp_path) -> list:
+    """Each rank's count of steps so far (its file), "" before its first."""
+    marks = tmp_path / "marks"
+    return [(marks / f"rank{r}").read_text() if (marks / f"rank{r}").exists() else "" for r in (0, 1)]
+
+
 @pytest.mark.parametrize("fanout", ["1", "0"])
 def test_relays_keep_their_ranks_for_a_process_that_attaches(
     tmp_path, mesh_dir, capfd, monkeypatch, fanout
@@ -90,6 +108,9 @@ def test_relays_keep_their_ranks_for_a_process_that_attaches(
     p, relays, pids = _first(tmp_path, name, "60s", {"MONARCH_NB_RELAY_FANOUT": fanout})
     os.kill(p.pid, signal.SIGKILL)  # mid-training: 5 steps in flight
     p.wait(10)
+    # the winner below lets go at once: what it gets is what the ranks printed before
+    # it attached, so the orphaned command ends first (its output goes with its end)
+    wait_for(lambda: _steps(tmp_path) == ["8", "8"], 60, "the orphaned command's end")
     row = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
     assert row and "(gone)" in row[0], row
     # two processes attach at once: one gets the mesh (and lets go), the other is refused
