@@ -248,3 +248,69 @@ def test_slices_of_one_data_tensor_replay_one_recording(mesh):
     before = _commands_done(mesh)
     step(x[8:16], y[8:16])
     assert _commands_done(mesh) - before == 3  # two slices and one replay
+
+
+def _sgd_step_lr():
+    """An SGD step with a StepLR schedule: its learning rate, a float that stays the
+    same for ``step_size`` calls, then changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
+    return model, opt, sched, torch.randn(8, 4)
+
+
+def _scheduled_step(model, opt, sched, x, counter):
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    counter.append(sched.get_last_lr()[0])
+    return loss
+
+
+def test_a_step_with_state_runs_its_python_on_every_call(mesh):
+    """A scheduler's step inside the compiled function advances on every call, as
+    eagerly: its learning rate stays the same for 3 calls (the recordings agree on every
+    float), then decays. A replay that skipped the Python would keep lr 0.1 forever."""
+    local, local_lrs = _sgd_step_lr(), []
+    with mesh.activate():
+        state = _sgd_step_lr()
+    lrs: list = []
+    step = mnb.compile(lambda: _scheduled_step(*state, lrs))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the same kernels, the same bits
+    try:
+        twin = [_scheduled_step(*local, local_lrs).item() for _ in range(10)]
+    finally:
+        torch.set_num_threads(threads)
+    losses = []
+    for _ in range(10):
+        losses.append(step())
+    assert [mnb.inspect(t).item() for t in losses] == twin  # bit for bit, one thread
+    assert lrs == local_lrs and lrs[-1] == pytest.approx(1e-4)
+    assert state[2].state_dict() == local[2].state_dict()  # last_epoch 10, as eagerly
+    before = _commands_done(mesh)
+    step()
+    assert _commands_done(mesh) - before == 1  # still one message a call
+    assert len(lrs) == 11
+
+
+def test_pure_replays_skip_the_python(mesh):
+    """``pure=True``: the caller promises the Python has no other effect, so a settled
+    call replays without running it (and a scheduler inside would not advance)."""
+    model, opt, twin, twin_opt, x, y = _setup(mesh)
+    calls = []
+
+    @mnb.compile(pure=True)
+    def step():
+        calls.append(1)
+        return _step(model, opt, x, y)
+
+    losses = [mnb.inspect(step()).item() for _ in range(6)]
+    twin_losses = [mnb.inspect(_step(twin, twin_opt, x, y)).item() for _ in range(6)]
+    assert losses == pytest.approx(twin_losses, rel=1e-5)
+    assert len(calls) == 2  # recorded twice (the same commands, the same floats), then replayed
+    with pytest.raises(TypeError, match="pure"):
+        mnb.compile(step, pure="yes")

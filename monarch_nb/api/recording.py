@@ -13,7 +13,12 @@ optimizer state: the recording's *state*) are rebound to the replay's new
 values, so the controller's tensors name what the workers hold. A function
 with state is replayed only once two recorded calls in a row sent the same
 commands (an optimizer's first step, which creates its state, differs from the
-next); one that never settles runs uncompiled, with a warning.
+next); one that never settles runs uncompiled, with a warning. Each call of a
+function with state runs its Python (with its commands held back, then sent as
+one CallRecording): a scheduler's step, an optimizer's step count, a counter
+advance as eagerly, and the lifted floats they feed are each call's own. Only
+``pure=True`` (the caller's promise that the Python has no other effect) lets
+such a call replay without running it, as a CUDA graph replays.
 """
 
 from __future__ import annotations
@@ -147,8 +152,9 @@ class _Recorded:
 class Compiled:
     """A function whose remote commands are recorded once and replayed."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, pure: bool = False):
         self._fn = fn
+        self._pure = pure  # a function with state may replay without running its Python
         self._recorded: dict = {}  # key -> _Recorded, the most recent last
         self._attempts: dict = {}  # key -> recordings in a row that did not settle
         self._why = ""  # how the last two recordings of a key differed
@@ -181,13 +187,16 @@ class Compiled:
 
     def _settle(self, key, rec, result, new):
         """Keep recording ``new`` of ``key`` (after ``rec``): a function with state is
-        confirmed by the same commands twice (floats aside: then each call is checked)."""
+        confirmed by the same commands twice (floats aside), and each of its calls is
+        then checked (its Python runs), unless it is pure and its floats are the same."""
         if new is None:
             return result
         if new.state:  # a replay resets the count
             prev = rec.signature if rec is not None else None
             new.confirmed = prev is not None and prev.same_as(new.signature, floats=False)
-            new.checked = new.confirmed and not prev.same_as(new.signature)
+            new.checked = new.confirmed and (
+                not self._pure or not prev.same_as(new.signature)
+            )
             attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
             if not new.confirmed and prev is not None:
                 self._why = prev.difference(new.signature)
@@ -339,8 +348,14 @@ class Compiled:
         return f"<compiled {getattr(self._fn, '__qualname__', self._fn)!r}>"
 
 
-def compile(fn=None):  # noqa: A001 - the public name, as in torch.compile
-    """``@mnb.compile``: record the function's remote commands once, replay them per call."""
+def compile(fn=None, *, pure: bool = False):  # noqa: A001 - the public name, as in torch.compile
+    """``@mnb.compile``: record the function's remote commands once, replay them per call.
+
+    A function with state runs its Python on every call (its commands leave as one
+    message); ``pure=True`` promises that Python has no effect but its commands (no
+    scheduler, no counter), so its replays skip it."""
+    if not isinstance(pure, bool):
+        raise TypeError(f"mnb.compile(pure=...) takes True or False, got {pure!r}")
     if fn is None:
-        return Compiled
-    return Compiled(fn)
+        return functools.partial(Compiled, pure=pure)
+    return Compiled(fn, pure=pure)
