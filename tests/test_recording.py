@@ -72,11 +72,19 @@ def test_plain_arguments_are_guards_and_fetch_is_refused(mesh):
         calls.append(k)
         return mnb.remote(torch.mul)(x, k)
 
+    @mnb.compile(pure=True)
+    def pure_mul(x, k):
+        calls.append(-k)
+        return mnb.remote(torch.mul)(x, k)
+
     x = mnb.remote(torch.ones)(2, mesh=mesh)
-    assert mul(x, 2).fetch(rank=0).tolist() == [2.0, 2.0]
-    assert mul(x, 2).fetch(rank=0).tolist() == [2.0, 2.0]
-    assert mul(x, 5).fetch(rank=0).tolist() == [5.0, 5.0]  # a new constant records again
-    assert calls == [2, 5]
+    for f in (mul, pure_mul):
+        assert f(x, 2).fetch(rank=0).tolist() == [2.0, 2.0]
+        assert f(x, 2).fetch(rank=0).tolist() == [2.0, 2.0]
+        assert f(x, 5).fetch(rank=0).tolist() == [5.0, 5.0]  # a new constant records again
+    # each call runs the Python (the second one held, then sent as one replay); a pure
+    # function's replay does not
+    assert calls == [2, 2, 5, -2, -5]
 
     @mnb.compile
     def peeks(x):

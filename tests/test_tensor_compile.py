@@ -314,3 +314,30 @@ def test_pure_replays_skip_the_python(mesh):
     assert len(calls) == 2  # recorded twice (the same commands, the same floats), then replayed
     with pytest.raises(TypeError, match="pure"):
         mnb.compile(step, pure="yes")
+
+
+TEMPERATURE = 1.0
+
+
+def test_a_global_the_function_reads_is_read_on_every_call(mesh):
+    """A function without state reads a module global (a float that changes between
+    calls, lifted into the replay): each call uses its value, as eagerly, in one message."""
+    global TEMPERATURE
+    with mesh.activate():
+        logits = torch.arange(4.0)
+
+    @mnb.compile
+    def scaled(x):
+        return x / TEMPERATURE
+
+    try:
+        got = []
+        for t in (1.0, 2.0, 4.0, 8.0):
+            TEMPERATURE = t
+            got.append(mnb.inspect(scaled(logits)).tolist())
+        assert got == [(torch.arange(4.0) / t).tolist() for t in (1.0, 2.0, 4.0, 8.0)]
+        before = _commands_done(mesh)
+        scaled(logits)
+        assert _commands_done(mesh) - before == 1
+    finally:
+        TEMPERATURE = 1.0

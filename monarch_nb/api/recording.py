@@ -13,12 +13,13 @@ optimizer state: the recording's *state*) are rebound to the replay's new
 values, so the controller's tensors name what the workers hold. A function
 with state is replayed only once two recorded calls in a row sent the same
 commands (an optimizer's first step, which creates its state, differs from the
-next); one that never settles runs uncompiled, with a warning. Each call of a
-function with state runs its Python (with its commands held back, then sent as
-one CallRecording): a scheduler's step, an optimizer's step count, a counter
-advance as eagerly, and the lifted floats they feed are each call's own. Only
-``pure=True`` (the caller's promise that the Python has no other effect) lets
-such a call replay without running it, as a CUDA graph replays.
+next); one that never settles runs uncompiled, with a warning. Each later call
+runs the function's Python with its commands held back, then sends them as one
+CallRecording (a *checked* call): a scheduler's step, an optimizer's step count,
+a counter and a global the function reads advance as eagerly, and the lifted
+floats they feed are each call's own. Only ``pure=True`` (the caller's promise
+that the Python has no other effect and reads nothing that changes) lets a call
+replay without running it, as a CUDA graph replays.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class _Recorded:
         self.streams: dict[int, tuple] = {}  # stream id -> ranks
         self.signature: Signature | None = None  # what it sends
         self.confirmed = True
-        self.checked = False  # its floats change per call: each call runs, held, and checks
+        self.checked = False  # each call runs its Python, held, and checks what it sent
 
     def usable(self) -> bool:
         return self.generation == self.ctrl.generation and self.ctrl.usable
@@ -187,8 +188,9 @@ class Compiled:
 
     def _settle(self, key, rec, result, new):
         """Keep recording ``new`` of ``key`` (after ``rec``): a function with state is
-        confirmed by the same commands twice (floats aside), and each of its calls is
-        then checked (its Python runs), unless it is pure and its floats are the same."""
+        confirmed by the same commands twice (floats aside). Each later call is checked
+        (its Python runs), unless the function is pure (and, with state, its floats
+        were the same twice)."""
         if new is None:
             return result
         if new.state:  # a replay resets the count
@@ -202,6 +204,8 @@ class Compiled:
                 self._why = prev.difference(new.signature)
             if not new.confirmed and attempts >= MAX_ATTEMPTS:
                 self._warn_unsettled()
+        else:  # settled at once: nothing it made outlives a call but its results
+            new.checked = not self._pure
         self._keep(key, new)
         return result
 
@@ -351,9 +355,9 @@ class Compiled:
 def compile(fn=None, *, pure: bool = False):  # noqa: A001 - the public name, as in torch.compile
     """``@mnb.compile``: record the function's remote commands once, replay them per call.
 
-    A function with state runs its Python on every call (its commands leave as one
-    message); ``pure=True`` promises that Python has no effect but its commands (no
-    scheduler, no counter), so its replays skip it."""
+    Each call runs the function's Python (its commands leave as one message);
+    ``pure=True`` promises that Python has no effect but its commands and reads no
+    value that changes (no scheduler, no counter), so replays skip it."""
     if not isinstance(pure, bool):
         raise TypeError(f"mnb.compile(pure=...) takes True or False, got {pure!r}")
     if fn is None:
