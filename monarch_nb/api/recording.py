@@ -345,6 +345,11 @@ class Compiled:
             t = w()
             if t is not None:
                 t.ident = ident
+        returned: list[Ref] = []
+        _walk(result, returned)
+        for r in returned:  # a Ref made inside: its value comes from the replay
+            if r.id in sig.made:
+                r.ident = ident
         trace.release(sig.made)
         return True, result
 
