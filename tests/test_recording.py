@@ -58,6 +58,8 @@ def test_failure_inside_a_replay_is_reported_once_without_cascade(mesh):
     with pytest.raises(mnb.RemoteError, match="negative input") as ei:
         out.fetch()
     assert set(ei.value.failures) == {0, 1}
+    # the result is the replay's own value: its failure, not "depends on command ..."
+    assert str(ei.value).startswith("compiled step failed on ranks 0-1"), str(ei.value)
     mesh.wait()
     errors = mesh.status()["errors"]
     assert len(errors) == n_errors + 1 and errors[0]["ranks"] == [0, 1]

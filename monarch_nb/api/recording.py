@@ -62,6 +62,21 @@ def _walk(obj, refs: list):
         return ("object", id(obj))
 
 
+def _refs_in(obj, refs: list) -> list:
+    """The Refs (mesh tensors among them) in ``obj`` and its tuples, lists and dicts,
+    appended to ``refs``."""
+    t = type(obj)
+    if t is Ref or _is_tensor(obj):
+        refs.append(obj)
+    elif t in (tuple, list):
+        for o in obj:
+            _refs_in(o, refs)
+    elif t is dict:
+        for o in obj.values():
+            _refs_in(o, refs)
+    return refs
+
+
 def _is_tensor(obj) -> bool:
     """A mesh tensor (``mnb.Tensor``): the one kind of Ref with a layout (tested
     without importing the tensor engine, which imports torch)."""
@@ -155,7 +170,7 @@ class Compiled:
 
     def __init__(self, fn, pure: bool = False):
         self._fn = fn
-        self._pure = pure  # a function with state may replay without running its Python
+        self._pure = pure  # its settled calls replay without running its Python
         self._recorded: dict = {}  # key -> _Recorded, the most recent last
         self._attempts: dict = {}  # key -> recordings in a row that did not settle
         self._why = ""  # how the last two recordings of a key differed
@@ -243,8 +258,7 @@ class Compiled:
             recording_trace.active = None
         if not trace.commands:
             return result, None
-        out_refs: list[Ref] = []
-        _walk(result, out_refs)
+        out_refs = _refs_in(result, [])
         described = [fields(c) for c, _, _ in trace.commands]
         defined = {rid for result, _, _ in described for rid in results_of(result)}
         formal_ids = [r.id for r in refs]
@@ -345,16 +359,15 @@ class Compiled:
             t = w()
             if t is not None:
                 t.ident = ident
-        returned: list[Ref] = []
-        _walk(result, returned)
-        for r in returned:  # a Ref made inside: its value comes from the replay
+        for r in _refs_in(result, []):  # a Ref made inside: its value comes from the replay
             if r.id in sig.made:
                 r.ident = ident
         trace.release(sig.made)
         return True, result
 
     def __repr__(self) -> str:
-        return f"<compiled {getattr(self._fn, '__qualname__', self._fn)!r}>"
+        pure = ", pure" if self._pure else ""
+        return f"<compiled {getattr(self._fn, '__qualname__', self._fn)!r}{pure}>"
 
 
 def compile(fn=None, *, pure: bool = False):  # noqa: A001 - the public name, as in torch.compile
