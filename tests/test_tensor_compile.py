@@ -115,7 +115,9 @@ def test_a_step_that_differs_on_every_call_runs_uncompiled_with_a_warning(mesh):
     assert mnb.inspect(w).tolist() == torch.roll(torch.arange(6.0), 21).tolist()
 
 
-def test_a_replay_after_the_captured_tensor_is_replaced_records_again(mesh):
+@pytest.mark.parametrize("pure", [False, True], ids=["checked", "pure"])
+def test_a_replay_after_the_captured_tensor_is_replaced_records_again(mesh, pure):
+    """A checked call reads the new tensor; a pure replay, whose input is gone, records."""
     with mesh.activate():
         data = torch.ones(3)
         acc = torch.zeros(3)
@@ -123,7 +125,7 @@ def test_a_replay_after_the_captured_tensor_is_replaced_records_again(mesh):
     def accumulate():
         acc.add_(data * 2)
 
-    step = mnb.compile(accumulate)
+    step = mnb.compile(accumulate, pure=pure)
     for _ in range(4):
         step()
     assert mnb.inspect(acc).tolist() == [8.0] * 3
