@@ -23,7 +23,7 @@ from traitlets.config import Configurable
 from .hooks import Hook
 
 PREFIX = "MONARCH_NB_"
-_POSITIVE = ("heartbeat_timeout", "collective_timeout", "stall_seconds")
+_POSITIVE = ("heartbeat_timeout", "collective_timeout", "stall_seconds", "interrupt_wait")
 # variables of that prefix that are not settings: the mesh secret (a worker's key)
 NOT_SETTINGS = {
     "MONARCH_NB_KEY": "a worker's mesh secret (hex), when no other source is given",
@@ -53,6 +53,12 @@ class MonarchNB(Configurable):
         help="a command running longer is a stall: its worker logs where it is and "
         "reports it (status() 'stalled', the dashboard)",
     ).tag(config=True, restart=True)
+    interrupt_wait = Float(
+        5.0,
+        help="seconds interrupted commands get to stop (Ctrl-C in a blocking fetch, wait "
+        "or %%monarch cell) before their ranks count as stuck, named in the "
+        "KeyboardInterrupt",
+    ).tag(config=True)
     progress_delay = Float(0.5, help="seconds before a progress bar appears").tag(config=True)
     timeline_size = Int(
         100_000,

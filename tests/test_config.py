@@ -54,6 +54,7 @@ def test_a_keyword_beats_a_setting_which_beats_a_variable_which_beats_the_defaul
         ({"MONARCH_NB_SPAWN": "fork"}, "MONARCH_NB_SPAWN='fork': one of agent, popen"),
         ({"MONARCH_NB_SIGN_FULL": "yes"}, "MONARCH_NB_SIGN_FULL='yes': 0 or 1"),
         ({"MONARCH_NB_TIMELINE_SIZE": "-5"}, "MONARCH_NB_TIMELINE_SIZE='-5': an integer >= 0"),
+        ({"MONARCH_NB_INTERRUPT_WAIT": "-1"}, "MONARCH_NB_INTERRUPT_WAIT='-1': a number > 0"),
     ],
 )  # fmt: skip
 def test_bad_variables_are_refused_naming_the_setting_and_what_it_takes(env, message):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from .. import config
 from ..protocol import messages as m
-from ..protocol.constants import INTERRUPT_WAIT
 from .errors import InterruptTimeout
 
 
@@ -64,10 +64,12 @@ class Interrupts:
             ]
             ctrl.send(m.Interrupt(tuple(streams), ctrl.next_ident()), alive, check=False)
 
-    def interrupt_and_wait(self, streams=(), timeout: float = INTERRUPT_WAIT, ranks=None) -> None:
-        """Interrupt (on ``ranks``, all by default), then wait up to ``timeout`` s for
-        the commands that were running to end (InterruptTimeout names those that did
-        not: only ``restart()`` frees them)."""
+    def interrupt_and_wait(self, streams=(), timeout: float | None = None, ranks=None) -> None:
+        """Interrupt (on ``ranks``, all by default), then wait up to ``timeout`` s (the
+        setting ``interrupt_wait`` by default) for the commands that were running to
+        end (InterruptTimeout names those that did not: only ``restart()`` frees them)."""
+        if timeout is None:
+            timeout = config.setting("interrupt_wait")
         state = self._ctrl.state
         was_running = running(state, streams, ranks)
         self.interrupt(streams, ranks)
@@ -75,8 +77,8 @@ class Interrupts:
 
     def after_ctrl_c(self) -> None:
         """Ctrl-C while a caller waited: interrupt every running command and wait up
-        to INTERRUPT_WAIT s for them to stop (a KeyboardInterrupt naming stuck ranks)."""
+        to ``interrupt_wait`` s for them to stop (a KeyboardInterrupt naming stuck ranks)."""
         try:
-            self.interrupt_and_wait(timeout=INTERRUPT_WAIT)
+            self.interrupt_and_wait()
         except InterruptTimeout as e:
             raise KeyboardInterrupt(str(e)) from None

@@ -15,8 +15,8 @@ import time
 
 from IPython.core.error import UsageError
 
+from .. import config
 from ..controller import AsyncResult, MeshClosedError, RemoteError, WorkerCrashed, format_ranks
-from ..protocol.constants import INTERRUPT_WAIT
 from ..protocol.wire import RefUseError
 from .output import CellSink, OutputHub
 from .pdb_prompt import NoStdin, Prompt, notice
@@ -60,6 +60,7 @@ class CellRun:
         self._finished = False
         self._debug_detached = False
         self._waited = False
+        self._interrupt_wait = 0.0  # the setting interrupt_wait, read at the last Ctrl-C
 
     # ------------------------------------------------------------ sending
 
@@ -114,6 +115,12 @@ class CellRun:
         if self.mesh.alive:
             self.stream.interrupt(self.ranks)
 
+    def interrupt_deadline(self) -> float:
+        """When the ranks interrupted now count as stuck: the setting ``interrupt_wait``
+        from now (read at each Ctrl-C, so ``%config`` takes effect at once)."""
+        self._interrupt_wait = config.setting("interrupt_wait")
+        return time.monotonic() + self._interrupt_wait
+
     # ------------------------------------------------------------ blocking
 
     def wait(self) -> None:
@@ -142,7 +149,7 @@ class CellRun:
         it names the ranks still in the cell, not those that stopped."""
         return KeyboardInterrupt(
             f"{format_ranks(self.unfinished() or self.ranks)} did not stop within "
-            f"{INTERRUPT_WAIT:.0f} s "
+            f"{self._interrupt_wait:g} s "
             f"(stuck outside Python code?); their output still lands under this cell. "
             f"%monarch_mesh --restart gives fresh workers."
         )
@@ -210,7 +217,7 @@ class CellRun:
 
     def _wait_interrupted(self) -> bool:
         self.interrupt()
-        deadline = time.monotonic() + INTERRUPT_WAIT
+        deadline = self.interrupt_deadline()
         while True:
             try:
                 return self._wait(max(0.0, deadline - time.monotonic()))

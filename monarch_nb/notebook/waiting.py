@@ -38,7 +38,7 @@ import shlex
 import signal
 import time
 
-from .cell import INTERRUPT_WAIT, POLL, CellRun, _Detached
+from .cell import POLL, CellRun, _Detached
 
 ASYNC_WAIT = True  # rewrite blocking %%monarch cells into awaited ones (in a kernel)
 
@@ -111,7 +111,7 @@ def _prompt(run: CellRun) -> None:
 
 async def _wait_interrupted(run: CellRun) -> bool:
     run.interrupt()
-    deadline = time.monotonic() + INTERRUPT_WAIT
+    deadline = run.interrupt_deadline()
     while True:
         try:
             return await _wait(run, max(0.0, deadline - time.monotonic()))

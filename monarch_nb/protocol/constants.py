@@ -9,5 +9,3 @@ RECV_HWM = 256  # messages queued per peer socket before ZeroMQ stops reading it
 # waits in the sender
 
 BEAT_S = 1.0  # how often a host agent's relay says it is alive (the controller expects it)
-
-INTERRUPT_WAIT = 5.0  # seconds interrupted commands get to stop before their ranks count as stuck
