@@ -51,15 +51,34 @@ def step():
         f.write(str(len(losses)))
 """
 
+# The winner lets go once the ranks' output printed while no controller listened has
+# come (bounded): it comes as the ranks reconnect, each stream's socket on its own, so
+# it may land just after attach() returned (the ranks rejoin on their receivers' sockets)
 RACER = textwrap.dedent(
     """
-    import sys
+    import sys, time
     import monarch_nb as mnb
+
+    class Tee:  # the ranks' output, printed to sys.stdout, also kept here
+        def __init__(self, out):
+            self.out, self.parts = out, []
+        def write(self, text):
+            self.parts.append(text)
+            return self.out.write(text)
+        def flush(self):
+            self.out.flush()
+
+    tee = sys.stdout = Tee(sys.stdout)
     try:
         mesh = mnb.attach(sys.argv[1], steal=len(sys.argv) > 2, timeout=60)
     except RuntimeError as e:
         print("REFUSED", e)
     else:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+            f"[rank {r}] step 8 loss" in "".join(tee.parts) for r in (0, 1)
+        ):
+            time.sleep(0.02)
         mesh.detach()
         print("GOT")
     """
@@ -108,8 +127,8 @@ def test_relays_keep_their_ranks_for_a_process_that_attaches(
     p, relays, pids = _first(tmp_path, name, "60s", {"MONARCH_NB_RELAY_FANOUT": fanout})
     os.kill(p.pid, signal.SIGKILL)  # mid-training: 5 steps in flight
     p.wait(10)
-    # the winner below lets go at once: what it gets is what the ranks printed before
-    # it attached, so the orphaned command ends first (its output goes with its end)
+    # the winner below lets go once it has what the ranks printed before it attached,
+    # so the orphaned command ends first (its output goes with its end)
     wait_for(lambda: _steps(tmp_path) == ["8", "8"], 60, "the orphaned command's end")
     row = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
     assert row and "(gone)" in row[0], row
