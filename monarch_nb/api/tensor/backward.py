@@ -129,7 +129,9 @@ def _saved(node) -> list:
     for name in names:
         saved = getattr(node, name)
         for one in saved if type(saved) in (list, tuple) else (saved,):
-            if type(one) is _SAVED_TENSOR:  # (a list of an optional tensor holds None)
+            # (a list of an optional tensor holds None; an input autograd had no need to
+            # save is an undefined SavedTensor, whose register_hooks would raise)
+            if type(one) is _SAVED_TENSOR and one.data is not None:
                 found.append(one)
     return found
 
