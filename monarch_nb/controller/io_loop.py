@@ -41,6 +41,11 @@ GRACE = 0.005  # seconds the IO thread leaves the socket to a caller that just d
 # or is waiting for the lease: short, as a caller that awaits instead never drives
 SENT_GRACE = 0.0005
 HOLD = 0.001  # seconds messages handed over after a wake wait for that wake's batch
+# ... after a tensor op: a loop of them (a training step op by op) feeds the ranks a
+# pipeline, where fewer, larger batches cost the controller less (one wake, one seal
+# and send per batch: 20 % less CPU a step of a real LM than at 1 ms). A remote call
+# keeps HOLD: a short burst of them ends sooner when the worker starts sooner.
+HOLD_OPS = 0.005
 MAX_QUEUED = 4096  # messages handed over and not sent before a producer must help send
 MAX_DRAIN = 65536  # messages one drain sends at most
 
@@ -141,7 +146,7 @@ class IOLoop:
             if not self.on_io_thread:
                 # what follows within HOLD goes with this one's batch, unwoken: a producer
                 # in a loop pays one wake per batch, not one per message
-                self._callers_until = now + HOLD
+                self._callers_until = now + (HOLD_OPS if type(item) is Op else HOLD)
         self._wake()
 
     def _help_drain(self) -> None:
