@@ -371,7 +371,9 @@ def test_a_killed_relay_fails_its_ranks_naming_its_host_and_a_new_one_takes_the_
     assert "its connection closed (the relay process is gone)" in text
     assert pids_gone(ranks, timeout=10) == []
     relays[1].wait(10)
-    assert left and all(os.path.isdir(d) for d in left)
+    # its socket's directory stays until a relay starts on this host and sweeps it: the
+    # next one here, or one another test file starts meanwhile (seen under -n 2)
+    assert left
     relays[1] = relay(conn, "--local-ranks", "2", "--node-rank", "1")
     agents = ctrl.workers.launcher.agents
     wait_for(lambda: len(agents.hosts()) == 2, 120, "the new relay")
