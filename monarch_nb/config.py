@@ -204,21 +204,22 @@ def snapshot(environ=None, **given) -> dict:
     what was set on ``settings()``, else its variable, else its default. Checked."""
     environ = os.environ if environ is None else environ
     check_environment(environ)
-    own = settings()
-    out = {}
-    for name in names():
-        if given.get(name) is not None:
-            try:
-                out[name] = MonarchNB(**{name: given[name]}).trait_values()[name]
-            except TraitError as e:
-                raise ConfigError(f"{name}={given[name]!r}: {accepts(name)} ({e})") from None
-        elif name in own.set_here:
-            out[name] = getattr(own, name)
-        elif variable(name) in environ:
-            out[name] = _parse(name, environ[variable(name)])
-        else:
-            out[name] = MonarchNB.class_traits()[name].default_value
-    return out
+    return {name: _resolve(name, environ, given.get(name)) for name in names()}
+
+
+def _resolve(name: str, environ, given=None):
+    """Setting ``name``: ``given``, else set on ``settings()``, else its variable, else
+    its default (checked)."""
+    if given is not None:
+        try:
+            return MonarchNB(**{name: given}).trait_values()[name]
+        except TraitError as e:
+            raise ConfigError(f"{name}={given!r}: {accepts(name)} ({e})") from None
+    if name in settings().set_here:
+        return getattr(settings(), name)
+    if variable(name) in environ:
+        return _parse(name, environ[variable(name)])
+    return MonarchNB.class_traits()[name].default_value
 
 
 def process_settings() -> dict:
@@ -231,8 +232,9 @@ def process_settings() -> dict:
 
 
 def setting(name: str, environ=None):
-    """One setting's value now (as ``snapshot`` resolves it)."""
-    return snapshot(environ)[name]
+    """One setting's value now, as ``snapshot`` resolves it; the other variables are
+    not read (a mesh checked them at its start: a Ctrl-C must not fail on a typo)."""
+    return _resolve(name, os.environ if environ is None else environ)
 
 
 def process_env(values: dict) -> dict[str, str]:

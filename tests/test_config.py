@@ -63,6 +63,18 @@ def test_bad_variables_are_refused_naming_the_setting_and_what_it_takes(env, mes
 
 
 @pytest.mark.unit
+def test_one_setting_read_later_ignores_other_variables(clean_settings):
+    """A mesh checks every variable at its start; a setting read later (at a Ctrl-C,
+    a progress bar) reads its own only: a typo set since cannot fail the interrupt."""
+    env = {"MONARCH_NB_INTERRUPT_WAIT": "2.5", "MONARCH_NB_STAL_SECONDS": "1"}
+    assert config.setting("interrupt_wait", env) == 2.5
+    with pytest.raises(ConfigError, match="MONARCH_NB_STAL_SECONDS is not"):
+        config.snapshot(env)
+    clean_settings.interrupt_wait = 1.5  # %config wins over the variable
+    assert config.setting("interrupt_wait", env) == 1.5
+
+
+@pytest.mark.unit
 def test_a_keyword_of_the_wrong_type_is_refused(clean_settings):
     with pytest.raises(ConfigError, match=r"heartbeat_timeout='soon': a number > 0"):
         config.snapshot({}, heartbeat_timeout="soon")

@@ -68,11 +68,11 @@ class Interrupts:
         """Interrupt (on ``ranks``, all by default), then wait up to ``timeout`` s (the
         setting ``interrupt_wait`` by default) for the commands that were running to
         end (InterruptTimeout names those that did not: only ``restart()`` frees them)."""
-        if timeout is None:
-            timeout = config.setting("interrupt_wait")
         state = self._ctrl.state
         was_running = running(state, streams, ranks)
         self.interrupt(streams, ranks)
+        if timeout is None:  # read after the interrupt is on its way
+            timeout = config.setting("interrupt_wait")
         wait_stopped(state, self._ctrl.name, was_running, timeout)
 
     def after_ctrl_c(self) -> None:
