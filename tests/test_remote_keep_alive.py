@@ -53,11 +53,22 @@ def step():
 
 # The winner lets go once the ranks' output printed while no controller listened has
 # come (bounded): it comes as the ranks reconnect, each stream's socket on its own, so
-# it may land just after attach() returned (the ranks rejoin on their receivers' sockets)
+# it may land just after attach() returned (the ranks rejoin on their receivers' sockets).
+# With RACE_DIR set, racers attach once all of them are ready, and the winner holds the
+# mesh until the loser was refused: under load one may start seconds after the other.
 RACER = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     import monarch_nb as mnb
+
+    race = os.environ.get("RACE_DIR")
+
+    def wait_files(n, what):
+        deadline = time.monotonic() + 60
+        while len(os.listdir(race)) < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no {what} within 60 s")
+            time.sleep(0.02)
 
     class Tee:  # the ranks' output, printed to sys.stdout, also kept here
         def __init__(self, out):
@@ -69,9 +80,14 @@ RACER = textwrap.dedent(
             self.out.flush()
 
     tee = sys.stdout = Tee(sys.stdout)
+    if race:
+        open(os.path.join(race, f"ready{os.getpid()}"), "w").close()
+        wait_files(2, "other racer")
     try:
         mesh = mnb.attach(sys.argv[1], steal=len(sys.argv) > 2, timeout=60)
     except RuntimeError as e:
+        if race:
+            open(os.path.join(race, "refused"), "w").close()
         print("REFUSED", e)
     else:
         deadline = time.monotonic() + 60
@@ -79,6 +95,8 @@ RACER = textwrap.dedent(
             f"[rank {r}] step 8 loss" in "".join(tee.parts) for r in (0, 1)
         ):
             time.sleep(0.02)
+        if race:
+            wait_files(3, "refusal of the other racer")
         mesh.detach()
         print("GOT")
     """
@@ -133,8 +151,11 @@ def test_relays_keep_their_ranks_for_a_process_that_attaches(
     row = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
     assert row and "(gone)" in row[0], row
     # two processes attach at once: one gets the mesh (and lets go), the other is refused
+    race = tmp_path / "race"
+    race.mkdir()
     racers = [subprocess.Popen([sys.executable, "-c", RACER, name], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+                               stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "RACE_DIR": str(race)}) for _ in range(2)]  # fmt: skip
     outs = sorted((r.communicate(timeout=120)[0] for r in racers), key=lambda o: "GOT" not in o)
     said = [o.strip().splitlines()[-1] for o in outs]
     assert said[0] == "GOT" and said[1].startswith("REFUSED"), said
