@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import math
 import warnings
+from unittest import mock
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -60,7 +61,17 @@ def float32_ops():
 
 
 def _samples(op, requires_grad: bool, limit: int) -> list:
-    with warnings.catch_warnings():
+    # torch's sample iterator looks for a unittest.TestCase up the stack (inspect.stack(),
+    # which reads the source of every frame: a third of this suite's time under pytest);
+    # under pytest it finds none, so naming that outcome gives the same samples and seed
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.opinfo import core
+
+    with (
+        warnings.catch_warnings(),
+        mock.patch.object(core, "extract_test_fn", _no_test_fn),
+        mock.patch.object(common_utils, "extract_test_fn", _no_test_fn),
+    ):
         warnings.simplefilter("ignore")
         out = []
         for s in op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
@@ -68,6 +79,10 @@ def _samples(op, requires_grad: bool, limit: int) -> list:
             if len(out) >= limit:
                 break
     return out
+
+
+def _no_test_fn():
+    return None
 
 
 def _to_mesh(x):
