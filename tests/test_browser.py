@@ -173,7 +173,9 @@ def test_activity_view_shows_a_straggler_and_the_stacks(page, server):
     page.locator(".mnb-dashboard .mnb-ts-toggle").last.click()
     # a bar per command; rank 1's cell, 8x its peer's, is outlined as a straggler
     page.locator(".mnb-dashboard .mnb-ts-view rect.mnb-ts-straggler").last.wait_for(timeout=T)
-    view = dash_text(page, "mnb-ts-view")
+    # rank 1's side row comes once that rank reports the --noblock cell's start
+    rows = "".join(f"(?=[\\s\\S]*{row})" for row in ("rank 0 default", "rank 1 default", "rank 1 side"))
+    view = wait_dash(page, "mnb-ts-view", rows)
     assert "rank 0 default" in view and "rank 1 default" in view and "rank 1 side" in view
     page.locator(".mnb-dashboard .mnb-ts-zoom button", has_text="1 min").last.click()
     lab.shot("dashboard_activity", ".mnb-dashboard .mnb-ts")
