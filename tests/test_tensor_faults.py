@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import monarch_nb as mnb
 from monarch_nb.api.tensor import dispatch as tensor_dispatch
 from monarch_nb.api.tensor import plans as tensor_plans
-from monarch_nb.controller import Controller
+from monarch_nb.controller import PENDING_INTERRUPT, Controller
 
 
 @pytest.fixture(scope="module")
@@ -144,37 +144,48 @@ def test_a_ctrl_c_landing_in_a_gc_callback_is_handed_back(mesh):
     gc.set_threshold(20)
     try:
         _interrupt_a_loop_of_ops(mesh, 10, after=20)
+        # a loop of remote calls (their Refs dropped at once) too
+        _interrupt_a_loop_of_ops(mesh, 5, after=20, body=lambda x: (noop(mesh=mesh), x)[1])
     finally:
         gc.callbacks.remove(slow)
         gc.set_threshold(*threshold)
 
 
-def _interrupt_a_loop_of_ops(mesh, times: int, after: int = 200) -> None:
-    """Ctrl-C ``times`` times, each once ``after`` ops ran: each one lands within the
-    loop (which would run on for 20 s without it)."""
+@mnb.remote
+def noop():
+    return None
+
+
+def _interrupt_a_loop_of_ops(mesh, times: int, after: int = 200, body=None) -> None:
+    """Ctrl-C ``times`` times, each once ``after`` ops (``body(x)``) ran: each one lands
+    within the loop (which would run on for 20 s without it), within a second of the
+    press, and once (no Ctrl-C a finalizer dropped is left to be raised later)."""
     main = threading.main_thread().ident
-    landed = 0
+    late = []
     with mesh.activate():
         x = torch.ones(16)
         for _ in range(times):
-            fired = threading.Event()
+            fired, pressed = threading.Event(), []
 
-            def press(fired=fired):
+            def press(fired=fired, pressed=pressed):
                 fired.wait(5)
+                pressed.append(time.monotonic())
                 signal.pthread_kill(main, signal.SIGINT)
 
             threading.Thread(target=press, daemon=True).start()
             start, i = time.monotonic(), 0
             with pytest.raises(KeyboardInterrupt):
                 while time.monotonic() - start < 20:  # bounded: a lost Ctrl-C fails, not hangs
-                    x = x * 1.0001
+                    x = x * 1.0001 if body is None else body(x)
                     i += 1
                     if i == after:
                         fired.set()
-            landed += 1
+            if time.monotonic() - pressed[0] > 1.0:  # the issue's bound: held, not lost
+                late.append(round(time.monotonic() - pressed[0], 2))
+            assert not PENDING_INTERRUPT, "a dropped Ctrl-C left to be raised a second time"
             mesh.wait(timeout=60)
         x = x * 1.0  # and the engine goes on
-    assert landed == times
+    assert late == [], f"Ctrl-Cs that took over 1 s to land (s): {late}"
     assert mnb.inspect(x).shape == (16,)
 
 

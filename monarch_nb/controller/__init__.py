@@ -13,7 +13,8 @@ from .errors import (
     fold_by_rank,
     format_ranks,
 )
-from .sigint import hand_back_interrupts, keep_unraisable_hook
+from .sigint import PENDING as PENDING_INTERRUPT
+from .sigint import hand_back_interrupts, keep_unraisable_hook, raise_pending_interrupt
 from .state import MeshState
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "InterruptTimeout",
     "MeshClosedError",
     "MeshState",
+    "PENDING_INTERRUPT",
     "RemoteError",
     "WorkerCrashed",
     "WorkerUnresponsive",
@@ -30,4 +32,5 @@ __all__ = [
     "format_ranks",
     "hand_back_interrupts",
     "keep_unraisable_hook",
+    "raise_pending_interrupt",
 ]

@@ -41,9 +41,12 @@ _previous_hook: list = []
 def hand_back_interrupts() -> None:
     """A Ctrl-C that lands in a finalizer (a ``__del__``, which cannot raise: Python
     prints "Exception ignored" and drops it) or a gc callback on the main thread is
-    raised again there at its next bytecode, in the user's code. A loop that makes and
-    drops mesh tensors spends much of its time in their ``__del__``: without this,
-    Ctrl-C was lost in about half of the tries."""
+    raised again in the user's code: at the start of the next mesh op or remote call
+    (``raise_pending_interrupt``), else by a signal HAND_BACK_S later. A loop that
+    makes and drops mesh tensors spends much of its time in their ``__del__``: without
+    this, Ctrl-C was lost in about half of the tries; with the signal alone, a loop
+    whose gc callbacks took most of its time (as hypothesis's do) kept dropping it
+    for seconds."""
     _reraiser()  # started now, not first in the hook (where a Ctrl-C may land again)
     keep_unraisable_hook()
 
@@ -64,10 +67,13 @@ def _unraisable(unraisable) -> None:
         and issubclass(unraisable.exc_type, KeyboardInterrupt)
         and threading.current_thread() is threading.main_thread()
     ):
-        # raised in this hook it would be dropped again: the re-raiser thread signals
-        # once the hook has returned (and again, should it land in a finalizer again)
+        # raised in this hook it would be dropped again: it waits as PENDING for the
+        # next mesh op or remote call, or the re-raiser's signal (and again, should
+        # that land in a finalizer again)
         while True:
             try:
+                if not PENDING:
+                    PENDING.append(True)
                 _reraiser().set()
                 return
             except KeyboardInterrupt:  # this same Ctrl-C, handed back early: ask again
@@ -77,6 +83,20 @@ def _unraisable(unraisable) -> None:
 
 
 _wanted: list = []  # [the Event the re-raiser waits on]
+PENDING: list = []  # [True] while a Ctrl-C dropped in a finalizer waits to be raised
+HAND_BACK_S = 0.02  # a loop of mesh ops raises it at its next op first, in its own code
+
+
+def raise_pending_interrupt() -> None:
+    """Raise the Ctrl-C a finalizer dropped, if one waits (exactly once: the
+    re-raiser takes the same token). Where a mesh op or a remote call starts."""
+    if not PENDING:
+        return
+    try:
+        PENDING.pop()
+    except IndexError:  # none, or the re-raiser took it
+        return
+    raise KeyboardInterrupt
 
 
 def _reraiser() -> threading.Event:
@@ -91,6 +111,10 @@ def _reraiser() -> threading.Event:
 def _reraise(wanted: threading.Event) -> None:
     while True:
         wanted.wait()
-        time.sleep(0.001)  # the hook that asked has returned by then
         wanted.clear()
+        time.sleep(HAND_BACK_S)  # the hook has returned; a mesh op may take it first
+        try:
+            PENDING.pop()
+        except IndexError:
+            continue
         _thread.interrupt_main(SIGINT)  # the main thread's current handler runs it

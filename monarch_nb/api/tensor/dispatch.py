@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from ...controller import PENDING_INTERRUPT, raise_pending_interrupt
 from ...protocol import messages as m
 from ...protocol.aten import OpSlot
 from ...protocol.autograd import saved_copy
@@ -52,6 +53,8 @@ def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
 def dispatch(func, args, kwargs, mesh=None):
     """Run ``func`` on the shards of its mesh tensors (or, for a factory, on
     ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
+    if PENDING_INTERRUPT:  # a Ctrl-C a finalizer dropped: raised in the user's loop
+        raise_pending_interrupt()
     if func is _DETACH:
         t = args[0]
         if type(t) is Tensor and not _excluded(_AD_INPLACE_OR_VIEW) and not t.is_inference():
