@@ -117,7 +117,9 @@ def _first(tmp_path, name: str, keep: str, env=None):
     )  # fmt: skip
     weakref.finalize(p, p.kill)
     wait_file(conn, timeout=60)
-    relays = [relay(conn, "--local-ranks", "1", "--node-rank", str(i), heartbeat=5) for i in (0, 1)]
+    # a heartbeat timeout of 10 s: under -n 4 a starting controller was starved past 5 s
+    # and a relay gave up, its rank never joining
+    relays = [relay(conn, "--local-ranks", "1", "--node-rank", str(i), heartbeat=10) for i in (0, 1)]
     for r in relays:
         weakref.finalize(r, r.kill)
     for line in p.stdout:

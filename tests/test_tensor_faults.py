@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import monarch_nb as mnb
 from monarch_nb.api.tensor import dispatch as tensor_dispatch
 from monarch_nb.api.tensor import plans as tensor_plans
-from monarch_nb.controller import PENDING_INTERRUPT, Controller
+from monarch_nb.controller import PENDING_INTERRUPT, Controller, raise_pending_interrupt
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +210,22 @@ def test_no_mesh_takes_the_mesh_mode_off_torch_s_stack(mesh):
     assert not isinstance(local, mnb.Tensor) and torch.equal(local, torch.full((3,), 2.0))
     assert isinstance(again, mnb.Tensor) and isinstance(after, mnb.Tensor)
     assert ours() == 0
+
+
+@pytest.mark.unit
+def test_a_dropped_ctrl_c_is_raised_once_and_on_the_main_thread_only():
+    """The token a finalizer's dropped Ctrl-C leaves: an op on another thread leaves
+    it (that thread was not interrupted); the main thread's next op raises it, once."""
+    PENDING_INTERRUPT.append(True)  # as the unraisable hook leaves it
+    try:
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(raise_pending_interrupt()))
+        other.start()
+        other.join(10)
+        assert seen == [None] and PENDING_INTERRUPT == [True]
+        with pytest.raises(KeyboardInterrupt):
+            raise_pending_interrupt()
+        assert PENDING_INTERRUPT == []
+        raise_pending_interrupt()  # nothing left: no second KeyboardInterrupt
+    finally:
+        PENDING_INTERRUPT.clear()

@@ -88,9 +88,10 @@ HAND_BACK_S = 0.02  # a loop of mesh ops raises it at its next op first, in its 
 
 
 def raise_pending_interrupt() -> None:
-    """Raise the Ctrl-C a finalizer dropped, if one waits (exactly once: the
-    re-raiser takes the same token). Where a mesh op or a remote call starts."""
-    if not PENDING:
+    """Raise the Ctrl-C a finalizer dropped, if one waits and this is the main
+    thread (exactly once: the re-raiser takes the same token). Where a mesh op or a
+    remote call starts."""
+    if not PENDING or threading.current_thread() is not threading.main_thread():
         return
     try:
         PENDING.pop()
