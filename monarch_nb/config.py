@@ -215,8 +215,9 @@ def _resolve(name: str, environ, given=None):
             return MonarchNB(**{name: given}).trait_values()[name]
         except TraitError as e:
             raise ConfigError(f"{name}={given!r}: {accepts(name)} ({e})") from None
-    if name in settings().set_here:
-        return getattr(settings(), name)
+    own = settings()
+    if name in own.set_here:
+        return getattr(own, name)
     if variable(name) in environ:
         return _parse(name, environ[variable(name)])
     return MonarchNB.class_traits()[name].default_value

@@ -48,7 +48,6 @@ def worker_children():
 
 
 def pytest_collection_modifyitems(config, items):
-    _longest_files_first(items)
     import torch
 
     if torch.cuda.is_available():
@@ -57,19 +56,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def _longest_files_first(items) -> None:
-    """The files that wait longest (Slurm's timers, JupyterLab and chromium) first, each
-    file's tests in their order: under ``-n N --dist loadfile`` they start first, so the
-    run does not end on one of them while the other processes sit idle."""
-    tier: dict = {}
-    first: dict = {}
-    for i, item in enumerate(items):
-        t = 0 if item.get_closest_marker("slurm") else 1 if item.get_closest_marker("browser") else 2
-        tier[item.path] = min(tier.get(item.path, 2), t)
-        first.setdefault(item.path, i)
-    items.sort(key=lambda item: (tier[item.path], first[item.path]))
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,12 @@ from .errors import (
     fold_by_rank,
     format_ranks,
 )
-from .sigint import PENDING as PENDING_INTERRUPT
-from .sigint import hand_back_interrupts, keep_unraisable_hook, raise_pending_interrupt
+from .sigint import (
+    PENDING_INTERRUPT,
+    hand_back_interrupts,
+    keep_unraisable_hook,
+    raise_pending_interrupt,
+)
 from .state import MeshState
 
 __all__ = [

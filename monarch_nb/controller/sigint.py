@@ -67,13 +67,13 @@ def _unraisable(unraisable) -> None:
         and issubclass(unraisable.exc_type, KeyboardInterrupt)
         and threading.current_thread() is threading.main_thread()
     ):
-        # raised in this hook it would be dropped again: it waits as PENDING for the
-        # next mesh op or remote call, or the re-raiser's signal (and again, should
-        # that land in a finalizer again)
+        # raised in this hook it would be dropped again: it waits as PENDING_INTERRUPT
+        # for the next mesh op or remote call, or the re-raiser's signal (and again,
+        # should that land in a finalizer again)
         while True:
             try:
-                if not PENDING:
-                    PENDING.append(True)
+                if not PENDING_INTERRUPT:
+                    PENDING_INTERRUPT.append(True)
                 _reraiser().set()
                 return
             except KeyboardInterrupt:  # this same Ctrl-C, handed back early: ask again
@@ -83,7 +83,7 @@ def _unraisable(unraisable) -> None:
 
 
 _wanted: list = []  # [the Event the re-raiser waits on]
-PENDING: list = []  # [True] while a Ctrl-C dropped in a finalizer waits to be raised
+PENDING_INTERRUPT: list = []  # [True] while a Ctrl-C a finalizer dropped waits to be raised
 HAND_BACK_S = 0.02  # a loop of mesh ops raises it at its next op first, in its own code
 
 
@@ -91,10 +91,10 @@ def raise_pending_interrupt() -> None:
     """Raise the Ctrl-C a finalizer dropped, if one waits and this is the main
     thread (exactly once: the re-raiser takes the same token). Where a mesh op or a
     remote call starts."""
-    if not PENDING or threading.current_thread() is not threading.main_thread():
+    if not PENDING_INTERRUPT or threading.current_thread() is not threading.main_thread():
         return
     try:
-        PENDING.pop()
+        PENDING_INTERRUPT.pop()
     except IndexError:  # none, or the re-raiser took it
         return
     raise KeyboardInterrupt
@@ -115,7 +115,7 @@ def _reraise(wanted: threading.Event) -> None:
         wanted.clear()
         time.sleep(HAND_BACK_S)  # the hook has returned; a mesh op may take it first
         try:
-            PENDING.pop()
+            PENDING_INTERRUPT.pop()
         except IndexError:
             continue
         _thread.interrupt_main(SIGINT)  # the main thread's current handler runs it
