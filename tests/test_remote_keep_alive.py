@@ -23,6 +23,8 @@ from wait_helpers import pids_gone, wait_for
 import monarch_nb as mnb
 from monarch_nb.protocol import keepalive
 
+# heartbeat_timeout 20 s: under -n 4 a relay whose rank was starting was silent past
+# 5 s and the controller gave it up (its rank "died"); nothing here waits on it
 FIRST = (
     textwrap.dedent(
         """
@@ -31,7 +33,7 @@ FIRST = (
         name, keep, train = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
         m = mnb.connect_mesh(
             2, connection_file=sys.argv[4], keep_alive=keep, name=name, timeout=120,
-            heartbeat_timeout=5, dp=2,
+            heartbeat_timeout=20, dp=2,
         )
         """
     )
