@@ -93,6 +93,11 @@ class MonarchNB(Configurable):
         help="sign every byte of large buffers (by default: their length and first and "
         "last 64 KiB past 1 MiB)",
     ).tag(config=True, restart=True)
+    switch_interval = Float(
+        0.001,
+        help="seconds: while a mesh runs, this process's sys.setswitchinterval at most (its "
+        "IO thread gets the GIL sooner from a loop of remote calls; 0: left as it is)",
+    ).tag(config=True, restart=True)
     log = Enum(
         ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
         "WARNING",
@@ -108,7 +113,9 @@ class MonarchNB(Configurable):
         self._no_restart_needed(proposal["trait"].name)
         return value
 
-    @validate("progress_delay", "timeline_size", "sim_slots", "sign_full", "log")
+    @validate(
+        "progress_delay", "timeline_size", "sim_slots", "sign_full", "switch_interval", "log"
+    )
     def _at_least_zero(self, proposal):
         value = proposal["value"]
         if not isinstance(value, bool) and isinstance(value, (int, float)) and value < 0:

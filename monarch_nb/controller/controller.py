@@ -96,8 +96,7 @@ class Controller:
         )
         self._secret = rejoin.secret if rejoin is not None else new_secret()
         self.signer = Signer(self._secret, full=settings["sign_full"])
-        # protocol v3: arrivals are checked against the peers' sockets (kept across
-        # restarts); the lease holder seals what leaves per destination
+        # arrivals checked against the peers' sockets; the lease holder seals what leaves
         self.peers = PeerTable(self.state.rejections)
         self.sealer = Sealer(self.signer, CONTROLLER)
         launcher.configure(config.process_env(settings))
@@ -111,7 +110,8 @@ class Controller:
         self.replies = Replies(self)
         self.cancels = Cancels(self)
         port = rejoin.port if rejoin is not None else 0
-        self.io = IOLoop(name, interface, self.workers.identities, self._io_callbacks(), port)
+        callbacks, switch = self._io_callbacks(), settings["switch_interval"]
+        self.io = IOLoop(name, interface, self.workers.identities, callbacks, port, switch)
         self.bind_address = f"tcp://{interface}:{self.io.port}"
         self.address = f"tcp://{self._advertise}:{self.io.port}"  # what workers connect to
         self.workers.launcher.attach(self.io)  # agents on other hosts reach this ROUTER

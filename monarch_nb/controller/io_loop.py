@@ -28,11 +28,11 @@ from concurrent.futures import Future
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..protocol.constants import RECV_HWM
 from ..protocol.wire import recv_ready, send_frames
 from .io_items import Call, CancelRequest, Delete, IOCallbacks, Op, Raw, Send, SendRequest
-from .routing import Routes
+from .routing import Routes, bind_router
 from .sigint import held_interrupt
+from .switch_interval import holding
 
 logger = logging.getLogger("monarch_nb.controller")
 
@@ -56,30 +56,25 @@ class IOLoop:
     """
 
     def __init__(
-        self, name: str, interface: str, identities: dict, callbacks: IOCallbacks, port: int = 0
+        self,
+        name: str,
+        interface: str,
+        identities: dict,
+        callbacks: IOCallbacks,
+        port: int = 0,
+        switch_interval: float = 0.0,
     ):
-        """``port``: the one to bind (a mesh's own, when attaching to it); 0: any free one."""
+        """``port``: the one to bind (a mesh's own, when attaching to it); 0: any free one.
+        ``switch_interval``: the process's at most, while the thread runs (switch_interval.py)."""
         self.name = name
         self.callbacks = callbacks
         self.identities = identities  # rank -> socket identity, filled by the worker set
         self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.SNDHWM, 0)
-        # per worker socket: a flood (a 1 GB print) waits in the worker, not here
-        self._router.setsockopt(zmq.RCVHWM, RECV_HWM)
-        self._router.setsockopt(zmq.LINGER, 0)
-        # hundreds of ranks joining at once: ZeroMQ's 100 drops SYNs (resent after 1 s)
-        self._router.setsockopt(zmq.BACKLOG, 1024)
-        if port:
-            try:
-                self._router.bind(f"tcp://{interface}:{port}")
-            except zmq.ZMQError as e:
-                self._router.close()
-                self._ctx.term()
-                raise OSError(f"mesh {name!r}: cannot listen on {interface}:{port}: {e}") from None
-            self.port = port
-        else:
-            self.port = self._router.bind_to_random_port(f"tcp://{interface}")
+        try:
+            self._router, self.port = bind_router(self._ctx, name, interface, port)
+        except OSError:
+            self._ctx.term()
+            raise
         self.routes = Routes(  # how a rank's message leaves
             self._router,
             identities,
@@ -107,7 +102,8 @@ class IOLoop:
         self.on_disconnect = lambda fd: None  # the launcher's (Launcher.attach)
         self._registered: set[int] = set()
         self._next_tick = 0.0
-        self.thread = threading.Thread(target=self._run, name=f"monarch-io-{name}", daemon=True)
+        run = holding(self._run, switch_interval)
+        self.thread = threading.Thread(target=run, name=f"monarch-io-{name}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()

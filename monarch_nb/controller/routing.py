@@ -12,9 +12,32 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import zmq
+
+from ..protocol.constants import RECV_HWM
 from ..protocol.wire import send_frames
 
 MAX_OPS = 1024  # tensor ops in one RunOps at most
+
+
+def bind_router(ctx, name: str, interface: str, port: int = 0) -> tuple:
+    """``(socket, port)``: mesh ``name``'s ROUTER, bound on ``interface`` at ``port``
+    (0: any free one); OSError naming the address when it cannot be had."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    # per worker socket: a flood (a 1 GB print) waits in the worker, not here
+    router.setsockopt(zmq.RCVHWM, RECV_HWM)
+    router.setsockopt(zmq.LINGER, 0)
+    # hundreds of ranks joining at once: ZeroMQ's 100 drops SYNs (resent after 1 s)
+    router.setsockopt(zmq.BACKLOG, 1024)
+    if not port:
+        return router, router.bind_to_random_port(f"tcp://{interface}")
+    try:
+        router.bind(f"tcp://{interface}:{port}")
+    except zmq.ZMQError as e:
+        router.close()
+        raise OSError(f"mesh {name!r}: cannot listen on {interface}:{port}: {e}") from None
+    return router, port
 
 
 class Routes:
