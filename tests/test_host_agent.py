@@ -77,21 +77,43 @@ def _stall_after():
     return process_settings()["stall_seconds"]
 
 
-def test_a_setting_read_at_import_that_changed_starts_a_fresh_agent(monkeypatch):
+def test_a_variable_read_at_import_that_changed_starts_a_fresh_agent(monkeypatch):
     with mnb.local_mesh(dp=1, name="before-drift") as m:
         old = local_agent()
-        monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "7")
+        monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # glibc reads it once, at start
         with mnb.local_mesh(dp=1, name="after-drift") as m2:
             new = local_agent()
             assert new is not old and new.alive
             assert psutil.Process(rank_pids(m2)[0]).ppid() == new.pid
-            assert mnb.remote(_stall_after)(mesh=m2).fetch(rank=0, timeout=60) == 7.0
+            assert mnb.remote(_variable)("MALLOC_ARENA_MAX", mesh=m2).fetch(rank=0, timeout=60) == "2"
             assert old.alive  # retired: it serves its ranks until they end
             m.exec("a = 1")
             assert m.pull("a") == [1]
     assert old.retired
     # it ends with its last rank (a mesh another test left running may still hold one)
     wait_for(lambda: not old.alive or old.ranks, 15, "the retired agent gone with its last rank")
+
+
+def test_a_changed_setting_reaches_ranks_forked_by_the_warm_agent(monkeypatch):
+    """MONARCH_NB_* settings are each rank's own (read after the fork, from its Spawn's
+    environment): changing one starts no agent."""
+    with mnb.local_mesh(dp=1, name="before-setting"):
+        agent = local_agent()
+    monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "7")
+    with mnb.local_mesh(dp=1, name="after-setting") as m:
+        assert local_agent() is agent
+        assert psutil.Process(rank_pids(m)[0]).ppid() == agent.pid
+        assert mnb.remote(_stall_after)(mesh=m).fetch(rank=0, timeout=60) == 7.0
+    monkeypatch.delenv("MONARCH_NB_STALL_SECONDS")
+    with mnb.local_mesh(dp=1, name="setting-gone") as m:
+        assert local_agent() is agent
+        assert mnb.remote(_stall_after)(mesh=m).fetch(rank=0, timeout=60) == 30.0
+
+
+def _variable(name: str):
+    import os as _os
+
+    return _os.environ.get(name)
 
 
 def test_ranks_are_forked_by_the_agent_and_run_cells_and_collectives(hosted):

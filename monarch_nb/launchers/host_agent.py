@@ -326,12 +326,14 @@ def sim_boot_path() -> str:
 
 
 def import_time_env(env: dict) -> tuple:
-    """The variables a process reads once, at start or import (ours, glibc's malloc,
-    torch's, Python's): the agent read them when it started, so ranks forked from it
-    see their values of then. A change starts a fresh agent. (Per fork: the rest of
-    the env, OMP_NUM_THREADS through torch.set_num_threads, sys.path, the cwd.)"""
-    prefixes = ("MONARCH_NB_", "MALLOC_", "TORCH_", "PYTHON", "LD_")
-    skip = {"PYTHONPATH", "MONARCH_NB_SPAWN", "CUDA_VISIBLE_DEVICES"}
+    """The variables a process reads once, at start or import (glibc's malloc, torch's,
+    Python's, the loader's): the agent read them when it started, so ranks forked from
+    it see their values of then. A change starts a fresh agent. (Per fork: the rest of
+    the env, our MONARCH_NB_* settings among it (config.process_settings reads them
+    again after the fork), OMP_NUM_THREADS through torch.set_num_threads, sys.path,
+    the cwd.)"""
+    prefixes = ("MALLOC_", "TORCH_", "PYTHON", "LD_")
+    skip = {"PYTHONPATH", "CUDA_VISIBLE_DEVICES"}
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(prefixes) and k not in skip))
 
 
