@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _signal  # signal.signal's enum wrapping costs more than the call itself
 import _thread
+import queue
 import sys
 import threading
 import time
@@ -72,18 +73,18 @@ def _unraisable(unraisable) -> None:
         # should that land in a finalizer again)
         while True:
             try:
-                if not PENDING_INTERRUPT:
-                    PENDING_INTERRUPT.append(True)
-                _reraiser().set()
+                if not PENDING_INTERRUPT:  # (one waiting already: the same Ctrl-C, or two)
+                    PENDING_INTERRUPT.append(object())
+                _reraiser().put(PENDING_INTERRUPT[0])  # (twice is harmless: removed once)
                 return
-            except KeyboardInterrupt:  # this same Ctrl-C, handed back early: ask again
+            except (KeyboardInterrupt, IndexError):  # handed back early, or taken: again
                 continue
     if _previous_hook:
         _previous_hook[0](unraisable)
 
 
-_wanted: list = []  # [the Event the re-raiser waits on]
-PENDING_INTERRUPT: list = []  # [True] while a Ctrl-C a finalizer dropped waits to be raised
+_wanted: list = []  # [the queue of tokens the re-raiser hands back]
+PENDING_INTERRUPT: list = []  # [a token] while a Ctrl-C a finalizer dropped waits to be raised
 HAND_BACK_S = 0.02  # a loop of mesh ops raises it at its next op first, in its own code
 
 
@@ -100,22 +101,21 @@ def raise_pending_interrupt() -> None:
     raise KeyboardInterrupt
 
 
-def _reraiser() -> threading.Event:
+def _reraiser() -> queue.SimpleQueue:
     if not _wanted:
-        _wanted.append(threading.Event())
+        _wanted.append(queue.SimpleQueue())
         threading.Thread(
             target=_reraise, args=(_wanted[0],), name="monarch-sigint", daemon=True
         ).start()
     return _wanted[0]
 
 
-def _reraise(wanted: threading.Event) -> None:
+def _reraise(tokens: queue.SimpleQueue) -> None:
     while True:
-        wanted.wait()
-        wanted.clear()
+        token = tokens.get()
         time.sleep(HAND_BACK_S)  # the hook has returned; a mesh op may take it first
         try:
-            PENDING_INTERRUPT.pop()
-        except IndexError:
+            PENDING_INTERRUPT.remove(token)  # only the one it was given: raised once
+        except ValueError:
             continue
         _thread.interrupt_main(SIGINT)  # the main thread's current handler runs it
