@@ -21,6 +21,7 @@ from wait_helpers import alive, pids_gone, wait_for
 from worker_probes import rank_pids
 
 import monarch_nb as mnb
+from monarch_nb import config
 from monarch_nb.api.mesh import DeviceMesh
 from monarch_nb.controller import Controller
 from monarch_nb.controller.errors import WorkerCrashed
@@ -107,7 +108,8 @@ def test_a_changed_setting_reaches_ranks_forked_by_the_warm_agent(monkeypatch):
     monkeypatch.delenv("MONARCH_NB_STALL_SECONDS")
     with mnb.local_mesh(dp=1, name="setting-gone") as m:
         assert local_agent() is agent
-        assert mnb.remote(_stall_after)(mesh=m).fetch(rank=0, timeout=60) == 30.0
+        default = config.MonarchNB.class_traits()["stall_seconds"].default_value
+        assert mnb.remote(_stall_after)(mesh=m).fetch(rank=0, timeout=60) == default
 
 
 def _variable(name: str):

@@ -96,8 +96,7 @@ def test_timeline_holds_each_ranks_commands_and_flags_the_straggler(mesh):
     slow = {r["rank"] for r in new if r["straggler"]}
     assert slow == {1}, new
     r1 = next(r for r in new if r["rank"] == 1 and r["ident"] == first)
-    # its own nap, no less (under load it may end late: the window above bounds it)
-    assert 0.35 <= r1["end"] - r1["start"] <= t1 - t0 + 0.05
+    assert r1["end"] - r1["start"] >= 0.35  # its own nap (the window above bounds it)
     offsets = mesh._controller.state.timeline.offsets
     assert set(offsets) == {0, 1} and all(abs(o) < 0.05 for o, _ in offsets.values())
 

@@ -6,6 +6,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ..controller import PENDING_INTERRUPT as _PENDING_INTERRUPT
 from ..controller import AsyncResult, hand_back_interrupts, keep_unraisable_hook
 from ..controller import raise_pending_interrupt as _raise_pending_interrupt
 from ..hooks import Hook
@@ -333,7 +334,8 @@ class RemoteFunction:
     def __call__(
         self, *args, mesh: DeviceMesh | None = None, stream: Stream | None = None, **kwargs
     ) -> Ref:
-        _raise_pending_interrupt()  # a Ctrl-C a finalizer dropped: raised in the user's loop
+        if _PENDING_INTERRUPT:  # a Ctrl-C a finalizer dropped: raised in the user's loop
+            _raise_pending_interrupt()
         # a propagator needs the engine: load it (it installs itself); else only a loaded one
         engine = TENSOR_ENGINE.get() if self._propagate is not None else TENSOR_ENGINE.value
         if engine is not None and (self._propagate is not None or engine.takes(args, kwargs)):
