@@ -79,7 +79,7 @@ def test_timeline_holds_each_ranks_commands_and_flags_the_straggler(mesh):
     before = {r["ident"] for r in mesh.timeline()}
     f = mnb.remote(nap)
     t0 = time.time()
-    f([0.05, 0.4], mesh=mesh)
+    f([0.05, 0.8], mesh=mesh)
     mnb.remote(nap)(0, mesh=mesh)
     mesh.wait()
     t1 = time.time()
@@ -93,10 +93,12 @@ def test_timeline_holds_each_ranks_commands_and_flags_the_straggler(mesh):
     starts = [r["start"] for r in new]
     assert starts == sorted(starts)
     first = min(r["ident"] for r in new)
-    slow = {r["rank"] for r in new if r["straggler"]}
+    # the slow nap's record is flagged, its peer's not; the instant nap(0) after it is
+    # left out: under load a rank preempted for a millisecond in it is a straggler too
+    slow = {r["rank"] for r in new if r["straggler"] and r["ident"] == first}
     assert slow == {1}, new
     r1 = next(r for r in new if r["rank"] == 1 and r["ident"] == first)
-    assert r1["end"] - r1["start"] >= 0.35  # its own nap (the window above bounds it)
+    assert r1["end"] - r1["start"] >= 0.75  # its own nap (the window above bounds it)
     offsets = mesh._controller.state.timeline.offsets
     assert set(offsets) == {0, 1} and all(abs(o) < 0.05 for o, _ in offsets.values())
 

@@ -15,6 +15,7 @@ import pytest
 
 import monarch_nb as mnb
 from monarch_nb.api import context
+from monarch_nb.api.launch import names_gpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +79,10 @@ try:
     x = mnb.remote(lambda: 41)()
     y = mnb.remote(lambda v: v + 1)(x)
     assert y.fetch(rank=0, timeout=60) == 42
+    # the ranks' host agent imports torch; the controller needs it only for a GPU build's
+    # default backend (~1.3 s of CPU each kernel's first mesh cost)
+    if not launch._torch_has_gpu_build():
+        assert "torch" not in sys.modules, "the controller imported torch"
     import torch
 
     t = mnb.remote(torch.ones)(2)
@@ -122,6 +127,16 @@ def test_import_monarch_nb_does_not_import_torch():
         [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
     )
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr
+
+
+@pytest.mark.unit
+def test_a_cpu_build_of_torch_is_told_from_its_version_file():
+    cpu = "from typing import Optional\ncuda: Optional[str] = None\nhip: Optional[str] = None\n"
+    assert not names_gpu_build(cpu)
+    assert names_gpu_build(cpu.replace("cuda: Optional[str] = None", "cuda = '12.6'"))
+    assert names_gpu_build(cpu.replace("hip: Optional[str] = None", "hip = '6.2.4'"))
+    assert names_gpu_build("__version__ = '2.13.0'\n")  # says neither: torch decides
+    assert names_gpu_build("cuda = get_cuda()\nhip = None\n")  # not a literal
 
 
 @pytest.mark.unit

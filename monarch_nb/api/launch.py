@@ -3,7 +3,11 @@ workers another launcher started. Both register the mesh by name (``context.py``
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 from .. import config
 from ..controller import Controller
@@ -19,7 +23,10 @@ from .mesh import DeviceMesh
 
 def _default_backend(world: int) -> str:
     """nccl when every rank gets a GPU of its own (NCCL refuses two ranks on one
-    GPU), else gloo."""
+    GPU), else gloo. A torch built without CUDA or ROCm has no GPU to count: gloo,
+    without importing torch here (~1.3 s of CPU the ranks' host agent spends anyway)."""
+    if "torch" not in sys.modules and not _torch_has_gpu_build():
+        return "gloo"
     try:
         import torch
 
@@ -28,6 +35,30 @@ def _default_backend(world: int) -> str:
         )
     except Exception:
         return "gloo"
+
+
+def _torch_has_gpu_build() -> bool:
+    """Whether the installed torch may see a GPU (True where its ``version.py``
+    cannot be read: torch then decides)."""
+    try:
+        folder = importlib.util.find_spec("torch").submodule_search_locations[0]
+        return names_gpu_build(Path(folder, "version.py").read_text())
+    except Exception:
+        return True
+
+
+def names_gpu_build(version_py: str) -> bool:
+    """Whether torch's ``version.py`` (its text) names a CUDA or ROCm build: False
+    only where it says ``cuda`` and ``hip`` are None."""
+    builds = {}
+    for node in ast.parse(version_py).body:
+        target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
+        if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
+            try:
+                builds[target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                return True
+    return set(builds) != {"cuda", "hip"} or any(v is not None for v in builds.values())
 
 
 def _check_dims(dims: dict) -> None:
@@ -98,7 +129,7 @@ def local_mesh(
         launcher = HostLauncher(agent, keep_alive=keep_alive)
         backend = backend or _default_backend(world)
     else:
-        warm_local_agent()  # its import of torch overlaps ours (_default_backend)
+        warm_local_agent()  # it imports torch meanwhile
         backend = backend or _default_backend(world)
     mesh = _mesh(
         name, dims, backend, launcher, interface=interface,

@@ -366,5 +366,6 @@ def internal_failure(e: BaseException, where: str) -> m.RemoteFailure:
 
 
 def _torch_version() -> str | None:
-    torch = sys.modules.get("torch")
-    return getattr(torch, "__version__", None)
+    """A plain str: torch's TorchVersion would make the controller import torch."""
+    version = getattr(sys.modules.get("torch"), "__version__", None)
+    return None if version is None else str(version)
