@@ -50,24 +50,36 @@ def worker_children():
 # Under `-n N --dist loadfile` each process takes the next file as it frees up, so a
 # long file collected late trails the run (test_slurm.py, 2.5 min, most of it waiting
 # out Slurm's one-minute time limit, ended runs ~1 min after the rest). The longest
-# files (serial wall time here) go first; the rest keep their order. A serial run
+# files (their wall time under -n 4 here) go first; the rest keep their order. A serial run
 # takes as long either way.
 LONGEST_FIRST = (
     "test_slurm.py",
-    "reliability/test_faults.py",
     "test_remote_keep_alive.py",
-    "test_connect.py",
+    "reliability/test_faults.py",
+    "test_remote_agents.py",
     "test_lab_extension.py",
+    "reliability/test_expiry.py",
     "test_tensor_opinfo.py",
     "test_notebooks.py",
-    "reliability/test_expiry.py",
-    "test_remote_agents.py",
+    "test_connect.py",
+    "test_attach.py",
     "test_browser.py",
+    "test_browser_completion.py",
+    "test_notebook7.py",
+    "test_keep_alive.py",
+    "test_host_agent.py",
 )
 
 
 _missing = [f for f in LONGEST_FIRST if not os.path.exists(os.path.join(os.path.dirname(__file__), f))]
 assert not _missing, f"LONGEST_FIRST names files that are not there: {_missing}"
+
+
+def pytest_configure(config):
+    # xdist hands out files by their number of tests unless told not to (1,176 OpInfo
+    # samples of 40 s went first, the 2.5-min Slurm file late): ours is the order above
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _file_rank(item) -> int:
