@@ -50,8 +50,8 @@ def worker_children():
 # Under `-n N --dist loadfile` each process takes the next file as it frees up, so a
 # long file collected late trails the run (test_slurm.py, 2.5 min, most of it waiting
 # out Slurm's one-minute time limit, ended runs ~1 min after the rest). The longest
-# files (their wall time under -n 4 here) go first; the rest keep their order. A serial run
-# takes as long either way.
+# files (their wall time under -n 4 here) go first; the rest keep their order. A
+# serial run takes as long either way.
 LONGEST_FIRST = (
     "test_slurm.py",
     "test_remote_keep_alive.py",
@@ -71,7 +71,8 @@ LONGEST_FIRST = (
 )
 
 
-_missing = [f for f in LONGEST_FIRST if not os.path.exists(os.path.join(os.path.dirname(__file__), f))]
+_HERE = os.path.dirname(__file__)
+_missing = [f for f in LONGEST_FIRST if not os.path.exists(os.path.join(_HERE, f))]
 assert not _missing, f"LONGEST_FIRST names files that are not there: {_missing}"
 
 

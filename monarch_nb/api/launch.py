@@ -4,6 +4,7 @@ workers another launcher started. Both register the mesh by name (``context.py``
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import math
 import sys
@@ -37,6 +38,7 @@ def _default_backend(world: int) -> str:
         return "gloo"
 
 
+@functools.cache  # the installed torch does not change under a running process
 def _torch_has_gpu_build() -> bool:
     """Whether the installed torch may see a GPU (True where its ``version.py``
     cannot be read: torch then decides)."""
