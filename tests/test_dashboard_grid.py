@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from browser_helpers import Lab, missing
 from wait_helpers import wait_for
 
 import monarch_nb as mnb
@@ -222,11 +223,8 @@ def test_lab_summary_stays_small_at_1024():
 
 
 @pytest.mark.browser
+@pytest.mark.skipif(missing() is not None, reason=missing() or "")  # before its fixtures
 def test_grid_in_jupyterlab(page, server):
-    from browser_helpers import Lab, missing
-
-    if missing() is not None:
-        pytest.skip(missing())
     lab = Lab(
         server,
         page,
