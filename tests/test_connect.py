@@ -59,7 +59,9 @@ def test_torchrun_workers_join_and_run_a_collective(tmp_path):
 
 def test_timeout_names_the_missing_ranks(tmp_path):
     conn = tmp_path / "mesh.json"
-    w = Waiting(world=2, connection_file=str(conn), timeout=8, name="half")
+    # rank 0 must join within it: a fresh worker process imports torch, which under a
+    # loaded -n 4 run took over 8 s (the message then named both ranks)
+    w = Waiting(world=2, connection_file=str(conn), timeout=20, name="half")
     wait_file(conn)
     p = worker(conn, "--rank", "0", "--world", "2")
     try:

@@ -32,13 +32,20 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 def outputs_text(cell) -> str:
     parts = []
+    last = None
     for out in cell.get("outputs", []):
         if out.output_type == "stream":
-            parts.append(out.text)
+            # a print's pieces may arrive in two messages (the kernel flushed between
+            # them): one text, as a front end shows them
+            if last is not None and last.output_type == "stream" and last.name == out.name:
+                parts[-1] += out.text
+            else:
+                parts.append(out.text)
         elif out.output_type in ("display_data", "execute_result"):
             parts.append(str(out.data.get("text/plain", "")))
         elif out.output_type == "error":
             parts.append(ANSI.sub("", "\n".join(out.traceback)))
+        last = out
     return "\n".join(parts)
 
 

@@ -339,23 +339,32 @@ class Connection:
 
     def _check_stalls(self) -> None:
         """Once a command runs longer than the setting ``stall_seconds``: log where its
-        stream is and tell the controller (the dashboard shows it)."""
+        stream is and tell the controller (the dashboard shows it); then, every
+        ``stall_seconds`` while it runs, tell it again if it is elsewhere now (it
+        was in a slow import, say)."""
         now, stall = time.time(), process_settings()["stall_seconds"]
         for s in list(self.streams.values()):
             running = s.running
-            if running is None or now - running[2] < stall or s.stall_logged == running[0]:
+            if running is None or now - running[2] < stall:
                 continue
-            s.stall_logged = running[0]
+            last = s.stall_logged
+            first = last is None or last[0] != running[0]
+            if not first and now - last[2] < stall:
+                continue
             frame = sys._current_frames().get(s.thread_id or -1)
             where = format_user_stack(frame) or "(in the worker's own code)"
-            logger.warning(
-                "possible stall: stream %r has run command %d (%s) for %.0f s; it is at:\n%s",
-                s.name,
-                running[0],
-                running[1],
-                now - running[2],
-                where,
-            )
+            s.stall_logged = (running[0], where, now)
+            if not first and last[1] == where:
+                continue
+            if first:
+                logger.warning(
+                    "possible stall: stream %r has run command %d (%s) for %.0f s; it is at:\n%s",
+                    s.name,
+                    running[0],
+                    running[1],
+                    now - running[2],
+                    where,
+                )
             self._send(m.Stalled(self.rank, s.id, running[0], running[1], now - running[2], where))
 
 

@@ -77,7 +77,7 @@ class Stream:
         self.times = FinishedCommands(TIMES_KEPT)  # until the receiver reports them
         self.record = self.times.record
         self.in_user_code = False
-        self.stall_logged: int | None = None  # ident whose stall was logged
+        self.stall_logged: tuple | None = None  # (ident, stack, time) last looked at
         self.debugger_queue: queue.SimpleQueue = queue.SimpleQueue()  # lines for a paused pdb
         self.paused: dict | None = None  # where pdb waits, while it does
         self.debug_session = None  # the RemotePdb tracing the running command, if any

@@ -96,6 +96,16 @@ def _spin_here_until(path: str):
     return "released"
 
 
+def _spin_in_two_places(first: str, then: str):
+    """Spins in ``_spin_here_until(first)``, then in ``_spin_there_until(then)``."""
+    _spin_here_until(first)
+    return _spin_there_until(then)
+
+
+def _spin_there_until(path: str):
+    return _spin_here_until(path)
+
+
 def _all_threads_stopped(pid: int) -> bool:
     """Each of the process's threads in state T (/proc/PID/task/TID/stat, field 3)."""
     states = []
@@ -144,18 +154,34 @@ def test_a_stalled_stream_shows_where_it_is_in_status_and_the_dashboard(monkeypa
     monkeypatch.setenv("MONARCH_NB_STALL_SECONDS", "1")  # read by the workers at start
     m = mnb.local_mesh(dp=1, name="stalling")
     try:
-        flag = str(tmp_path / "release")
-        ref = mnb.remote(_spin_here_until)(flag, mesh=m)
+        here, there = str(tmp_path / "here"), str(tmp_path / "there")
+        ref = mnb.remote(_spin_in_two_places)(here, there, mesh=m)
 
         def stall():
             return m.status()["ranks"][0]["streams"]["default"]["stalled"]
 
-        st = wait_for(stall, 30, "a stall report from rank 0")
-        assert "_spin_here_until" in st["stack"] and "monarch_nb/worker" not in st["stack"]
-        assert st["what"] == "_spin_here_until" and st["for"] >= 1.0
+        def stalled_in(function: str, not_in: str | None = None):
+            def where():
+                st = stall()
+                if st is None or function not in st["stack"]:
+                    return None
+                return st if not_in is None or not_in not in st["stack"] else None
+
+            return where
+
+        # the first report may catch the command in an import (a loaded machine), which
+        # the next look, stall_seconds later, replaces
+        here_stall = stalled_in("_spin_here_until", "_spin_there_until")
+        st = wait_for(here_stall, 30, "the stall report, here", show=stall)
+        assert "monarch_nb/worker" not in st["stack"]
+        assert st["what"] == "_spin_in_two_places" and st["for"] >= 1.0
         html = render.queues_html(m.status())
         assert "mnb-stall" in html and "_spin_here_until" in html
-        open(flag, "w").close()
+        open(here, "w").close()  # it moves on: the report follows it
+        st = wait_for(stalled_in("_spin_there_until"), 30, "the stall report, there", show=stall)
+        assert st["what"] == "_spin_in_two_places"
+        assert "_spin_there_until" in render.queues_html(m.status())
+        open(there, "w").close()
         assert ref.fetch(timeout=60) == ["released"]
         wait_for(lambda: stall() is None, 30, "the stall cleared once the command finished")
         assert "mnb-stall" not in render.queues_html(m.status())
