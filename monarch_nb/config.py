@@ -78,6 +78,12 @@ class MonarchNB(Configurable):
         help="how local_mesh starts ranks: agent (forked by the host agent) or popen "
         "(a fresh python -m monarch_nb.worker each)",
     ).tag(config=True)
+    agent_forkserver_idle = Float(
+        600.0,
+        help="seconds the fork server of local host agents (it has torch imported, so a "
+        "process's first local mesh skips that import) waits for the next mesh after "
+        "its last agent ended; 0: no fork server, each process's agent imports torch",
+    ).tag(config=True)
     relay_fanout = Bool(
         True,
         help="host agents on other hosts carry their ranks' traffic (False: each rank "
@@ -114,7 +120,13 @@ class MonarchNB(Configurable):
         return value
 
     @validate(
-        "progress_delay", "timeline_size", "sim_slots", "sign_full", "switch_interval", "log"
+        "progress_delay",
+        "timeline_size",
+        "sim_slots",
+        "sign_full",
+        "switch_interval",
+        "log",
+        "agent_forkserver_idle",
     )
     def _at_least_zero(self, proposal):
         value = proposal["value"]

@@ -8,14 +8,23 @@ import pytest
 from keepalive_helpers import mesh_dir  # noqa: F401 - a fixture of kept-alive meshes' tests
 
 import monarch_nb as mnb
+from monarch_nb.launchers import host_agent
 
 
 def _worker_children():
     """Our worker processes: spawned ones (``monarch_nb.worker``) and the ranks the
-    host agent forked (its children; the warm agent itself is not a worker)."""
+    host agent forked (its children; the warm agent itself is not a worker, and one
+    the fork server forked is not ours: its children are)."""
     me = psutil.Process(os.getpid())
     out = []
-    for p in me.children(recursive=True):
+    kids = me.children(recursive=True)
+    agent = host_agent._agent
+    if agent is not None and agent.alive and agent.pid not in {p.pid for p in kids}:
+        try:
+            out += psutil.Process(agent.pid).children()
+        except psutil.Error:
+            pass
+    for p in kids:
         try:
             if "monarch_nb.worker" in " ".join(p.cmdline()):
                 out.append(p)

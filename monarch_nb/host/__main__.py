@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         "long (s; default: the setting heartbeat_timeout)",
     )
     p.add_argument("--parent-pid", type=int, help="exit when this process (the controller) is gone")
+    # an agent the fork server forked (its parent): the controller it serves, watched by pid
+    p.add_argument("--controller-pid", type=int, help=argparse.SUPPRESS)
     p.add_argument(
         "--keep-alive",
         type=float,
@@ -112,14 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         host = a.host_name or f"{socket.gethostname()}/{os.getpid()}"
         SimAgent(a.simulate, ctl_in, ctl_out, a.parent_pid, host).serve()
         os._exit(0)
-    # what every rank imports, once, here (before any thread exists: fork stays safe)
-    os.environ["MPLBACKEND"] = "module://monarch_nb.worker.mpl_backend"
-    import torch  # noqa: F401
+    preload()
+    import torch
 
-    from ..worker import cell_runner, worker  # noqa: F401
     from .agent import Agent
-
-    cell_runner.preload()  # IPython's shell: a rank's first cell skips its import (~50 ms)
 
     gpus = torch.cuda.device_count() if a.one_per_gpu and torch.cuda.is_available() else 0
     if 0 < gpus < a.local_ranks:
@@ -133,9 +131,24 @@ def main(argv: list[str] | None = None) -> None:
         print(f"monarch-nb-host: {why}", file=sys.stderr, flush=True)
         os._exit(2)
 
-    Agent(a.local_ranks, ctl_in, ctl_out, a.parent_pid, a.keep_alive, a.mesh_name).serve()
+    agent = Agent(a.local_ranks, ctl_in, ctl_out, a.parent_pid, a.keep_alive, a.mesh_name)
+    if a.controller_pid:
+        agent.watch_controller(a.controller_pid)
+    agent.serve()
     sys.stdout.flush()
     os._exit(0)
+
+
+def preload() -> None:
+    """Import what every rank imports, once, here (before any thread exists: fork
+    stays safe): the host agent's start, and the fork server's (``forkserver.py``)."""
+    os.environ["MPLBACKEND"] = "module://monarch_nb.worker.mpl_backend"
+    import torch  # noqa: F401
+
+    from ..worker import cell_runner, worker  # noqa: F401
+    from . import agent  # noqa: F401
+
+    cell_runner.preload()  # IPython's shell: a rank's first cell skips its import (~50 ms)
 
 
 def _relay(p: argparse.ArgumentParser, a) -> int:

@@ -70,6 +70,18 @@ class Agent(ControlChannel):
         self.link = None  # the socket of a controller that attached (else stdin/stdout)
         self.stealer = None  # (socket, pid, deadline): a controller stealing the mesh
         self._door_handlers = handler_table(self, AGENT_DOOR, prefix="_door_")
+        self.controller_fd: int | None = None  # a pidfd: the fork server's agents watch by pid
+
+    def watch_controller(self, pid: int) -> None:
+        """Serve the controller ``pid`` that is not this process's parent (the fork
+        server forked it): its end ends this agent, as a parent's would."""
+        self.controller_pid = pid
+        try:
+            self.controller_fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.running = False
+            return
+        self.poll.register(self.controller_fd, select.POLLIN)
 
     # ------------------------------------------------------------ the loop
 
@@ -95,6 +107,8 @@ class Agent(ControlChannel):
                         self._read_control()
                     elif fd == wake_r:
                         _drain(wake_r)
+                    elif fd == self.controller_fd:
+                        self.running = False  # the controller is gone
                     elif self.door is not None and fd == self.door.fd:
                         self._knock()
                     elif fd in self.by_out:
@@ -219,6 +233,8 @@ class Agent(ControlChannel):
         close = [self.ctl_in, self.ctl_out, *self.wake, *self.by_out]
         if self.door is not None:
             close.append(self.door.fd)
+        if self.controller_fd is not None:
+            close.append(self.controller_fd)
         try:
             pid, out = fork_rank(msg, close)
         except OSError as e:

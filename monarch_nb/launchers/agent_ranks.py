@@ -15,6 +15,8 @@ from ..protocol import host_messages as hm
 from ..protocol.receivers import AGENT_RANKS, handler_table
 from .output_tail import OutputTail
 
+SPAWN_TIMEOUT = 30.0  # s a rank's fork may take
+
 
 class AgentRank:
     """A rank the agent forked, as WorkerSet watches a process."""
@@ -161,3 +163,19 @@ class RankBook:
             if r.pid is None and r.spawn_error is None:
                 r.spawn_error = why
             r.end(-signal.SIGKILL, f"[{why}: its ranks died with it]")
+
+
+def await_spawned(ranks: dict, world: int, agent_of, what: str) -> None:
+    """Wait for each rank's start (SPAWN_TIMEOUT s each); if one failed, kill them all
+    and raise naming the first (``agent_of(rank)``: the agent that could not)."""
+    for r in ranks.values():
+        r.spawned.wait(SPAWN_TIMEOUT)
+    failed = [r for r in ranks.values() if r.spawn_error or not r.spawned.is_set()]
+    if failed:
+        for r in ranks.values():
+            r.kill(signal.SIGKILL)
+        first = failed[0]
+        raise RuntimeError(
+            f"{agent_of(first.rank)} could not start {what} {first.rank} of {world}: "
+            f"{first.spawn_error or f'no answer within {SPAWN_TIMEOUT:.0f} s'}"
+        )

@@ -1,18 +1,17 @@
 """HostLauncher: a local mesh's ranks forked by this host's agent (``monarch-nb-host``).
 
-One agent per controller process, started as the first local mesh begins and
-kept warm for every later mesh and restart. Its channel is its stdin/stdout (a private pipe): a
-thread here (the agent's parent thread, alive as long as this process, so the
-agent's parent-death signal fires only when this process goes) reads what it
-reports and keeps each rank's exit status and output tail for WorkerSet.
-``MONARCH_NB_SPAWN=popen`` picks the older LocalLauncher (a fresh process per rank).
+One agent per controller process, started as its first local mesh begins (forked by
+this user's fork server, ``agent_forkserver.py``, else a child whose parent-death
+signal follows the reader thread here, which lives as long as this process) and kept
+warm for every later mesh and restart. Its channel is its stdin/stdout (a private
+pipe): the thread reads its reports and keeps each rank's exit status and output tail
+for WorkerSet. ``MONARCH_NB_SPAWN=popen`` picks the LocalLauncher (a process per rank).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,13 +21,13 @@ from ..controller.errors import describe_exit
 from ..controller.workers import Launcher
 from ..protocol import host_messages as hm
 from ..protocol.receivers import AGENT_LINK, handler_table
-from .agent_ranks import AgentRank, RankBook
+from .agent_forkserver import import_time_env, spawn_agent
+from .agent_ranks import AgentRank, RankBook, await_spawned
 from .local import LocalLauncher, _visible_gpus, local_env, rank_env
 
 logger = logging.getLogger("monarch_nb.controller")
 
 AGENT_START_TIMEOUT = 120.0  # importing torch on a busy machine
-SPAWN_TIMEOUT = 30.0
 LOCAL_RANKS = 1024  # the local agent's slots: ranks of every mesh of this process
 
 
@@ -146,6 +145,11 @@ class HostAgent(RankBook):
         else:
             cmd = [*self.prefix, *cmd, "--keep-alive", repr(self.keep_alive)]
             cmd += ["--mesh-name", str(self.mesh_name)]
+        forked = self._forked(env)
+        if forked is not None:
+            self.popen = forked
+            self._started.set()
+            return forked.stdout.fileno()
         try:
             self.popen = subprocess.Popen(
                 cmd,
@@ -163,6 +167,19 @@ class HostAgent(RankBook):
             return None
         self._started.set()
         return self.popen.stdout.fileno()
+
+    def _forked(self, env: dict):
+        """The agent forked by the fork server (``agent_forkserver.py``) where this is a
+        plain local agent and the setting allows it; else None (it starts as before)."""
+        idle = config.setting("agent_forkserver_idle")
+        if self.simulate or self.prefix or self.keep_alive is not None or not idle > 0:
+            return None
+        argv = ["--stdio", "--local-ranks", str(self.local_ranks), "--controller-pid"]
+        try:
+            return spawn_agent([*argv, str(os.getpid())], env, idle)
+        except Exception as e:
+            logger.info("the host agent starts without the fork server: %s", e)
+            return None
 
     def _on(self, msg) -> None:
         handler = self._handlers.get(type(msg), self.Refused)  # else: a line of no record
@@ -325,18 +342,6 @@ def sim_boot_path() -> str:
     return os.path.join(root, "host", "sim_boot.py")
 
 
-def import_time_env(env: dict) -> tuple:
-    """The variables a process reads once, at start or import (glibc's malloc, torch's,
-    Python's, the loader's): the agent read them when it started, so ranks forked from
-    it see their values of then. A change starts a fresh agent. (Per fork: the rest of
-    the env, our MONARCH_NB_* settings among it (config.process_settings reads them
-    again after the fork), OMP_NUM_THREADS through torch.set_num_threads, sys.path,
-    the cwd.)"""
-    prefixes = ("MALLOC_", "TORCH_", "PYTHON", "LD_")
-    skip = {"PYTHONPATH", "CUDA_VISIBLE_DEVICES"}
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(prefixes) and k not in skip))
-
-
 class HostLauncher(Launcher):
     """Forks a mesh's ranks from ``agent`` (default: this process's warm one), one
     GPU each when GPUs are present."""
@@ -369,22 +374,6 @@ class HostLauncher(Launcher):
     def let_go(self) -> None:
         if self.keep_alive is not None and self.agent is not None:
             self.agent.let_go()
-
-
-def await_spawned(ranks: dict, world: int, agent_of, what: str) -> None:
-    """Wait for each rank's start (SPAWN_TIMEOUT s each); if one failed, kill them all
-    and raise naming the first (``agent_of(rank)``: the agent that could not)."""
-    for r in ranks.values():
-        r.spawned.wait(SPAWN_TIMEOUT)
-    failed = [r for r in ranks.values() if r.spawn_error or not r.spawned.is_set()]
-    if failed:
-        for r in ranks.values():
-            r.kill(signal.SIGKILL)
-        first = failed[0]
-        raise RuntimeError(
-            f"{agent_of(first.rank)} could not start {what} {first.rank} of {world}: "
-            f"{first.spawn_error or f'no answer within {SPAWN_TIMEOUT:.0f} s'}"
-        )
 
 
 def default_launcher(spawn: str = "agent"):
