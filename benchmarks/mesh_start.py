@@ -9,6 +9,10 @@ old ranks stopped, new ones ready), each path on its own mesh. The targets are
 the issue's bounds on our time itself (dp=2 ready <= 1.0 s, restarted <= 0.5 s;
 dp=16 restarted <= 3 s, at dp=8 with --quick); ``ratio`` is ours / baseline.
 torchrun's start of the same world rides along in ``mesh_start``'s extra.
+``mesh_first_start``: a fresh process's first mesh (a kernel's after a restart):
+``import monarch_nb`` and ``local_mesh(dp=2)`` until it returns, its host agent
+forked by the warm fork server, against the same with the fork server off
+(``MONARCH_NB_AGENT_FORKSERVER_IDLE=0``: the agent imports torch itself).
 ``mesh_attach``: a process that started a kept-alive dp=2 mesh (a model in its
 ranks' namespace) is SIGKILLed; ``mnb.attach`` in this process until the first
 command's value is back (the issue's bound: <= 2 s); the baseline is a fresh
@@ -159,6 +163,47 @@ def bench_mesh_restart(quick: bool) -> list[Entry]:
     return out
 
 
+_FIRST = (
+    "import time\n"
+    "t0 = time.perf_counter()\n"
+    "import monarch_nb as mnb\n"
+    "m = mnb.local_mesh(dp=2)\n"
+    "print(time.perf_counter() - t0, flush=True)\n"
+    "m.shutdown()\n"
+)
+
+
+def _first_start(idle: str) -> float:
+    """Seconds of a fresh process's import monarch_nb + local_mesh(dp=2)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MONARCH_NB_AGENT_FORKSERVER_IDLE": idle}
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST], env=env, capture_output=True, text=True, timeout=300
+    )
+    if out.returncode:
+        raise RuntimeError(f"mesh_first_start's process failed: {out.stderr[-2000:]}")
+    return float(out.stdout.split()[0])
+
+
+def bench_mesh_first_start(quick: bool) -> list[Entry]:
+    reps = 3 if quick else 7
+    ours, base, _, _ = interleaved(lambda: _first_start("600"), lambda: _first_start("0"), reps)
+    return [
+        Entry(
+            "mesh_first_start",
+            ours,
+            base,
+            "s",
+            "<= 0.5",
+            "the same with agent_forkserver_idle=0: the process's agent imports torch",
+            note=f"a fresh process: import monarch_nb + local_mesh(dp=2) until ready, its agent "
+            f"forked by the warm fork server; median over {reps} reps",
+        )
+    ]
+
+
 _KEPT = (
     "import sys, monarch_nb as mnb\n"
     "m = mnb.local_mesh(dp=2, keep_alive='60s', name=sys.argv[1])\n"
@@ -228,5 +273,6 @@ def bench_mesh_attach(quick: bool) -> list[Entry]:
 BENCHMARKS = [
     ("mesh_start", bench_mesh_start),
     ("mesh_restart", bench_mesh_restart),
+    ("mesh_first_start", bench_mesh_first_start),
     ("mesh_attach", bench_mesh_attach),
 ]

@@ -227,9 +227,13 @@ def test_a_crash_is_said_once_then_each_call_says_restart(crashy, caplog):
 def test_a_crash_with_nobody_waiting_is_logged_once(crashy, caplog):
     caplog.set_level(logging.WARNING, logger="monarch_nb.controller")
     os.kill(rank_pids(crashy)[0], signal.SIGKILL)
-    wait_for(lambda: not crashy.alive, 30, "the controller to see the crash")
-    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert logged == [
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    # the mesh is broken first, then the IO thread logs it: wait for both
+    wait_for(lambda: not crashy.alive and logged(), 30, "the controller to see and log the crash")
+    assert logged() == [
         "worker rank 0 of mesh 'errors-crash' died (killed by signal SIGKILL); "
         "mesh.restart() (%monarch_mesh --restart) gives fresh workers"
     ]

@@ -31,6 +31,7 @@ import time
 
 from ..protocol import forkserver as fs
 
+START_TIMEOUT = 120.0  # s for a new server's imports (torch, on a busy machine)
 REPLY_TIMEOUT = 30.0  # s for the server's pid (it forks at once; a busy machine)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # monarch_nb/
 
@@ -210,6 +211,8 @@ def _start_server(path: str, env: dict, idle: float) -> None:
     )
     with popen.stdout:
         popen.wait()  # it detaches at once; the server writes "ready" once it listens
+        if not select.select([popen.stdout], [], [], START_TIMEOUT)[0]:
+            raise OSError(f"the fork server did not start within {START_TIMEOUT:.0f} s")
         line = popen.stdout.readline()
     if line != b"ready\n":
         raise OSError("the fork server did not start (its stderr went to this process's)")
