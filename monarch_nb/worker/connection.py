@@ -23,7 +23,6 @@ import traceback
 import zmq
 from zmq.backend import zmq_poll
 
-from ..config import process_settings
 from ..protocol import BadMessage, encode
 from ..protocol import messages as m
 from ..protocol.envelope import (
@@ -36,8 +35,7 @@ from ..protocol.envelope import (
     open_from_controller,
 )
 from ..protocol.wire import recv_ready, send_frames
-from .failure import format_user_stack
-from .health import HealthSampler
+from .health import HealthSampler, check_stalls
 from .timings import take_timings
 
 logger = logging.getLogger("monarch_nb.worker")
@@ -49,6 +47,11 @@ LOST_CONNECTION_GRACE = 3.0  # a dropped connection not back within this ends a 
 # how soon the receiver thread takes the socket over once the default stream starts a
 # command (and with it answers interrupts, pings and requests for other streams)
 TAKE_OVER = 0.02
+# an idle worker (no command running, no output buffered) for QUIET_AFTER s: its holder
+# polls every QUIET_POLL s (ticks: health, the controller's silence; output or a command
+# ends the poll at once), and past PARK_AFTER s the receiver thread waits to be woken
+# by the next command instead of looking every TAKE_OVER s (~15 ms of CPU a second)
+QUIET_AFTER, QUIET_POLL, PARK_AFTER, PARK_MAX = 0.2, 0.25, 0.5, 1.0
 _sleep = time.sleep  # the real one (streams get an interruptible one)
 
 
@@ -68,6 +71,10 @@ class Connection:
         # stream's thread is idle and receives itself (``receive_while_idle``)
         self._lease = threading.Lock()
         self._idle_wants = False  # the default stream's thread waits for the lease
+        self.quiet = False  # the idle holder polls QUIET_POLL s (an output write wakes it)
+        self._idle_since: float | None = None  # the default stream's thread receives since
+        self._parked = threading.Event()  # the receiver thread waits for a command
+        self._receiver_parked = False
         self._wake_r, self._wake_w = os.pipe()  # ends the holder's poll early
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -134,7 +141,11 @@ class Connection:
                     finally:
                         self._lease.release()
                 else:
-                    _sleep(TAKE_OVER)
+                    idle = self._idle_since
+                    if idle is not None and time.monotonic() - idle >= PARK_AFTER:
+                        self._park()
+                    else:
+                        _sleep(TAKE_OVER)
             with self._lease:
                 self._tick(final=True)
         except Exception as e:
@@ -183,14 +194,34 @@ class Connection:
             self._idle_wants = False
         try:
             stream.receiving = True
+            self._idle_since = since = time.monotonic()
             q = stream.q
             while q.empty() and not self._exiting:
-                self._receive_step(20, q)
+                self.quiet = True  # first: an output written from now on wakes us
+                now = time.monotonic()
+                self.quiet = now - since >= QUIET_AFTER and not any(
+                    s.running is not None or s.outbox.pending for s in self.streams.values()
+                )
+                wait = min(QUIET_POLL, self._next_health - now) if self.quiet else 0.02
+                self._receive_step(max(1, int(wait * 1000)), q)  # health keeps its beat
         except Exception as e:
             self._die(e, "default stream's receiving")
         finally:
+            self.quiet = False
+            self._idle_since = None  # first: a receiver that parks from now on sees it
+            if self._receiver_parked:
+                self._parked.set()
             stream.receiving = False
             lease.release()
+
+    def _park(self) -> None:
+        """The receiver thread, the worker idle a while: wait until the default stream
+        starts a command (at most PARK_MAX s) instead of looking every TAKE_OVER s."""
+        self._parked.clear()
+        self._receiver_parked = True  # first: a stream leaving idle from now on wakes us
+        if self._idle_since is not None:
+            self._parked.wait(PARK_MAX)
+        self._receiver_parked = False
 
     def _die(self, e: Exception, where: str) -> None:
         """A bug in the worker's own receiving: tell the controller (which breaks the
@@ -284,7 +315,7 @@ class Connection:
                     dict(self.peers.rejections),
                 )
             )
-            self._check_stalls()
+            check_stalls(self.streams, self.rank, self._send)
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.error("controller (pid %d) is gone; exiting", self.parent_pid)
             os._exit(1)
@@ -336,36 +367,6 @@ class Connection:
             backend,
             tuple(list(self.env)),
         )
-
-    def _check_stalls(self) -> None:
-        """Once a command runs longer than the setting ``stall_seconds``: log where its
-        stream is and tell the controller (the dashboard shows it); then, every
-        ``stall_seconds`` while it runs, tell it again if it is elsewhere now (it
-        was in a slow import, say)."""
-        now, stall = time.time(), process_settings()["stall_seconds"]
-        for s in list(self.streams.values()):
-            running = s.running
-            if running is None or now - running[2] < stall:
-                continue
-            last = s.stall_logged
-            first = last is None or last[0] != running[0]
-            if not first and now - last[2] < stall:
-                continue
-            frame = sys._current_frames().get(s.thread_id or -1)
-            where = format_user_stack(frame) or "(in the worker's own code)"
-            s.stall_logged = (running[0], where, now)
-            if not first and last[1] == where:
-                continue
-            if first:
-                logger.warning(
-                    "possible stall: stream %r has run command %d (%s) for %.0f s; it is at:\n%s",
-                    s.name,
-                    running[0],
-                    running[1],
-                    now - running[2],
-                    where,
-                )
-            self._send(m.Stalled(self.rank, s.id, running[0], running[1], now - running[2], where))
 
 
 def internal_failure(e: BaseException, where: str) -> m.RemoteFailure:

@@ -71,7 +71,8 @@ class ChildOutputReader:
         buf = b""
         while True:
             try:
-                ready, _, _ = select.select([self.fd], [], [], self.PARTIAL_AGE)
+                wait = self.PARTIAL_AGE if self._partial else None  # idle: no wake-ups
+                ready, _, _ = select.select([self.fd], [], [], wait)
                 data = os.read(self.fd, 1 << 16) if ready else None
             except InterruptedError:
                 continue

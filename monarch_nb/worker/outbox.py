@@ -63,6 +63,8 @@ class Outbox:
             else:
                 if not p:
                     self._pending_since = time.monotonic()
+                    if self._worker.quiet:  # the idle holder's poll is long: end it
+                        self._worker.wake_holder()
                 p.append([name, ident, text])
             self._pending_bytes += len(text)
             if self._pending_bytes >= OUTPUT_CHUNK:
@@ -138,6 +140,11 @@ class Outbox:
             with self.lock:
                 if self._pending:
                     self._flush_locked()
+
+    @property
+    def pending(self) -> bool:
+        """Output is buffered, not yet sent."""
+        return bool(self._pending)
 
     def flush_if_stale(self, now: float, age: float) -> None:
         """Called by the receiver thread: never waits for the stream (which may be
