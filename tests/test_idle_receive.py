@@ -1,7 +1,9 @@
 """Workers tier: a worker's socket changes hands (worker/connection.py). The default
 stream's thread receives while it is idle; once it runs a command, the receiver
 thread takes the socket over, so that other streams, pings and interrupts are served
-meanwhile; the idle thread then asks for it back."""
+meanwhile; the idle thread then asks for it back. A worker idle a while sleeps (its
+receiver thread parked until the next command, its idle thread polling slowly) and
+wakes for a command or for output of a thread of the user's."""
 
 import os
 
@@ -133,3 +135,42 @@ def test_stopping_a_busy_mesh_interrupts_what_runs_and_starts_nothing_queued(
     # the workers are gone: what they were to write is written
     assert [os.path.exists(f"{gate}-interrupted-{r}") for r in (0, 1)] == [True, True]
     assert [os.path.exists(f"{queued}-{r}") for r in (0, 1)] == [False, False]
+
+
+def receiver_parked() -> bool:
+    from monarch_nb.worker import current
+
+    return current.worker._receiver_parked
+
+
+def _parked(mesh, side) -> bool:
+    return all(mnb.remote(receiver_parked)(mesh=mesh, stream=side).fetch(timeout=30))
+
+
+def test_a_parked_receiver_wakes_for_the_command_that_ends_the_idle(mesh):
+    side = mesh.stream("probe")
+    mesh.exec("import threading\nflag = threading.Event()").fetch(timeout=30)
+    wait_for(lambda: _parked(mesh, side), 15, "the idle workers' receivers parked")
+    # the default stream busy until the side stream's command sets the flag: only the
+    # receiver thread, woken from its wait, can receive that command meanwhile
+    busy = mesh.exec("flag.wait(20)")
+    mesh.exec("flag.set()", stream=side).fetch(timeout=30)
+    assert busy.fetch(timeout=30) == [True, True]
+
+
+def test_output_of_a_thread_reaches_us_from_a_quiet_worker(mesh):
+    side = mesh.stream("probe")
+    mesh.exec(
+        "import threading\ngo = threading.Event()\n"
+        "def late():\n    go.wait(30)\n    print('from a thread', flush=True)\n"
+        "threading.Thread(target=late, daemon=True).start()"
+    ).fetch(timeout=30)
+    wait_for(lambda: _parked(mesh, side), 15, "the idle workers' receivers parked")
+    seen = []
+    old, mesh.output_handler = mesh.output_handler, seen.append
+    try:
+        mesh.exec("go.set()", stream=side).fetch(timeout=30)
+        ranks = lambda: {o.rank for o in seen if "from a thread" in o.text}  # noqa: E731
+        wait_for(lambda: ranks() == {0, 1}, 15, "both ranks' output")
+    finally:
+        mesh.output_handler = old
