@@ -197,12 +197,14 @@ class Connection:
             self._idle_since = since = time.monotonic()
             q = stream.q
             while q.empty() and not self._exiting:
+                if time.monotonic() - since < QUIET_AFTER:  # a busy worker's idle moment
+                    self._receive_step(20, q)
+                    continue
                 self.quiet = True  # first: an output written from now on wakes us
-                now = time.monotonic()
-                self.quiet = now - since >= QUIET_AFTER and not any(
+                self.quiet = not any(
                     s.running is not None or s.outbox.pending for s in self.streams.values()
                 )
-                wait = min(QUIET_POLL, self._next_health - now) if self.quiet else 0.02
+                wait = min(QUIET_POLL, self._next_health - time.monotonic()) if self.quiet else 0.02
                 self._receive_step(max(1, int(wait * 1000)), q)  # health keeps its beat
         except Exception as e:
             self._die(e, "default stream's receiving")
