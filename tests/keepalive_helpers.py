@@ -45,6 +45,13 @@ def start_controller(script_path, *args, ranks: int = 2) -> tuple[subprocess.Pop
             break
     else:
         raise AssertionError(f"the controller ended ({p.wait()}) before its mesh was ready")
-    kids = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+    kids = mesh_processes(args[0])
     assert len(kids) == ranks + 1, kids  # the mesh's own agent and its ranks
     return p, kids
+
+
+def mesh_processes(name: str) -> list[int]:
+    """The pids of kept-alive mesh ``name``'s own agent (from its registry entry; the
+    fork server's child, or its controller's) and of that agent's ranks."""
+    agent = keepalive.read_entry(name)["agent_pid"]
+    return [agent, *[c.pid for c in psutil.Process(agent).children()]]

@@ -253,7 +253,7 @@ def test_a_rank_printing_without_end_while_orphaned_goes_on_in_bounded_memory(tm
     for line in p.stdout:
         if line.strip() == "READY":
             break
-    agent = psutil.Process(p.pid).children()[0]
+    agent = psutil.Process(keepalive.read_entry("ka_flood")["agent_pid"])
     rank = agent.children()[0]
     os.kill(p.pid, signal.SIGKILL)
     p.wait(10)

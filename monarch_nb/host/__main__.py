@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(2)
 
     agent = Agent(a.local_ranks, ctl_in, ctl_out, a.parent_pid, a.keep_alive, a.mesh_name)
-    if a.controller_pid:
+    if a.controller_pid and a.keep_alive is None:
         agent.watch_controller(a.controller_pid)
+    elif a.controller_pid:  # kept alive: its channel's end orphans it, as a child's would
+        agent.controller_pid = a.controller_pid
     agent.serve()
     sys.stdout.flush()
     os._exit(0)

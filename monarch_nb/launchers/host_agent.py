@@ -169,14 +169,16 @@ class HostAgent(RankBook):
         return self.popen.stdout.fileno()
 
     def _forked(self, env: dict):
-        """The agent forked by the fork server (``agent_forkserver.py``) where this is a
-        plain local agent and the setting allows it; else None (it starts as before)."""
+        """The agent forked by the fork server (``agent_forkserver.py``), a kept-alive
+        mesh's own too, where the setting allows it; else None (it starts as a child)."""
         idle = config.setting("agent_forkserver_idle")
-        if self.simulate or self.prefix or self.keep_alive is not None or not idle > 0:
+        if self.simulate or self.prefix or not idle > 0:
             return None
-        argv = ["--stdio", "--local-ranks", str(self.local_ranks), "--controller-pid"]
+        argv = ["--stdio", "--local-ranks", str(self.local_ranks)]
+        if self.keep_alive is not None:  # (it outlives this process: it is not our child)
+            argv += ["--keep-alive", repr(self.keep_alive), "--mesh-name", str(self.mesh_name)]
         try:
-            return spawn_agent([*argv, str(os.getpid())], env, idle)
+            return spawn_agent([*argv, "--controller-pid", str(os.getpid())], env, idle)
         except Exception as e:
             logger.info("the host agent starts without the fork server: %s", e)
             return None
