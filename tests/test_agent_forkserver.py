@@ -215,7 +215,7 @@ def test_the_server_takes_no_idle_of_zero():
     assert r.returncode == 2 and "--idle must be > 0 (got 0.0)" in r.stderr
 
 
-def test_a_killed_server_fails_its_agents_clearly(tmpdir_short):
+def test_a_killed_server_takes_its_agents_and_their_ranks_with_it(tmpdir_short):
     p, info = _controller(_env(tmpdir_short))
     try:
         server = forkserver_pid(info["agent"])

@@ -25,7 +25,7 @@ from .._version import __version__
 from ..protocol import host_messages as hm
 from ..protocol import keepalive
 from ..protocol.receivers import AGENT_DOOR, handler_table
-from .child import fork_rank
+from .child import fork_rank, reaped
 from .control import ControlChannel
 from .door import Door, refuse
 
@@ -274,20 +274,15 @@ class Agent(ControlChannel):
             os.close(r.out)
 
     def _reap(self) -> None:
-        while self.ranks:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        if not self.ranks:
+            return
+        for pid, code in reaped():
             r = self.ranks.pop(pid, None)
             if r is None:
                 continue
             if r.out in self.by_out:
                 self._read_output(r, drain=True)  # what it wrote comes before its end
                 self._close_output(r)  # a grandchild may hold the pipe: not waited for
-            code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
             self.send(hm.Exited(r.slot, pid, code))
 
     def _kill_all(self) -> None:

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import NoReturn
 
 from ..protocol.host_messages import Spawn
 
@@ -30,23 +31,42 @@ def fork_rank(msg: Spawn, close_in_child: list[int]) -> tuple[int, int]:
         os.close(w)
         raise
     if pid == 0:  # the rank: never returns
-        code = 1
-        try:
-            os.close(r)
-            _become_rank(msg, w, close_in_child, agent)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            try:
-                traceback.print_exc()
-                sys.stderr.flush()
-            except BaseException:
-                pass
-        finally:
-            os._exit(code)
+        os.close(r)
+        run_child(_become_rank, msg, w, close_in_child, agent)
     os.close(w)
     os.set_blocking(r, False)
     return pid, r
+
+
+def run_child(become, *args) -> NoReturn:
+    """In a forked child: ``become(*args)``, then exit with its SystemExit code (1 after
+    anything else, its traceback on stderr), never returning into the parent's code."""
+    code = 1
+    try:
+        become(*args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        try:
+            traceback.print_exc()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+
+
+def reaped():
+    """``(pid, exit code)`` of each child that has ended, without waiting (Popen's code:
+    -N, killed by signal N)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def _become_rank(msg: Spawn, out: int, close: list[int], agent: int) -> None:

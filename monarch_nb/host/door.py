@@ -21,15 +21,16 @@ _CRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class Door:
-    """The listening socket at ``path`` (replacing a stale one)."""
+    """The listening socket at ``path``, 0600 (replacing a stale one); also the fork
+    server's (``forkserver.py``: ``kind`` SOCK_SEQPACKET)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, kind: int = socket.SOCK_STREAM, backlog: int = 4):
         self.path = path
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = socket.socket(socket.AF_UNIX, kind)
         old = os.umask(0o177)
         try:
             self.sock.bind(path)
@@ -37,7 +38,7 @@ class Door:
             os.umask(old)
         os.chmod(path, 0o600)
         self._ino = os.stat(path).st_ino
-        self.sock.listen(4)
+        self.sock.listen(backlog)
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
 
@@ -48,7 +49,7 @@ class Door:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError):
             return None
-        pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid = peer(conn)
         if uid != os.getuid():
             refuse(conn, "this mesh belongs to another user")
             return None
@@ -81,6 +82,12 @@ class Door:
                 os.unlink(self.path)
         except OSError:
             pass
+
+
+def peer(conn: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
 
 
 def refuse(conn: socket.socket, why: str) -> None:

@@ -21,31 +21,22 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import tempfile
 import time
-import traceback
 
 from ..protocol import forkserver as fs
-
-_CRED = struct.Struct("3i")  # pid, uid, gid
+from .child import reaped, run_child
+from .door import Door, peer
 
 
 class ForkServer:
     """Serves fork requests on the Unix socket at ``path`` until idle for ``idle`` s."""
 
     def __init__(self, path: str, idle: float):
-        self.path, self.idle = path, idle
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o177)
-        try:
-            self.sock.bind(path)
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        self._ino = os.stat(path).st_ino
-        self.sock.listen(64)
+        self.idle = idle
+        self.door = Door(path, socket.SOCK_SEQPACKET, backlog=64)
+        self.sock = self.door.sock
         self.conns: dict[int, socket.socket] = {}  # fd -> a caller's connection
         self.agents: dict[int, socket.socket | None] = {}  # pid -> who asked (None: gone)
         self.last = time.monotonic()
@@ -78,23 +69,14 @@ class ForkServer:
                     elif fd in self.conns:
                         self._request(self.conns[fd])
         finally:
-            self._close()
-
-    def _close(self) -> None:
-        try:
-            if os.stat(self.path).st_ino == self._ino:  # not a later server's socket
-                os.unlink(self.path)
-        except OSError:
-            pass
-        self.sock.close()
+            self.door.close()
 
     def _accept(self) -> None:
         try:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError):
             return
-        _, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        if uid != os.getuid():
+        if peer(conn)[1] != os.getuid():
             _reply(conn, error="this fork server belongs to another user")
             conn.close()
             return
@@ -127,7 +109,7 @@ class ForkServer:
             if conn in self.agents.values():
                 raise fs.ForkRequestError("one agent per connection")
             argv, env, cwd = fs.decode_request(data)
-            pid = self._fork(argv, env, cwd, fds, conn)
+            pid = self._fork(argv, env, cwd, fds)
         except (fs.ForkRequestError, OSError) as e:
             _reply(conn, error=str(e))
             return
@@ -137,22 +119,10 @@ class ForkServer:
         self.agents[pid] = conn
         _reply(conn, pid=pid, server=os.getpid())
 
-    def _fork(self, argv, env, cwd, fds, conn) -> int:
+    def _fork(self, argv, env, cwd, fds) -> int:
         pid = os.fork()
         if pid == 0:  # the agent: never returns
-            code = 1
-            try:
-                self._become_agent(argv, env, cwd, fds)
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:
-                try:
-                    traceback.print_exc()
-                    sys.stderr.flush()
-                except BaseException:
-                    pass
-            finally:
-                os._exit(code)
+            run_child(self._become_agent, argv, env, cwd, fds)
         return pid
 
     def _become_agent(self, argv, env, cwd, fds) -> None:
@@ -183,17 +153,13 @@ class ForkServer:
         main(argv)
 
     def _reap(self) -> None:
-        while self.agents:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        if not self.agents:
+            return
+        for pid, code in reaped():
             conn = self.agents.pop(pid, None)
             self.last = time.monotonic()
             if conn is not None:
-                _reply(conn, exit=os.waitstatus_to_exitcode(status))
+                _reply(conn, exit=code)
 
 
 def _reply(conn: socket.socket, **fields) -> None:

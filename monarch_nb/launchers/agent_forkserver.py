@@ -124,7 +124,7 @@ def spawn_agent(argv: list[str], env: dict, idle: float) -> ForkedAgent:
     for _ in range(2):  # a server that exits idle as we connect: start another
         conn = _connect(path)
         if conn is None:
-            with _start_lock(path):
+            with _StartLock(path):
                 conn = _connect(path)
                 if conn is None:
                     _start_server(path, env, idle)
@@ -182,7 +182,7 @@ def _connect(path: str) -> socket.socket | None:
     return sock
 
 
-class _start_lock:
+class _StartLock:
     """The file lock of one server's start: one process starts it, the others wait."""
 
     def __init__(self, path: str):
