@@ -23,7 +23,7 @@ import pytest
 from agent_helpers import forkserver_pid
 from wait_helpers import alive, pids_gone
 
-from monarch_nb.launchers.agent_forkserver import server_digest
+from monarch_nb.launchers.agent_forkserver import server_digest, server_path
 from monarch_nb.protocol import forkserver as fs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,6 +202,19 @@ def test_the_servers_name_changes_with_the_sources(tmp_path):
     edited = server_digest(key, str(pkg))
     assert edited != first
     assert server_digest((("PYTHONHASHSEED", "1"),), str(pkg)) != edited
+
+
+def test_a_temp_directory_too_long_for_a_socket_falls_back_to_tmp(monkeypatch, tmp_path, tmpdir_short):
+    monkeypatch.setattr(tempfile, "tempdir", tmpdir_short)
+    here = server_path(())
+    assert here.startswith(f"{tmpdir_short}/monarch-nb-{os.getuid()}/agents-"), here
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    path = server_path(())
+    assert path == f"/tmp/monarch-nb-{os.getuid()}/{os.path.basename(here)}"
+    assert len(path.encode()) <= 100
+    assert stat.S_IMODE(os.lstat(os.path.dirname(path)).st_mode) == 0o700
 
 
 def test_the_server_takes_no_idle_of_zero():

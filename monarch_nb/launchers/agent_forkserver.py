@@ -33,6 +33,7 @@ from ..protocol import forkserver as fs
 
 START_TIMEOUT = 120.0  # s for a new server's imports (torch, on a busy machine)
 REPLY_TIMEOUT = 30.0  # s for the server's pid (it forks at once; a busy machine)
+MAX_SOCKET_PATH = 100  # bytes: sun_path holds 108 on Linux (104 elsewhere), with its NUL
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # monarch_nb/
 
 
@@ -139,18 +140,25 @@ def spawn_agent(argv: list[str], env: dict, idle: float) -> ForkedAgent:
 
 def server_path(env_key: tuple) -> str:
     """The socket of the server for this interpreter, monarch_nb and torch on disk and
-    ``env_key``; OSError where this user's directory is not safe to use."""
-    base = os.path.join(tempfile.gettempdir(), f"monarch-nb-{os.getuid()}")
+    ``env_key``: in this user's directory of the temp directory, or of /tmp where that
+    path is too long for a Unix socket; OSError where no such directory is safe to use."""
+    name = f"agents-{server_digest(env_key)}.sock"
+    path = ""
+    for tmp in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
+        path = os.path.join(tmp, f"monarch-nb-{os.getuid()}", name)
+        if len(path.encode()) <= MAX_SOCKET_PATH:
+            _own_directory(os.path.dirname(path))
+            return path
+    raise OSError(f"{path} is too long for a Unix socket")
+
+
+def _own_directory(base: str) -> None:
     os.makedirs(base, mode=0o700, exist_ok=True)
     st = os.lstat(base)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise OSError(f"{base} is not a directory of this user's")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(base, 0o700)
-    path = os.path.join(base, f"agents-{server_digest(env_key)}.sock")
-    if len(path.encode()) > 100:
-        raise OSError(f"{path} is too long for a Unix socket")
-    return path
 
 
 def server_digest(env_key: tuple, package: str = _PACKAGE) -> str:

@@ -25,7 +25,7 @@ import traceback
 import psutil
 import torch  # noqa: F401 - imported once; every forked controller inherits it
 import torch.distributed  # noqa: F401
-from orphan_trials import gone_within, main
+from orphan_trials import forkserver_pid, gone_within, main
 
 import monarch_nb as mnb
 from monarch_nb.protocol import keepalive
@@ -119,6 +119,7 @@ def trial(i: int) -> dict:
     assert entry is not None, f"trial {i}: no registry entry after the kill"
     agent = entry["agent_pid"]
     ranks = [p.pid for p in psutil.Process(agent).children()]
+    forked = forkserver_pid(agent) is not None
     if phase == "attached":
         pid, r = _fork(attacher, name)
         _kill_when_ready(pid, r, f"trial {i}: the attaching process")
@@ -128,6 +129,7 @@ def trial(i: int) -> dict:
         "trial": i,
         "phase": phase,
         "agent": agent,
+        "forked": forked,
         "ranks": ranks,
         "left": left,
         "after": round(after, 2),

@@ -4,7 +4,9 @@
 trial forks a controller process (torch and monarch_nb are imported once, here,
 so a trial costs only its workers' start), lets it reach a phase, kills it with
 SIGKILL and waits up to BOUND seconds for every worker it had started to be
-gone. One JSON line per trial on stdout.
+gone: its host agent (forked by this user's fork server, the default, found by
+the pipe it reads from the controller) and the agent's ranks. One JSON line per
+trial on stdout.
 
 Phases, in turn: ``starting`` (workers spawned, still starting up: killed 0 to
 0.8 s after the first one appears), ``idle`` (a ready dp=1 mesh), ``busy`` (a
@@ -26,6 +28,9 @@ import torch  # noqa: F401 - imported once; every forked controller inherits it
 import torch.distributed  # noqa: F401
 
 import monarch_nb as mnb
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from agent_helpers import agents_of, forkserver_pid  # noqa: E402
 
 BOUND = 5.0
 PHASES = ("starting", "idle", "busy", "collective")
@@ -84,19 +89,20 @@ def trial(i: int) -> dict:
         finally:
             os._exit(1)
     os.close(w)
-    me = psutil.Process(pid)
     seen: set[int] = set()
-    agents: set[int] = set()  # the controller's host agent: the parent of its ranks
+    agents: set[int] = set()  # the controller's host agent (a fork server's): its ranks' parent
+    forked: set[int] = set()  # those of them a fork server forked
 
     def look() -> None:
         try:
-            for p in me.children(recursive=True):
-                # (its ranks are forked: they show its command line too)
-                agent = p.ppid() == pid and "monarch_nb.host" in " ".join(p.cmdline())
-                if p.pid not in seen and agent:
-                    agents.add(p.pid)
-                seen.add(p.pid)
-        except psutil.Error:
+            for a in agents_of(pid) - agents:
+                agents.add(a)
+                if forkserver_pid(a) is not None:
+                    forked.add(a)
+            for a in agents:  # (not the controller's other children: a fork server it starts)
+                seen.add(a)
+                seen.update(c.pid for c in psutil.Process(a).children(recursive=True))
+        except (psutil.Error, OSError):
             pass
 
     if phase == "starting":
@@ -119,6 +125,7 @@ def trial(i: int) -> dict:
         "phase": phase,
         "workers": workers,
         "agents": sorted(agents),
+        "forked": sorted(forked),
         "left": left,
         "after": elapsed,
     }

@@ -18,6 +18,7 @@ def test_kept_alive_meshes_expire_leaving_nothing(tmp_path):
     results = run_trials("expiry_trials.py", TRIALS, env)
     for t in results:
         assert len(t["ranks"]) == (2 if t["phase"] == "collective" else 1), t
+        assert t["forked"], t  # the agent is the fork server's, as by default
         assert t["left"] == [], f"processes left after the keep-alive: {t}"
         assert not t["entry_left"], f"a registry entry outlived its mesh: {t}"
     everyone = [p for t in results for p in [t["agent"], *t["ranks"]]]

@@ -300,7 +300,8 @@ def test_internal_exception_breaks_the_mesh_until_restart(fmesh):
 
 def test_sigkilled_controller_leaves_no_worker(tmp_path):
     """20 trials over 4 phases, in two runners side by side: every worker is gone
-    within 5 s of its controller's SIGKILL; none is left at the end."""
+    within 5 s of its controller's SIGKILL (its agent forked by the fork server, as
+    by default, though TMPDIR is too long for a socket); none is left at the end."""
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the killed controllers' store dirs
     env.pop("MONARCH_NB_COLLECTIVE_TIMEOUT", None)
     results = run_trials("orphan_trials.py", ORPHAN_TRIALS, env)
@@ -309,6 +310,7 @@ def test_sigkilled_controller_leaves_no_worker(tmp_path):
         if t["phase"] != "starting":
             assert len(t["workers"]) == want, t
         assert t["workers"], t  # the kill found workers to outlive it
+        assert t["agents"] and t["forked"] == t["agents"], t  # the default: a fork server's
         assert t["left"] == [], f"orphans {ORPHAN_BOUND} s after the controller died: {t}"
     everyone = [p for t in results for p in t["workers"] + t.get("agents", [])]
     assert not [p for p in everyone if alive(p)]
