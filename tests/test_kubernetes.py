@@ -15,8 +15,10 @@ from connect_helpers import TESTS_ENV, Waiting, wait_file
 import monarch_nb as mnb
 from monarch_nb.launchers.kubernetes import FILE_KEY, MOUNT, secret_command
 
-kv = pytest.importorskip("kubernetes_validate")
-VERSIONS = ["1.27.0", "1.30.0", kv.utils.latest_version()]
+
+def _kubernetes_validate():
+    """The module, imported by the one test that uses it (1.5 s: not at every collection)."""
+    return pytest.importorskip("kubernetes_validate")
 
 
 @pytest.mark.unit
@@ -28,8 +30,9 @@ def test_the_manifest_is_valid_for_the_kubernetes_api(tmp_path):
     )  # fmt: skip
     assert path.read_text() == text
     service, job = yaml.safe_load_all(text)
+    kv = _kubernetes_validate()
     for obj in (service, job):
-        for version in VERSIONS:
+        for version in ["1.27.0", "1.30.0", kv.utils.latest_version()]:
             kv.validate(obj, version, strict=True)  # raises on any schema error
     assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
     spec = job["spec"]
