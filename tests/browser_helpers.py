@@ -157,6 +157,12 @@ class Server:
         nbext = t / "settings" / "@jupyterlab" / "notebook-extension"
         nbext.mkdir(parents=True, exist_ok=True)
         (nbext / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+        # no build check on each page load (it runs node: ~0.5 s of CPU a page)
+        labconfig = t / "cfg" / "labconfig"
+        labconfig.mkdir(parents=True, exist_ok=True)
+        (labconfig / "page_config.json").write_text(
+            json.dumps({"buildCheck": False, "buildAvailable": False})
+        )
         env = dict(
             os.environ,
             JUPYTER_PLATFORM_DIRS="1",

@@ -9,7 +9,13 @@ prints the outcome of every op (what builds the expected-failure table).
 from __future__ import annotations
 
 import collections
+import fcntl
+import hashlib
+import importlib.util
+import json
 import math
+import os
+import tempfile
 import warnings
 from unittest import mock
 
@@ -44,6 +50,47 @@ FORWARD_SAMPLES = 6  # per op, at most (the database has ~19,000 in all)
 BACKWARD_SAMPLES = 3
 # random ops: compared by their own test (a seed on the mesh gives local numbers)
 RANDOM = ("normal", "bernoulli", "rand", "randn", "randint", "randperm", "dropout", "multinomial", "uniform", "exponential", "geometric", "cauchy", "log_normal", "empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "empty_permuted")
+
+
+def key(op) -> str:
+    """An OpInfo's name and variant: what the tests and the expected failures name."""
+    return f"{op.name}|{op.variant_test_name}"
+
+
+def float32_op_keys() -> list[tuple[str, bool]]:
+    """(key, supports autograd) of each of ``float32_ops()``, cached in this user's temp
+    directory by torch's version and the database's file: importing the database costs
+    ~4 s of CPU, paid once, not by every process that collects the tests (pytest-xdist's)."""
+    spec = importlib.util.find_spec("torch.testing._internal.common_methods_invocations")
+    here = os.stat(__file__)
+    st = os.stat(spec.origin)
+    tag = (torch.__version__, spec.origin, st.st_mtime_ns, here.st_mtime_ns, here.st_size)
+    digest = hashlib.sha256(repr(tag).encode()).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), f"monarch-nb-tests-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, f"opinfo-{digest}.json")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it; the others read it
+        try:
+            with open(path) as f:
+                return [(k, grad) for k, grad in json.load(f)]
+        except (OSError, ValueError):
+            pass
+        keys = [(key(op), op.supports_autograd) for op in float32_ops()]
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            json.dump(keys, f)
+        os.replace(f"{path}.{os.getpid()}", path)
+        return keys
+
+
+_BY_KEY: dict = {}
+
+
+def op_named(k: str):
+    """The OpInfo of key ``k`` (the database imported on first use)."""
+    if not _BY_KEY:
+        _BY_KEY.update((key(op), op) for op in float32_ops())
+    return _BY_KEY[k]
 
 
 def float32_ops():

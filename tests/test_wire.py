@@ -417,3 +417,15 @@ def test_tensors_torch_makes_without_plain_memory_travel():
         payload, buffers = dumps(t)
         back = loads(payload, buffers)
         assert torch.equal(back, t.clone() if not t._is_zerotensor() else torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("value", [None, True, 7, 2.5, "text", b"bytes", 10**30])
+def test_plain_values_pickle_as_the_full_pickler_pickles_them(value):
+    import io
+
+    from monarch_nb.protocol.pickling import _Pickler, dumps, loads
+
+    f = io.BytesIO()
+    _Pickler(f, [], []).dump(value)
+    payload, buffers = dumps(value)
+    assert (payload, buffers) == (f.getvalue(), []) and loads(payload) == value

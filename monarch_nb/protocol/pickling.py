@@ -267,6 +267,8 @@ def _load_wrapped(module: str, qualname: str, depth: int):
 
 def dumps(obj, refs: list | None = None) -> tuple[bytes, list]:
     """Pickle ``obj``; returns the pickle and its out-of-band buffers."""
+    if type(obj) in _PLAIN:  # the same bytes: a pickler's hooks never see these
+        return pickle.dumps(obj, 5), []
     buffers: list = []
     f = io.BytesIO()
     try:
