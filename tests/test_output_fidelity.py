@@ -149,7 +149,9 @@ stop.set(); s.join()
 print("\\nexit codes", sorted({p.exitcode for p in kids}))
 """,
     )
-    out = stream(msgs)
+    # what the cell shows: a rank's lines that end a line in progress (the spam) with
+    # nothing printed below take the live display's place (a rank 0.2 s behind: load)
+    out = stream(msgs) + "\n" + "\n".join(live(msgs).values())
     assert ranks_saying(out, "exit codes [0]") == {0, 1}, out[-3000:]
     for i in range(20):
         assert out.count(f"kid {i} ok") >= 1
