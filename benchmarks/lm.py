@@ -64,6 +64,28 @@ def make(seed: int = 0):
 def step(model, opt, sched, data):
     """One training step: MICRO accumulated micro-batches, clipped, AdamW, LR step.
     Returns the last micro-batch's loss (a tensor)."""
+    loss = _clipped_grads(model, opt, data)
+    opt.step()
+    sched.step()
+    return loss
+
+
+def make_constant(seed: int = 0):
+    """``(model, optimizer, data)``: the same model and data with SGD (momentum 0.9)
+    at a constant rate and no scheduler, whose step reads no Python value that
+    changes between calls (what ``mnb.compile(pure=True)`` may replay)."""
+    model, _, _, data = make(seed)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), data
+
+
+def constant_step(model, opt, data):
+    """``step`` without a scheduler, with ``make_constant``'s SGD."""
+    loss = _clipped_grads(model, opt, data)
+    opt.step()
+    return loss
+
+
+def _clipped_grads(model, opt, data):
     opt.zero_grad(set_to_none=True)
     rows = BATCH // MICRO
     for i in range(MICRO):
@@ -72,6 +94,4 @@ def step(model, opt, sched, data):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), chunk[:, 1:].reshape(-1)) / MICRO
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    sched.step()
     return loss

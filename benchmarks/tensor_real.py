@@ -7,6 +7,12 @@ same step in local eager torch in this process on as many threads as each rank
 has, in the same run, alternating. ``tensor_real_step_compiled``: the step under
 ``mnb.compile``, against the same local eager baseline; ``messages_per_step``
 says whether it replays (1) or runs op by op (the step's command count).
+The compiled row also gives the replay's own ratio on this machine
+(``pure_replay_vs_local_eager``): ``lm.constant_step`` (SGD at a constant rate, no
+scheduler: no Python value changes between calls) under ``mnb.compile(pure=True)``,
+which replays without running the step's Python, against that step in local eager
+torch. The gap between the two compiled ratios is the checked call's Python on the
+controller.
 ``tensor_no_mesh_step``: the same local step inside ``mesh.activate()`` +
 ``mnb.no_mesh()`` against outside any mesh block (issue 26: as fast).
 
@@ -115,6 +121,7 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
         compiled_cpu = _cpu_per_step(mesh, step, n)
         ours, base, _, _ = interleaved(lambda: run(lambda: lm.step(*state)), eager, reps)
         comp, base2, _, _ = interleaved(lambda: run(step), eager, reps)
+        pure = _pure_replay(mesh, max(n, 30), reps)
     finally:
         mesh.shutdown()
         torch.set_num_threads(saved)
@@ -146,9 +153,46 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
             ">= 0.8",
             what,
             note=f"{model}, under mnb.compile; issue 26 asks >= 0.8x local eager at 1 message a step",
-            extra={"messages_per_step": compiled_messages, **compiled_cpu},
+            extra={"messages_per_step": compiled_messages, **compiled_cpu, **pure},
         ),
     ]
+
+
+def _pure_replay(mesh, n: int, reps: int) -> dict:
+    """``lm.constant_step`` replayed by ``mnb.compile(pure=True)`` against the same
+    step in local eager torch: what a replay that skips the Python reaches here."""
+    import monarch_nb as mnb
+
+    from . import lm
+
+    local = lm.make_constant()
+    with mesh.activate():
+        state = lm.make_constant()
+    step = mnb.compile(lambda: lm.constant_step(*state), pure=True)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        mesh.wait()
+        return n / (time.perf_counter() - t0)
+
+    def eager() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lm.constant_step(*local)
+        return n / (time.perf_counter() - t0)
+
+    for _ in range(4):  # SGD's momentum buffers: the third call settles
+        lm.constant_step(*local)
+        step()
+    ours, base, _, _ = interleaved(run, eager, reps)
+    return {
+        "pure_replay_messages_per_step": _commands(mesh, step),
+        "pure_replay_steps_per_s": round(ours, 1),
+        "pure_replay_local_eager_steps_per_s": round(base, 1),
+        "pure_replay_vs_local_eager": round(ours / base, 3),
+    }
 
 
 def bench_tensor_soak(quick: bool) -> list[Entry]:

@@ -103,6 +103,30 @@ def test_the_lm_step_compiled_replays_and_gives_local_numbers(mesh):
     assert state[1].param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+def test_the_constant_lm_step_replays_pure_without_its_python(mesh):
+    """The benchmark's replay ceiling (``pure_replay_vs_local_eager``): SGD at a constant
+    rate reads nothing that changes, so ``pure=True`` replays it without running the
+    step's Python (no op reaches the controller's dispatch), with local torch's numbers."""
+    steps = 6
+    with one_thread():
+        model, opt, data = lm.make_constant()
+        local = [lm.constant_step(model, opt, data).detach().clone() for _ in range(steps)]
+    with mesh.activate():
+        state = lm.make_constant()
+    ran = []
+    step = mnb.compile(lambda: ran.append(1) or lm.constant_step(*state), pure=True)
+    losses = [step() for _ in range(3)]  # the momentum buffers' first step differs
+    before, python = _commands_done(mesh), len(ran)
+    losses += [step() for _ in range(steps - 3)]
+    assert _commands_done(mesh) - before == steps - 3  # one command a step
+    assert len(ran) == python  # replayed, its Python not run
+    for rank in (0, 1):
+        for ours, theirs in zip(losses, local):
+            assert torch.equal(mnb.inspect(ours, dp=rank), theirs)
+    for p, q in zip(state[0].parameters(), model.parameters()):
+        assert torch.equal(mnb.inspect(p, dp=rank), q.detach())
+
+
 def _cnn():
     torch.manual_seed(0)
     net = torch.nn.Sequential(
