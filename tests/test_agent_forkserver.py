@@ -112,6 +112,29 @@ def test_two_controllers_get_agents_forked_by_one_server(tmpdir_short):
             p.wait(30)
 
 
+def _words(proc: psutil.Process) -> list[str]:
+    """The words ps shows of ``proc``'s command line (a title set in place of the
+    original one is one string, NUL-padded to the original's length)."""
+    return " ".join(proc.cmdline()).split()
+
+
+def test_forked_agents_and_ranks_show_their_own_command_lines(tmpdir_short):
+    """ps shows a forked agent and rank as the command that would have started it, and
+    top their short names, not the fork server's command line."""
+    p, info = _controller(_env(tmpdir_short))
+    try:
+        assert forkserver_pid(info["agent"]) is not None
+        agent = psutil.Process(info["agent"])
+        assert _words(agent)[:3] == ["python", "-m", "monarch_nb.host"]
+        assert agent.name() == "mnb-agent"
+        for rank, pid in enumerate(info["ranks"]):
+            proc = psutil.Process(pid)
+            assert _words(proc) == ["python", "-m", "monarch_nb.worker", f"--rank={rank}", "--world=2"]
+            assert proc.name() == f"mnb-rank{rank}"
+    finally:
+        _end(p)
+
+
 def test_an_idle_server_exits_and_the_next_controller_starts_another(tmpdir_short):
     env = _env(tmpdir_short, MONARCH_NB_AGENT_FORKSERVER_IDLE="1")
     p, info = _controller(env)

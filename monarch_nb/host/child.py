@@ -90,13 +90,15 @@ def _become_rank(msg: Spawn, out: int, close: list[int], agent: int) -> None:
     from ..worker.__main__ import run_worker, set_parent_death_signal
 
     set_parent_death_signal(agent)  # SIGKILL when the agent goes
+    argv = ["monarch_nb.worker", f"--rank={msg.rank}", f"--world={msg.world}"]
+    set_title(argv, f"mnb-rank{msg.rank}")  # first: it finds its room by the environment's
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in msg.env.items()})
     sys.path[:] = [str(p) for p in msg.sys_path]
     tempfile.tempdir = None  # found again from this env's TMPDIR (the agent may have cached one)
     if hasattr(time, "tzset"):
         time.tzset()  # this env's TZ
-    sys.argv = ["monarch_nb.worker", f"--rank={msg.rank}", f"--world={msg.world}"]
+    sys.argv = argv
     try:
         os.chdir(msg.cwd)
     except OSError as e:
@@ -106,6 +108,20 @@ def _become_rank(msg: Spawn, out: int, close: list[int], agent: int) -> None:
     run_worker(
         msg.address, bytes.fromhex(msg.key_hex), msg.rank, msg.world, msg.local_rank, agent, None
     )
+
+
+def set_title(argv: list[str], name: str) -> None:
+    """What ``ps`` and ``top`` show of a forked process: the command line that would
+    have started it (``python -m monarch_nb.worker --rank=1 --world=2``, not the
+    fork server's) and ``name`` as its short name (``mnb-rank1``). Called before the
+    environment changes (setproctitle extends argv's memory over the original
+    environment's). Best effort: a host without setproctitle keeps the parent's."""
+    try:
+        from setproctitle import setproctitle, setthreadtitle
+    except ImportError:
+        return
+    setproctitle(" ".join(["python", "-m", *argv]))
+    setthreadtitle(name)  # the main thread's name is the process's (/proc/PID/comm)
 
 
 def _apply_threads(value) -> None:

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from ..protocol import forkserver as fs
-from .child import reaped, run_child
+from .child import reaped, run_child, set_title
 from .door import Door, peer
 
 
@@ -139,6 +139,7 @@ class ForkServer:
         from ..worker.__main__ import set_parent_death_signal
 
         set_parent_death_signal(os.getppid())  # SIGKILL when this server goes
+        set_title(["monarch_nb.host", *argv], "mnb-agent")
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
