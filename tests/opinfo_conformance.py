@@ -16,6 +16,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import warnings
 from unittest import mock
 
@@ -80,7 +81,23 @@ def float32_op_keys() -> list[tuple[str, bool]]:
         with open(f"{path}.{os.getpid()}", "w") as f:
             json.dump(keys, f)
         os.replace(f"{path}.{os.getpid()}", path)
+        _prune(folder, keep=os.path.basename(path))
         return keys
+
+
+def _prune(folder: str, keep: str, age: float = 2 * 86400.0) -> None:
+    """Remove other checkouts' (or torch versions') key files unused for ``age`` s (each
+    clone of the repository makes its own; relatime updates a read file's atime daily).
+    One still in use is rebuilt if need be."""
+    now = time.time()
+    for name in os.listdir(folder):
+        if name.startswith("opinfo-") and not name.startswith(keep):
+            try:
+                st = os.stat(os.path.join(folder, name))
+                if now - max(st.st_atime, st.st_mtime) > age:
+                    os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
 
 
 _BY_KEY: dict = {}
