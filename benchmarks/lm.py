@@ -70,6 +70,21 @@ def step(model, opt, sched, data):
     return loss
 
 
+def grads_step(model, opt, data):
+    """The part of ``step`` that reads no Python value changing between calls (the
+    gradients, accumulated and clipped): ``mnb.compile(pure=True)`` replays it, and the
+    optimizer and scheduler step after it, op by op (``split_step``)."""
+    return _clipped_grads(model, opt, data)
+
+
+def split_step(grads, opt, sched):
+    """``step`` with its gradients from ``grads()`` (``grads_step`` compiled pure)."""
+    loss = grads()
+    opt.step()
+    sched.step()
+    return loss
+
+
 def make_constant(seed: int = 0):
     """``(model, optimizer, data)``: the same model and data with SGD (momentum 0.9)
     at a constant rate and no scheduler, whose step reads no Python value that

@@ -12,7 +12,8 @@ The compiled row also gives the replay's own ratio on this machine
 scheduler: no Python value changes between calls) under ``mnb.compile(pure=True)``,
 which replays without running the step's Python, against that step in local eager
 torch. The gap between the two compiled ratios is the checked call's Python on the
-controller.
+controller. ``split_vs_local_eager``: the LM step itself with its gradients compiled
+pure and AdamW and the scheduler stepping op by op (``lm.split_step``).
 ``tensor_no_mesh_step``: the same local step inside ``mesh.activate()`` +
 ``mnb.no_mesh()`` against outside any mesh block (issue 26: as fast).
 
@@ -122,6 +123,7 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
         ours, base, _, _ = interleaved(lambda: run(lambda: lm.step(*state)), eager, reps)
         comp, base2, _, _ = interleaved(lambda: run(step), eager, reps)
         pure = _pure_replay(mesh, max(n, 30), reps)
+        split = _split(mesh, max(n, 30), reps)
     finally:
         mesh.shutdown()
         torch.set_num_threads(saved)
@@ -153,7 +155,7 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
             ">= 0.8",
             what,
             note=f"{model}, under mnb.compile; issue 26 asks >= 0.8x local eager at 1 message a step",
-            extra={"messages_per_step": compiled_messages, **compiled_cpu, **pure},
+            extra={"messages_per_step": compiled_messages, **compiled_cpu, **pure, **split},
         ),
     ]
 
@@ -192,6 +194,43 @@ def _pure_replay(mesh, n: int, reps: int) -> dict:
         "pure_replay_steps_per_s": round(ours, 1),
         "pure_replay_local_eager_steps_per_s": round(base, 1),
         "pure_replay_vs_local_eager": round(ours / base, 3),
+    }
+
+
+def _split(mesh, n: int, reps: int) -> dict:
+    """The LM step split (``lm.split_step``): its gradients replayed by
+    ``mnb.compile(pure=True)``, AdamW and the scheduler stepping op by op, against
+    ``lm.step`` in local eager torch."""
+    import monarch_nb as mnb
+
+    from . import lm
+
+    local = lm.make()
+    with mesh.activate():
+        model, opt, sched, data = lm.make()
+    grads = mnb.compile(lambda: lm.grads_step(model, opt, data), pure=True)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lm.split_step(grads, opt, sched)
+        mesh.wait()
+        return n / (time.perf_counter() - t0)
+
+    def eager() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lm.step(*local)
+        return n / (time.perf_counter() - t0)
+
+    for _ in range(4):
+        lm.step(*local)
+        lm.split_step(grads, opt, sched)
+    ours, base, _, _ = interleaved(run, eager, reps)
+    return {
+        "split_commands_per_step": _commands(mesh, lambda: lm.split_step(grads, opt, sched)),
+        "split_steps_per_s": round(ours, 1),
+        "split_vs_local_eager": round(ours / base, 3),
     }
 
 

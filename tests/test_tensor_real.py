@@ -127,6 +127,30 @@ def test_the_constant_lm_step_replays_pure_without_its_python(mesh):
         assert torch.equal(mnb.inspect(p, dp=rank), q.detach())
 
 
+def test_the_lm_step_split_replays_its_gradients_pure_with_local_numbers(mesh):
+    """The step at replay speed with AdamW and a scheduler: its gradients compiled pure
+    (one command), the optimizer and scheduler stepping after it op by op; local
+    torch's numbers, the scheduler's rate included."""
+    steps = 6
+    with one_thread():
+        model, opt, sched, data = lm.make()
+        local = [lm.step(model, opt, sched, data).detach().clone() for _ in range(steps)]
+    with mesh.activate():
+        net, adamw, lr, batch = lm.make()
+    ran = []
+    grads = mnb.compile(lambda: ran.append(1) or lm.grads_step(net, adamw, batch), pure=True)
+    losses = [lm.split_step(grads, adamw, lr) for _ in range(3)]
+    python = len(ran)
+    losses += [lm.split_step(grads, adamw, lr) for _ in range(steps - 3)]
+    assert len(ran) == python  # the gradients replayed, their Python not run
+    for rank in (0, 1):
+        for ours, theirs in zip(losses, local):
+            assert torch.equal(mnb.inspect(ours, dp=rank), theirs)
+    for p, q in zip(net.parameters(), model.parameters()):
+        assert torch.equal(mnb.inspect(p, dp=1), q.detach())
+    assert adamw.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
 def _cnn():
     torch.manual_seed(0)
     net = torch.nn.Sequential(
