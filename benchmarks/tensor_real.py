@@ -80,6 +80,22 @@ def _commands(mesh, fn) -> int:
     return done() - before
 
 
+def _rate(fn, n: int, mesh=None) -> float:
+    """Calls of ``fn`` per second over ``n`` calls (and, with ``mesh``, its wait)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if mesh is not None:
+        mesh.wait()
+    return n / (time.perf_counter() - t0)
+
+
+def _vs_eager(mesh, fn, local_fn, n: int, reps: int) -> tuple[float, float]:
+    """(calls/s of ``fn`` on ``mesh``, of ``local_fn``), interleaved, medians."""
+    ours, base, _, _ = interleaved(lambda: _rate(fn, n, mesh), lambda: _rate(local_fn, n), reps)
+    return ours, base
+
+
 def bench_tensor_real_step(quick: bool) -> list[Entry]:
     import torch
 
@@ -98,19 +114,6 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
             compiled_state = lm.make()
         step = mnb.compile(lambda: lm.step(*compiled_state))
 
-        def run(fn) -> float:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            mesh.wait()
-            return n / (time.perf_counter() - t0)
-
-        def eager() -> float:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                lm.step(*local)
-            return n / (time.perf_counter() - t0)
-
         for _ in range(4):  # settle the layouts, and let compile record
             lm.step(*local)
             lm.step(*state)
@@ -120,8 +123,8 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
         compiled_messages = _commands(mesh, step)
         op_cpu = _cpu_per_step(mesh, lambda: lm.step(*state), n)
         compiled_cpu = _cpu_per_step(mesh, step, n)
-        ours, base, _, _ = interleaved(lambda: run(lambda: lm.step(*state)), eager, reps)
-        comp, base2, _, _ = interleaved(lambda: run(step), eager, reps)
+        ours, base = _vs_eager(mesh, lambda: lm.step(*state), lambda: lm.step(*local), n, reps)
+        comp, base2 = _vs_eager(mesh, step, lambda: lm.step(*local), n, reps)
         pure = _pure_replay(mesh, max(n, 30), reps)
         split = _split(mesh, max(n, 30), reps)
     finally:
@@ -171,24 +174,10 @@ def _pure_replay(mesh, n: int, reps: int) -> dict:
     with mesh.activate():
         state = lm.make_constant()
     step = mnb.compile(lambda: lm.constant_step(*state), pure=True)
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        mesh.wait()
-        return n / (time.perf_counter() - t0)
-
-    def eager() -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            lm.constant_step(*local)
-        return n / (time.perf_counter() - t0)
-
     for _ in range(4):  # SGD's momentum buffers: the third call settles
         lm.constant_step(*local)
         step()
-    ours, base, _, _ = interleaved(run, eager, reps)
+    ours, base = _vs_eager(mesh, step, lambda: lm.constant_step(*local), n, reps)
     return {
         "pure_replay_messages_per_step": _commands(mesh, step),
         "pure_replay_steps_per_s": round(ours, 1),
@@ -210,25 +199,15 @@ def _split(mesh, n: int, reps: int) -> dict:
         model, opt, sched, data = lm.make()
     grads = mnb.compile(lambda: lm.grads_step(model, opt, data), pure=True)
 
-    def run() -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            lm.split_step(grads, opt, sched)
-        mesh.wait()
-        return n / (time.perf_counter() - t0)
-
-    def eager() -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            lm.step(*local)
-        return n / (time.perf_counter() - t0)
+    def split() -> None:
+        lm.split_step(grads, opt, sched)
 
     for _ in range(4):
         lm.step(*local)
-        lm.split_step(grads, opt, sched)
-    ours, base, _, _ = interleaved(run, eager, reps)
+        split()
+    ours, base = _vs_eager(mesh, split, lambda: lm.step(*local), n, reps)
     return {
-        "split_commands_per_step": _commands(mesh, lambda: lm.split_step(grads, opt, sched)),
+        "split_commands_per_step": _commands(mesh, split),
         "split_steps_per_s": round(ours, 1),
         "split_vs_local_eager": round(ours / base, 3),
     }
@@ -300,10 +279,7 @@ def bench_tensor_no_mesh_step(quick: bool) -> list[Entry]:
     mesh = mnb.local_mesh(dp=1, name="bench-no-mesh")
 
     def steps() -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            lm.step(*local)
-        return n / (time.perf_counter() - t0)
+        return _rate(lambda: lm.step(*local), n)
 
     def inside() -> float:
         with mesh.activate(), mnb.no_mesh():
