@@ -64,17 +64,10 @@ def make(seed: int = 0):
 def step(model, opt, sched, data):
     """One training step: MICRO accumulated micro-batches, clipped, AdamW, LR step.
     Returns the last micro-batch's loss (a tensor)."""
-    loss = _clipped_grads(model, opt, data)
+    loss = grads_step(model, opt, data)
     opt.step()
     sched.step()
     return loss
-
-
-def grads_step(model, opt, data):
-    """The part of ``step`` that reads no Python value changing between calls (the
-    gradients, accumulated and clipped): ``mnb.compile(pure=True)`` replays it, and the
-    optimizer and scheduler step after it, op by op (``split_step``)."""
-    return _clipped_grads(model, opt, data)
 
 
 def split_step(grads, opt, sched):
@@ -95,12 +88,15 @@ def make_constant(seed: int = 0):
 
 def constant_step(model, opt, data):
     """``step`` without a scheduler, with ``make_constant``'s SGD."""
-    loss = _clipped_grads(model, opt, data)
+    loss = grads_step(model, opt, data)
     opt.step()
     return loss
 
 
-def _clipped_grads(model, opt, data):
+def grads_step(model, opt, data):
+    """The part of ``step`` that reads no Python value changing between calls (the
+    gradients, accumulated and clipped): ``mnb.compile(pure=True)`` replays it, and the
+    optimizer and scheduler step after it, op by op (``split_step``)."""
     opt.zero_grad(set_to_none=True)
     rows = BATCH // MICRO
     for i in range(MICRO):

@@ -155,6 +155,8 @@ def test_without_the_server_the_agent_is_the_controllers_child(tmpdir_short):
     try:
         assert info["sum"] == 3 and psutil.Process(info["agent"]).ppid() == info["pid"]
         assert _sockets(tmpdir_short) == []
+        for rank, pid in enumerate(info["ranks"]):  # an agent started as a process: titled too
+            assert _words(psutil.Process(pid))[2:4] == ["monarch_nb.worker", f"--rank={rank}"]
     finally:
         _end(p)
 
