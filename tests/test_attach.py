@@ -151,6 +151,63 @@ def test_a_new_process_attaches_after_a_sigkill_and_trains_on(tmp_path, mesh_dir
     assert keepalive.read_entry("att_train") is None
 
 
+@pytest.mark.parametrize("rendezvous", ["file", "controller"])
+def test_ranks_attached_again_make_new_process_groups(mesh_dir, monkeypatch, rendezvous):
+    """A collective over a dim no earlier one used makes a process group through the
+    ranks' rendezvous store: after a detach and an attach that store still serves them
+    (the directory of a file store stays; the new controller serves their generation)."""
+    import torch
+
+    monkeypatch.setenv("MONARCH_NB_RENDEZVOUS", rendezvous)
+    name = f"att_groups_{rendezvous}"
+    mesh = mnb.local_mesh(dp=2, tp=2, name=name, keep_alive="60s")
+    try:
+        with mesh.activate():
+            assert mnb.inspect(torch.ones(2).reduce("dp", "sum"), timeout=60).tolist() == [2, 2]
+        mesh.detach()
+        mesh = mnb.attach(name)
+        with mesh.activate():
+            x = torch.ones(2)
+            assert mnb.inspect(x.reduce("tp", "sum"), timeout=30).tolist() == [2, 2]
+            assert mnb.inspect(x.reduce(("dp", "tp"), "sum"), timeout=30).tolist() == [4, 4]
+    finally:
+        mesh.shutdown()
+
+
+def test_a_store_directory_lives_while_ranks_use_it_and_is_swept_after(mesh_dir):
+    """A kept-alive mesh's file store outlives its controller while its ranks live
+    (they hold it), and the next mesh to start removes it once they are gone."""
+    import glob
+    import tempfile
+    import time
+
+    from monarch_nb.controller.rendezvous import PREFIX
+
+    def dirs():
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "*")))
+
+    def age(path):  # as if made ten minutes ago: old enough to be swept
+        t = time.time() - 600
+        os.utime(path, (t, t))
+
+    before = dirs()
+    mesh = mnb.local_mesh(dp=2, name="att_sweep", keep_alive="60s")
+    try:
+        (mine,) = dirs() - before
+        pids = list(rank_pids(mesh).values())
+        mesh.detach()
+        age(mine)
+        with mnb.local_mesh(dp=1, name="att_sweeper"):  # its start sweeps
+            assert os.path.isdir(mine)  # the ranks hold it
+        mesh = mnb.attach("att_sweep")
+    finally:
+        mesh.shutdown()  # not this controller's directory: it stays ...
+    assert pids_gone(pids, 30) == [] and os.path.isdir(mine)
+    age(mine)
+    with mnb.local_mesh(dp=1, name="att_sweeper"):
+        assert not os.path.exists(mine)  # ... until the next start
+
+
 def test_one_controller_at_a_time_and_steal(tmp_path, mesh_dir):
     p, pids = _first(tmp_path, "att_steal", "60s", mode="stay")
     with pytest.raises(RuntimeError, match=rf"attached to the controller of pid {p.pid}"):

@@ -63,6 +63,9 @@ def rejoin_generation(ctrl, rejoin: Rejoin, timeout: float) -> None:
                 ctrl.streams[name] = sid
                 ctrl.state.add_stream(sid, name)
     ctrl.state.backend = next((i.backend for i in infos if i.backend), ctrl.state.backend)
+    stores = [i.store_generation for i in infos if i.store_generation is not None]
+    if stores:  # the ranks create process groups through their generation's store
+        ctrl.rendezvous.serve(stores[0])
     for info in infos:
         if info.refs:
             ctrl.send(m.DeleteRefs(tuple(info.refs)), [info.rank])
@@ -81,4 +84,4 @@ def let_go(ctrl, why: str) -> None:
         ctrl._closed = True
         ctrl.io.stop()  # its port is free before the agent hears from us: for a stealer
         ctrl.workers.launcher.let_go()
-        ctrl.rendezvous.close()
+        ctrl.rendezvous.let_go()  # the ranks go on using its store

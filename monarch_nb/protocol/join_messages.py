@@ -31,6 +31,7 @@ class WorkerRejoined(NamedTuple):
     high_ident: int
     backend: str | None
     refs: tuple
+    store_generation: int | None  # of the controller's store it joined through, if any
 
 
 WorkerRejoined.__module__ = _MESSAGES

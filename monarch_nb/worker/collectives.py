@@ -59,6 +59,7 @@ class Comms:
         self.rank = rank
         self.world = world
         self.backend: str | None = None
+        self.store_generation: int | None = None  # of the controller's store, if joined by it
         self.ready = threading.Event()
         self.init_error: BaseException | None = None
         self.groups: dict[int, Future] = {}
@@ -75,6 +76,7 @@ class Comms:
 
         try:
             store = open_store(address, self.world, link, _timeout())
+            self.store_generation = getattr(store, "generation", None)
             if backend == "nccl":
                 backend = "cpu:gloo,cuda:nccl"
             dist.init_process_group(

@@ -66,6 +66,7 @@ class Connection:
         self._sealer: Sealer | None = None
         self._last_heard = time.monotonic()
         self._lost_at: float | None = None
+        self.reconnects = 0  # times a controller came back: the store's channels follow
         self._sent_progress: dict = {}
         # the socket's lease: the receiver thread holds it, except while the default
         # stream's thread is idle and receives itself (``receive_while_idle``)
@@ -345,6 +346,7 @@ class Connection:
                 # whose socket is new to this connection and who needs to hear from us
                 self._lost_at = None
                 self.peers.release(b"")
+                self.reconnects += 1
                 self._sent_progress = {}
                 self._send(self._rejoined())
 
@@ -368,6 +370,7 @@ class Connection:
             max(max(s.started, s.queued) for s in streams),
             backend,
             tuple(list(self.env)),
+            getattr(self._comms, "store_generation", None),
         )
 
 

@@ -16,8 +16,10 @@ late answer to a request that timed out, a dead generation's) is dropped.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import itertools
 import logging
+import os
 import threading
 import time
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from ..hooks import Hook
 from ..protocol import BadMessage, encode
 from ..protocol import messages as m
+from ..protocol.constants import STORE_HELD
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, decode_each, open_from_controller
 from ..protocol.wire import recv_ready, send_frames
 
@@ -34,6 +37,7 @@ logger = logging.getLogger("monarch_nb.worker")
 FILE = "file://"
 CONTROLLER_STORE = "controller://"
 CURRENT_STORE = Hook("current_store", "this worker's store, as its InitBackend opened it")
+HELD: list[int] = []  # fds of the rendezvous directories this process holds, kept open
 
 
 class StoreTimeout(dist.DistStoreError):
@@ -48,7 +52,9 @@ def open_store(address: str, world: int, link, timeout: datetime.timedelta):
     """The store of InitBackend's ``address``: ``file:///path`` or ``controller://G``
     (generation G, reached through ``link``: the Worker)."""
     if address.startswith(FILE):
-        store = dist.FileStore(address[len(FILE) :], world)
+        path = address[len(FILE) :]
+        _hold(os.path.dirname(path))
+        store = dist.FileStore(path, world)
     elif address.startswith(CONTROLLER_STORE):
         if link is None:
             raise ValueError("the controller's store needs the worker's connection")
@@ -60,6 +66,17 @@ def open_store(address: str, world: int, link, timeout: datetime.timedelta):
         )
     CURRENT_STORE.install(store)
     return store
+
+
+def _hold(directory: str) -> None:
+    """Hold a shared lock on the rendezvous directory for this process's life (see
+    controller/rendezvous.py): it stays while this rank may create process groups."""
+    try:
+        fd = os.open(os.path.join(directory, STORE_HELD), os.O_RDONLY)
+    except FileNotFoundError:  # a controller of an earlier version: nothing to hold
+        return
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    HELD.append(fd)
 
 
 def current_store():
@@ -77,8 +94,12 @@ class _Channel:
         self.sealer = Sealer(link.signer, link.rank)
         self.peers = PeerTable(link.peers.rejections)  # drops count with the worker's
         self.peers.allow(CONTROLLER)
+        self._link, self._reconnects = link, link.reconnects
 
     def send(self, msg) -> None:
+        if self._link.reconnects != self._reconnects:  # a controller attached: its socket is new
+            self._reconnects = self._link.reconnects
+            self.peers.release(b"")
         send_frames(self.sock, self.sealer.seal(encode(msg, self.signer)))
 
     def replies(self, deadline: float):
