@@ -66,6 +66,8 @@ def remote(request, tmp_path_factory):
     mesh = w.mesh()
     try:
         yield mesh, code
+        folders = {f for fs in mnb.remote(code_folders)(mesh=mesh).fetch() for f in fs}
+        assert folders  # the ranks' code folder (one per host: here they share one)
     finally:
         mesh.shutdown()
         sys.path.remove(str(code))
@@ -76,6 +78,11 @@ def remote(request, tmp_path_factory):
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+    assert [f for f in folders if os.path.exists(f)] == []  # the last rank out removed it
+
+
+def code_folders() -> list:
+    return [p for p in sys.path if os.path.basename(p).startswith("monarch_nb-code-")]
 
 
 def test_the_kernels_modules_travel_and_an_edit_reaches_the_next_call(remote):

@@ -206,21 +206,21 @@ def test_an_unknown_rendezvous_kind_is_a_clear_error(monkeypatch):
     assert "bad-rendezvous" not in mnb.api.mesh.all_meshes()
 
 
-def test_the_sweep_removes_only_file_stores_nobody_holds(tmp_path):
-    """A file rendezvous's directory is stale once nobody holds its lock and it is
-    older than a minute (an earlier version's, without the lock file: two days)."""
+def test_the_sweep_removes_only_directories_nobody_holds(tmp_path):
+    """A shared directory (a file rendezvous's, a code folder) is stale once nobody
+    holds its lock and it is older than a minute (an earlier version's, without the
+    held file: two days)."""
     import fcntl
     import subprocess
     import time
 
-    from monarch_nb.controller.rendezvous import PREFIX, sweep_stale
-    from monarch_nb.protocol.constants import STORE_HELD
+    from monarch_nb.protocol.held_dirs import HELD, sweep
 
     def made(name, age_s, held_file=True):
-        d = tmp_path / (PREFIX + name)
+        d = tmp_path / ("mnb-store-" + name)
         d.mkdir()
         if held_file:
-            (d / STORE_HELD).touch()
+            (d / HELD).touch()
         (d / "gen0").write_bytes(b"x")
         t = time.time() - age_s
         os.utime(d, (t, t))
@@ -232,21 +232,21 @@ def test_the_sweep_removes_only_file_stores_nobody_holds(tmp_path):
     holder = subprocess.Popen(  # another process holds it, as a live rank does
         [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
          "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
-         os.path.join(held, STORE_HELD)],
+         os.path.join(held, HELD)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert holder.stdout.readline() == "held\n"
-        assert sorted(sweep_stale(str(tmp_path))) == sorted([stale, older_version])
+        assert sorted(sweep("mnb-store-", str(tmp_path))) == sorted([stale, older_version])
         assert all(os.path.isdir(d) for d in (young, old_version, held))
     finally:
         holder.stdin.close()
         holder.wait(10)
-    assert sweep_stale(str(tmp_path)) == [held]  # its holder is gone
-    fd = os.open(os.path.join(young, STORE_HELD), os.O_RDONLY)
+    assert sweep("mnb-store-", str(tmp_path)) == [held]  # its holder is gone
+    fd = os.open(os.path.join(young, HELD), os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # our own shared lock keeps it too, however old
     os.utime(young, (time.time() - 120,) * 2)
-    assert sweep_stale(str(tmp_path)) == []
+    assert sweep("mnb-store-", str(tmp_path)) == []
     os.close(fd)
 
 

@@ -9,6 +9,3 @@ RECV_HWM = 256  # messages queued per peer socket before ZeroMQ stops reading it
 # waits in the sender
 
 BEAT_S = 1.0  # how often a host agent's relay says it is alive (the controller expects it)
-
-STORE_HELD = "held"  # a file in a local rendezvous's directory: the controller and each rank
-# hold a shared flock on it while they may use the store; a directory nobody holds is stale

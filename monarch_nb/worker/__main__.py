@@ -127,6 +127,7 @@ def run_worker(
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch.ones(1, device="cuda")
 
+    from . import synced_code
     from .worker import Worker
 
     worker = Worker(address, key, rank, world, local_rank, parent_pid, heartbeat)
@@ -136,6 +137,7 @@ def run_worker(
     gc.freeze()
     worker.serve()
     sys.stdout.flush()
+    synced_code.leave()  # os._exit runs no atexit handler
     os._exit(0)
 
 

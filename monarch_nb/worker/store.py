@@ -16,7 +16,6 @@ late answer to a request that timed out, a dead generation's) is dropped.
 from __future__ import annotations
 
 import datetime
-import fcntl
 import itertools
 import logging
 import os
@@ -26,9 +25,8 @@ import time
 import torch.distributed as dist
 
 from ..hooks import Hook
-from ..protocol import BadMessage, encode
+from ..protocol import BadMessage, encode, held_dirs
 from ..protocol import messages as m
-from ..protocol.constants import STORE_HELD
 from ..protocol.envelope import CONTROLLER, PeerTable, Sealer, decode_each, open_from_controller
 from ..protocol.wire import recv_ready, send_frames
 
@@ -37,7 +35,7 @@ logger = logging.getLogger("monarch_nb.worker")
 FILE = "file://"
 CONTROLLER_STORE = "controller://"
 CURRENT_STORE = Hook("current_store", "this worker's store, as its InitBackend opened it")
-HELD: list[int] = []  # fds of the rendezvous directories this process holds, kept open
+HELD: list = []  # this process's holds on its rendezvous directories (see controller/rendezvous)
 
 
 class StoreTimeout(dist.DistStoreError):
@@ -53,7 +51,7 @@ def open_store(address: str, world: int, link, timeout: datetime.timedelta):
     (generation G, reached through ``link``: the Worker)."""
     if address.startswith(FILE):
         path = address[len(FILE) :]
-        _hold(os.path.dirname(path))
+        HELD.append(held_dirs.hold(os.path.dirname(path)))  # for this process's life
         store = dist.FileStore(path, world)
     elif address.startswith(CONTROLLER_STORE):
         if link is None:
@@ -66,17 +64,6 @@ def open_store(address: str, world: int, link, timeout: datetime.timedelta):
         )
     CURRENT_STORE.install(store)
     return store
-
-
-def _hold(directory: str) -> None:
-    """Hold a shared lock on the rendezvous directory for this process's life (see
-    controller/rendezvous.py): it stays while this rank may create process groups."""
-    try:
-        fd = os.open(os.path.join(directory, STORE_HELD), os.O_RDONLY)
-    except FileNotFoundError:  # a controller of an earlier version: nothing to hold
-        return
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    HELD.append(fd)
 
 
 def current_store():

@@ -6,7 +6,9 @@ order, so no later command starts first). A file is written only when its conten
 and autoreload leaves it alone; a changed one gets a new mtime and reloads.
 
 Each write is a rename of a complete temporary file: ranks of one host share the
-folder, and an import never reads half a file.
+folder, and an import never reads half a file. Each of them holds the folder
+(``protocol/held_dirs``) and the last one to exit removes it; a folder whose
+ranks were killed goes at the next folder's making.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ import atexit
 import hashlib
 import importlib
 import os
-import shutil
 import sys
 import tempfile
 
+from ..protocol import held_dirs
 from ..protocol.user_files import safe_path
+
+PREFIX = "monarch_nb-code-"
 
 _folders: dict[str, str] = {}  # the message's folder name -> its path here
 _origins: dict[str, str] = {}  # a file written here -> the controller's file it copies
+_held: dict[str, int | None] = {}  # a folder's path -> this process's hold on it
 
 
 def origin_of(path: str) -> str:
@@ -36,13 +41,24 @@ def folder_for(name: str) -> str:
     if path is None:
         if not name.replace("-", "").isalnum():
             raise ValueError(f"bad code folder name {name!r}")
-        path = os.path.join(tempfile.gettempdir(), f"monarch_nb-code-{name}")
+        held_dirs.sweep(PREFIX)  # folders of meshes whose ranks are gone (killed ones too)
+        path = os.path.join(tempfile.gettempdir(), PREFIX + name)
         os.makedirs(path, mode=0o700, exist_ok=True)
+        _held[path] = held_dirs.hold(path, create=True)  # the ranks of this host share it
         _folders[name] = path
         if path not in sys.path:
             sys.path.insert(0, path)
-        atexit.register(shutil.rmtree, path, True)
     return path
+
+
+@atexit.register
+def leave() -> None:
+    """As this rank exits (the worker calls it before its ``os._exit``): release its
+    code folders, and remove each that no other rank of the host holds."""
+    while _held:
+        path, held = _held.popitem()
+        held_dirs.release(held)
+        held_dirs.remove_if_unheld(path)
 
 
 def write(folder: str, files: tuple, rank: int) -> None:
