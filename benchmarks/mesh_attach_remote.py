@@ -13,6 +13,7 @@ lost): a fresh ``connect_mesh(dp=2)`` and two fresh relays, to the first value.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,7 @@ def bench_mesh_attach_remote(quick: bool) -> list[Entry]:
         got = [_attach(f"bench-remote-{i}", tmp) for i in range(reps)]
         base = [_fresh(tmp, i) for i in range(reps)]
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         if old is None:
             os.environ.pop("MONARCH_NB_MESH_DIR", None)
         else:

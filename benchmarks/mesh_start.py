@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 
 from ._report import Entry, interleaved
@@ -247,10 +248,11 @@ def bench_mesh_attach(quick: bool) -> list[Entry]:
     reps = 3 if quick else 5
     local_agent()
     old = os.environ.get("MONARCH_NB_MESH_DIR")
-    os.environ["MONARCH_NB_MESH_DIR"] = tempfile.mkdtemp(prefix="mnb-bench-meshes-")
+    os.environ["MONARCH_NB_MESH_DIR"] = registry = tempfile.mkdtemp(prefix="mnb-bench-meshes-")
     try:
         ours = [_attach(f"bench-attach-{i}") for i in range(reps)]
     finally:
+        shutil.rmtree(registry, ignore_errors=True)
         if old is None:
             os.environ.pop("MONARCH_NB_MESH_DIR", None)
         else:

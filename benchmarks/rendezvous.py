@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,7 @@ def bench_pg_create(quick: bool) -> list[Entry]:
             os.environ["MONARCH_NB_RENDEZVOUS"] = old
         for w in workers:
             w.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
     worst = {k: max(t[k] for t in times) for k in times[0]}  # the slower rank's median
     return [
         Entry(
