@@ -278,6 +278,7 @@ def test_a_cuda_oom_shows_the_ranks_memory_summary():
 
 
 def test_profile_merges_one_process_per_rank(mesh, tmp_path, capsys):
+    mnb.remote(busy)(30000, mesh=mesh.slice(dp=1))  # sent before the block: not in its trace
     with mesh.profile(tmp_path / "prof") as prof:
         mnb.remote(busy)(20, mesh=mesh.slice(dp=0))
         mnb.remote(busy)(200, mesh=mesh.slice(dp=1))

@@ -88,7 +88,8 @@ class MeshInsight:
     @contextlib.contextmanager
     def profile(self, dir: str | os.PathLike, timeout: float = 120.0):
         """``with mesh.profile(dir) as prof:`` runs torch.profiler (CPU, and CUDA where
-        present) on every rank for the block, which ends by waiting for the mesh.
+        present) on every rank for the block: it begins by waiting for the mesh (the
+        work sent before it is not in the trace) and ends by waiting for it.
         Then ``prof.path`` is the merged Chrome trace (``dir/trace.json``: a process
         row per rank, the controller's clock), ``prof.summary`` the top ops by self
         time per rank, each rank's total and the slowest rank (plain data), also
@@ -96,6 +97,7 @@ class MeshInsight:
         folder = writable_dir(dir, "profile(dir)")
         ctrl = self._controller
         ctrl.check_usable(self.targets)
+        self.wait(timeout)
         offsets = measure_offsets(ctrl, self.targets, ctrl.state.timeline.offsets, 3)
         result = Profile(os.path.join(folder, "trace.json"))
         start = ctrl.request(
