@@ -28,13 +28,18 @@ def make(prefix: str) -> tuple[str, int]:
 
 def hold(directory: str, create: bool = False) -> int | None:
     """Hold ``directory`` (a shared lock on its held file, made if ``create``) until
-    ``release``: the fd, or None where it has no held file (an earlier version's)."""
+    ``release``: the fd, or None where it has no held file (an earlier version's) or
+    its filesystem has no locks."""
     flags = os.O_RDONLY | (os.O_CREAT if create else 0)
     try:
         fd = os.open(os.path.join(directory, HELD), flags, 0o600)
     except FileNotFoundError:
         return None
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:  # a filesystem without flock: nobody can sweep it either (_unheld)
+        os.close(fd)
+        return None
     return fd
 
 
@@ -78,7 +83,7 @@ def _unheld(path: str, age: float) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except BlockingIOError:
+    except OSError:  # held (BlockingIOError), or a filesystem without flock: kept
         return False
     finally:
         os.close(fd)  # the lock (if taken) goes with it
