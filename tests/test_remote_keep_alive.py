@@ -145,8 +145,11 @@ def test_relays_keep_their_ranks_for_a_process_that_attaches(
     tmp_path, mesh_dir, capfd, monkeypatch, fanout
 ):
     name = f"rk{fanout}"
-    monkeypatch.setenv("MONARCH_NB_RELAY_FANOUT", fanout)  # the attaching controller's too
-    p, relays, pids = _first(tmp_path, name, "60s", {"MONARCH_NB_RELAY_FANOUT": fanout})
+    # with the fan-out, the ranks meet through the controller's store (a file elsewhere)
+    env = {"MONARCH_NB_RELAY_FANOUT": fanout, "MONARCH_NB_RENDEZVOUS": ("file", "controller")[int(fanout)]}
+    for k, v in env.items():  # the attaching controller's too
+        monkeypatch.setenv(k, v)
+    p, relays, pids = _first(tmp_path, name, "60s", env)
     os.kill(p.pid, signal.SIGKILL)  # mid-training: 5 steps in flight
     p.wait(10)
     # the winner below lets go once it has what the ranks printed before it attached,
@@ -184,6 +187,9 @@ def test_relays_keep_their_ranks_for_a_process_that_attaches(
         assert "[rank 0] step 12 loss" in out and "step 8 loss" not in out  # shown once
         assert losses == _reference(12)  # the same numbers as a run never interrupted
         assert mesh.exec("x = 5\nx * rank", stream=mesh.streams["side"]).fetch() == [0, 5]
+        # a process group made now meets through the store this controller serves them
+        group = "t = torch.ones(1)\ndist.all_reduce(t, group=dist.new_group([0, 1]))\nt.item()"
+        assert mesh.exec(group).fetch(timeout=60) == [2.0, 2.0]
         mesh.restart()  # fresh ranks, forked by the same relays' agents
         assert mesh.exec("'losses' in globals()").fetch(timeout=60) == [False, False]
         assert [len(tree(r)) for r in relays] == [3, 3]
