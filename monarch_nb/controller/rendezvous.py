@@ -6,8 +6,9 @@ it: the controller and every rank hold it (``protocol/held_dirs``; the ranks
 for their whole life: a kept-alive mesh's ranks create process groups through
 it after their controller is gone); a controller removes its directory at
 shutdown, and each new one removes those nobody holds any more (of controllers
-that died). A mesh whose controller binds beyond loopback (workers on other hosts): the controller's own store (``store_server``), which
-workers reach through the signed controller channel; nothing listens for it.
+that died). A mesh whose controller binds beyond loopback (workers on other
+hosts): the controller's own store (``store_server``), which workers reach
+through the signed controller channel; nothing listens for it.
 ``MONARCH_NB_RENDEZVOUS=controller`` (or ``file``) picks one explicitly.
 """
 
