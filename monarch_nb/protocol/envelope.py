@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 from .wire import SIG_LEN, BadMessage, Signer, decode, small
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 CONTROLLER = -1  # the controller's rank in headers
 
 
