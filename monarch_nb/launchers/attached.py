@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 from ..protocol import host_messages as hm
 from ..protocol import keepalive
-from .host_agent import HostAgent
+from .host_agent import LET_GO_WAIT, HostAgent
 
 CONNECT_TIMEOUT = 5.0
 
@@ -87,13 +88,15 @@ class LinkedAgent(HostAgent):
     def _close_link(self) -> None:
         self.sock.close()
 
-    def let_go(self) -> None:
+    def let_go(self, timeout: float = LET_GO_WAIT) -> None:
+        """As HostAgent's: our end of the link closed, then the agent's, within ``timeout``."""
         self.detached = True
-        if self.sock is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if self.sock is None:
+            return
+        _shutdown(self.sock, socket.SHUT_WR)
+        if threading.current_thread() is not self._thread:  # (a steal comes on it)
+            self._thread.join(timeout)  # the agent hangs up in turn
+        _shutdown(self.sock, socket.SHUT_RD)  # one that did not: our reader ends anyway
 
     def wait_ended(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -104,6 +107,13 @@ class LinkedAgent(HostAgent):
         self._quit()
         self.wait_ended(10)
         self._thread.join(10)
+
+
+def _shutdown(sock: socket.socket, how: int) -> None:
+    try:
+        sock.shutdown(how)
+    except OSError:  # closed already: the agent hung up
+        pass
 
 
 def held_ranks(agent: LinkedAgent, world: int, timeout: float = 10.0) -> dict:

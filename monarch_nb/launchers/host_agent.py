@@ -29,6 +29,7 @@ logger = logging.getLogger("monarch_nb.controller")
 
 AGENT_START_TIMEOUT = 120.0  # importing torch on a busy machine
 LOCAL_RANKS = 1024  # the local agent's slots: ranks of every mesh of this process
+LET_GO_WAIT = 10.0  # for a let-go agent to hang up (it does within ms)
 
 
 __all__ = ["AgentRank", "HostAgent", "HostLauncher", "await_spawned", "local_agent"]
@@ -205,15 +206,19 @@ class HostAgent(RankBook):
         if self.on_detach is not None:
             threading.Thread(target=self.on_detach, args=(msg.pid,), daemon=True).start()
 
-    def let_go(self) -> None:
+    def let_go(self, timeout: float = LET_GO_WAIT) -> None:
         """Leave the agent and its ranks running: close our end of its stdin (it hangs
-        up in turn, and the reader closes the other pipe: not under the reader's feet)."""
+        up in turn, and the reader closes the other pipe: not under the reader's feet).
+        Returns once it hung up (within ``timeout`` s): it counts itself orphaned then, so
+        an attach that follows, this process's own included, is let in."""
         self.detached = True
         if self.popen is not None:
             try:
                 self.popen.stdin.close()
             except OSError:
                 pass
+            if threading.current_thread() is not self._thread:  # (a steal comes on it)
+                self._thread.join(timeout)
 
     def wait_ended(self, timeout: float) -> None:
         """Wait for the agent process to end (then kill it)."""
