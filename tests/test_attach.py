@@ -18,7 +18,7 @@ import pytest
 from keepalive_helpers import cli, start_controller
 from kernel_helpers import Kernel, errors_text, text
 from wait_helpers import alive, pids_gone, wait_for
-from worker_probes import rank_pids
+from worker_probes import definitions, rank_pids
 
 import monarch_nb as mnb
 from monarch_nb.protocol import keepalive
@@ -164,12 +164,22 @@ def test_ranks_attached_again_make_new_process_groups(mesh_dir, monkeypatch, ren
     try:
         with mesh.activate():
             assert mnb.inspect(torch.ones(2).reduce("dp", "sum"), timeout=60).tolist() == [2, 2]
+        step = mnb.compile(lambda t: t * 2 + 1)
+        with mesh.activate():
+            for _ in range(3):
+                step(torch.ones(2))
+        ops, recs = zip(*mnb.remote(definitions)(mesh=mesh).fetch(timeout=60))
+        assert min(ops) > 0 and min(recs) > 0
         mesh.detach()
         mesh = mnb.attach(name)
+        # the earlier controller's tensor ops and recordings are dropped on the ranks
+        assert mnb.remote(definitions)(mesh=mesh).fetch(timeout=60) == [(0, 0)] * 4
         with mesh.activate():
             x = torch.ones(2)
             assert mnb.inspect(x.reduce("tp", "sum"), timeout=30).tolist() == [2, 2]
             assert mnb.inspect(x.reduce(("dp", "tp"), "sum"), timeout=30).tolist() == [4, 4]
+            assert mnb.inspect(step(x)).tolist() == [3, 3]  # recorded anew, this mesh's
+            assert mnb.inspect(step(x)).tolist() == [3, 3]
     finally:
         mesh.shutdown()
 

@@ -34,3 +34,11 @@ def recordings() -> int:
 
     worker = current.worker
     return len(worker.recordings)
+
+
+def definitions() -> tuple[int, int]:
+    """``(op templates, recordings)`` the worker holds (DefineOp, DefineRecording)."""
+    from monarch_nb.worker import current
+
+    worker = current.worker
+    return len(worker.ops), len(worker.recordings)

@@ -66,6 +66,7 @@ def rejoin_generation(ctrl, rejoin: Rejoin, timeout: float) -> None:
     stores = [i.store_generation for i in infos if i.store_generation is not None]
     if stores:  # the ranks create process groups through their generation's store
         ctrl.rendezvous.serve(stores[0])
+    ctrl.send(m.ForgetDefinitions(), [i.rank for i in infos])  # the old controller's ops
     for info in infos:
         if info.refs:
             ctrl.send(m.DeleteRefs(tuple(info.refs)), [info.rank])

@@ -266,6 +266,9 @@ class LightRank:
 
     on_Inspect = on_Complete
 
+    def on_ForgetDefinitions(self, msg: m.ForgetDefinitions) -> None:
+        pass  # a light rank defines no tensor ops or recordings
+
     def on_DeleteRefs(self, msg: m.DeleteRefs) -> None:
         for rid in msg.refs:
             self.env.pop(rid, None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .receivers import CONTROLLER, sent_to
+from .receivers import CONTROLLER, WORKER, sent_to
 
 _MESSAGES = "monarch_nb.protocol.messages"
 
@@ -35,3 +35,14 @@ class WorkerRejoined(NamedTuple):
 
 
 WorkerRejoined.__module__ = _MESSAGES
+
+
+@sent_to(WORKER)
+class ForgetDefinitions(NamedTuple):
+    """From a controller that attached, before any command of its own: drop the tensor
+    ops (DefineOp) and recordings (DefineRecording) this rank holds. They are earlier
+    controllers' (their commands queued here already hold what they run); no command
+    names them again."""
+
+
+ForgetDefinitions.__module__ = _MESSAGES

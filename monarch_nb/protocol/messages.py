@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from .fanout_messages import Folded, HostCommand, HostJoin, RankGap  # noqa: F401
 from .insight_messages import ReadClock, ReadMemory, StartProfile, StopProfile, Timings  # noqa: F401
-from .join_messages import WorkerRejoined  # noqa: F401
+from .join_messages import ForgetDefinitions, WorkerRejoined  # noqa: F401
 from .ndslice import NDSlice
 from .receivers import CONTROLLER, WORKER, sent_to
 from .recording_messages import CallRecording, DefineRecording, DeleteRecording  # noqa: F401

@@ -88,7 +88,8 @@ def _work(op, cells: list, scalars: tuple):
 
 
 class OpHandlers:
-    """Handlers of DefineOp, RunOps, DefineRecording, CallRecording and DeleteRecording."""
+    """Handlers of DefineOp, RunOps, DefineRecording, CallRecording, DeleteRecording and
+    ForgetDefinitions."""
 
     def DefineOp(self, msg: m.DefineOp) -> None:
         try:
@@ -127,3 +128,7 @@ class OpHandlers:
 
     def DeleteRecording(self, msg: m.DeleteRecording) -> None:
         self.recordings.pop(msg.recording, None)
+
+    def ForgetDefinitions(self, msg: m.ForgetDefinitions) -> None:
+        self.ops.clear()
+        self.recordings.clear()
