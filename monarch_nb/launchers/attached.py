@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 
 from ..protocol import host_messages as hm
@@ -94,8 +93,7 @@ class LinkedAgent(HostAgent):
         if self.sock is None:
             return
         _shutdown(self.sock, socket.SHUT_WR)
-        if threading.current_thread() is not self._thread:  # (a steal comes on it)
-            self._thread.join(timeout)  # the agent hangs up in turn
+        self._await_hangup(timeout)  # the agent hangs up in turn
         _shutdown(self.sock, socket.SHUT_RD)  # one that did not: our reader ends anyway
 
     def wait_ended(self, timeout: float) -> None:

@@ -217,8 +217,13 @@ class HostAgent(RankBook):
                 self.popen.stdin.close()
             except OSError:
                 pass
-            if threading.current_thread() is not self._thread:  # (a steal comes on it)
-                self._thread.join(timeout)
+            self._await_hangup(timeout)
+
+    def _await_hangup(self, timeout: float) -> None:
+        """Wait (within ``timeout`` s) until the reader saw the agent hang up; never on
+        the reader itself (a steal comes on it)."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def wait_ended(self, timeout: float) -> None:
         """Wait for the agent process to end (then kill it)."""
