@@ -98,6 +98,14 @@ def grads_step(model, opt, data):
     gradients, accumulated and clipped): ``mnb.compile(pure=True)`` replays it, and the
     optimizer and scheduler step after it, op by op (``split_step``)."""
     opt.zero_grad(set_to_none=True)
+    return accumulate(model, data)
+
+
+def accumulate(model, data):
+    """The gradients of MICRO micro-batches, accumulated and clipped (from zeroed
+    ones): one graph under ``torch.compile(backend=mnb.mesh_backend)`` with dynamo's
+    ``trace_autograd_ops`` (``compiled_step``). Returns the last micro-batch's loss
+    (detached: a graph's result that requires grad would end the graph there)."""
     rows = BATCH // MICRO
     for i in range(MICRO):
         chunk = data[i * rows : (i + 1) * rows]
@@ -105,4 +113,15 @@ def grads_step(model, opt, data):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), chunk[:, 1:].reshape(-1)) / MICRO
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return loss.detach()
+
+
+def compiled_step(grads, model, opt, sched, data):
+    """``step`` with its gradients from ``grads`` (``accumulate`` under torch.compile):
+    dynamo does not trace ``zero_grad``, and AdamW's compiled path rounds otherwise
+    than eager, so both stay eager around the graph."""
+    opt.zero_grad(set_to_none=True)
+    loss = grads(model, data)
+    opt.step()
+    sched.step()
     return loss

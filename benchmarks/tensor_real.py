@@ -127,6 +127,7 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
         comp, base2 = _vs_eager(mesh, step, lambda: lm.step(*local), n, reps)
         pure = _pure_replay(mesh, max(n, 30), reps)
         split = _split(mesh, max(n, 30), reps)
+        dynamo = _dynamo(mesh, max(n, 30), reps)
     finally:
         mesh.shutdown()
         torch.set_num_threads(saved)
@@ -160,7 +161,51 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
             note=f"{model}, under mnb.compile; issue 26 asks >= 0.8x local eager at 1 message a step",
             extra={"messages_per_step": compiled_messages, **compiled_cpu, **pure, **split},
         ),
+        Entry(
+            "tensor_real_step_dynamo",
+            dynamo.pop("steps_per_s"),
+            dynamo.pop("local_eager_steps_per_s"),
+            "steps/s",
+            ">= 0.8",
+            "the same step in local eager torch in this process "
+            f"({_threads(2)} thread(s), as each rank), steps/s in the same run",
+            note=(
+                f"{model}, its gradients (forward, backward, accumulation, clipping) "
+                f"under torch.compile(backend=mnb.mesh_backend) with dynamo's "
+                f"trace_autograd_ops, zero_grad, AdamW and the scheduler eager "
+                f"(lm.compiled_step); issue 26 asks >= 0.8x local eager"
+            ),
+            extra=dynamo,
+        ),
     ]
+
+
+def _dynamo(mesh, n: int, reps: int) -> dict:
+    """``lm.compiled_step`` (the gradients one graph of dynamo's on the ranks) against
+    ``lm.step`` in local eager torch: steps/s, its commands a step, CPU per step."""
+    import torch
+
+    import monarch_nb as mnb
+
+    from . import lm
+
+    local = lm.make()
+    with mesh.activate():
+        model, opt, sched, data = lm.make()
+    grads = torch.compile(lm.accumulate, backend=mnb.mesh_backend)
+
+    def fn():
+        return lm.compiled_step(grads, model, opt, sched, data)
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        out = _variant("x", mesh, fn, lambda: lm.step(*local), n, reps)
+        cpu = _cpu_per_step(mesh, fn, n)
+    return {
+        "steps_per_s": out["x_steps_per_s"],
+        "local_eager_steps_per_s": out["x_local_eager_steps_per_s"],
+        "commands_per_step": out["x_commands_per_step"],
+        **cpu,
+    }
 
 
 def _pure_replay(mesh, n: int, reps: int) -> dict:
@@ -303,7 +348,7 @@ def bench_tensor_no_mesh_step(quick: bool) -> list[Entry]:
 
 
 BENCHMARKS = [
-    ("tensor_real_step", bench_tensor_real_step),
+    ("tensor_real_step", bench_tensor_real_step),  # and _compiled, _dynamo
     ("tensor_no_mesh_step", bench_tensor_no_mesh_step),
     ("tensor_soak", bench_tensor_soak),
 ]

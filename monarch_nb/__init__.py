@@ -42,7 +42,7 @@ def _dashboard(mesh, **kw):
 
 context.DASHBOARD.install(_dashboard)
 
-_TENSOR_NAMES = ("Tensor", "fetch_shard", "inspect", "no_mesh")
+_TENSOR_NAMES = ("Tensor", "fetch_shard", "inspect", "mesh_backend", "no_mesh")
 
 
 def _tensor_mode(mesh):
@@ -104,6 +104,7 @@ __all__ = [
     "get_mesh",
     "inspect",
     "local_mesh",
+    "mesh_backend",
     "no_mesh",
     "remote",
 ]

@@ -54,7 +54,7 @@ class Ref:
 
     def _check(self) -> None:
         if self._deleted:
-            raise RefUseError(f"Ref {self.id} was deleted")
+            raise RefUseError(getattr(self, "_gone", None) or f"Ref {self.id} was deleted")
         ctrl = self.mesh._controller
         if self.generation != ctrl.generation:
             raise RefUseError(

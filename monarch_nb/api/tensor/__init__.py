@@ -11,8 +11,10 @@ from . import dispatch as _dispatch  # noqa: F401 - installs mesh tensors' dispa
 from . import optim as _optim  # noqa: F401 - optimizers of mesh tensors take foreach
 from . import remote_call as _remote_call  # noqa: F401 - registers with mnb.remote
 from . import seed as _seed  # noqa: F401 - wraps torch.manual_seed
+from . import traced as _traced  # noqa: F401 - installs mesh tensors' shards (compile)
+from .graphs import mesh_backend
 from .mode import mesh_mode, no_mesh
 from .tensor import Tensor
 from .values import fetch_shard, inspect
 
-__all__ = ["Tensor", "fetch_shard", "inspect", "mesh_mode", "no_mesh"]
+__all__ = ["Tensor", "fetch_shard", "inspect", "mesh_backend", "mesh_mode", "no_mesh"]

@@ -24,7 +24,7 @@ from .aliases import Holder, join, rename_aliases, rename_written
 from .plans import Plan, key_of, lifts_floats, lookup, plan
 from .propagate import DataDependentError, layout_of, op_name
 from .send import aux_template, call_of, run
-from .tensor import DISPATCH, Tensor
+from .tensor import DISPATCH, TRACING, Tensor
 
 __all__ = ["dispatch", "rename_aliases", "target"]  # rename_aliases: DISPATCH's users
 
@@ -57,7 +57,12 @@ def dispatch(func, args, kwargs, mesh=None):
         raise_pending_interrupt()
     if func is _DETACH:
         t = args[0]
-        if type(t) is Tensor and not _excluded(_AD_INPLACE_OR_VIEW) and not t.is_inference():
+        if (
+            type(t) is Tensor
+            and t._layout is not None
+            and not _excluded(_AD_INPLACE_OR_VIEW)
+            and not t.is_inference()
+        ):
             # not a user's detach (that comes through autograd): torch's copy of an
             # op's output it saves or unpacks, which has the op's graph; on the ranks too.
             # (t.data comes here as well: harmless, as each later use is detached on the
@@ -78,7 +83,10 @@ def dispatch(func, args, kwargs, mesh=None):
             key = (id(func), key_of(args, [], [], floats), kw)
     grad = None
     if tensors:
-        key += tuple([t._layout for t in tensors])
+        layouts = tuple([t._layout for t in tensors])
+        if None in layouts:  # torch.compile traces
+            return TRACING.value.dispatch(func, args, kwargs)
+        key += layouts
         if _grad_on():  # it runs with autograd on the ranks too (protocol/autograd.py)
             grad = tuple([i for i, t in enumerate(tensors) if t.requires_grad])
             key += (_GRAD, grad)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from torch._guards import TracingContext
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode_stack,
@@ -19,6 +20,7 @@ from .dispatch import dispatch
 _tls = threading.local()
 # ops about the controller itself (torch.autograd.profiler's record_function)
 _LOCAL_NAMESPACES = frozenset({"profiler"})
+_tracing = TracingContext.try_get  # torch.compile traces: its graphs run on the ranks
 
 
 class MeshMode(TorchDispatchMode):
@@ -35,7 +37,11 @@ class MeshMode(TorchDispatchMode):
         self.mesh = mesh
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if getattr(_tls, "local", 0) or func.namespace in _LOCAL_NAMESPACES:
+        if (
+            getattr(_tls, "local", 0)
+            or func.namespace in _LOCAL_NAMESPACES
+            or _tracing() is not None
+        ):
             return func(*args, **(kwargs or {}))
         return dispatch(func, args, kwargs or {}, self.mesh)
 

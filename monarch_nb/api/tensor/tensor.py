@@ -56,6 +56,21 @@ class Tensor(torch.Tensor, Ref):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return DISPATCH.value.dispatch(func, args, kwargs or {})
 
+    # ------------------------------------------------- torch.compile (traced.py)
+
+    def __tensor_flatten__(self):
+        """To torch.compile a wrapper of one shard (a FakeTensor of its layout): the
+        graphs it traces are each rank's program (``graphs.py`` runs them there)."""
+        return ["_shard"], TRACING.value.Place(self.mesh, self.stream)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return TRACING.value.unflatten(inner["_shard"], ctx, outer_size, outer_stride)
+
+    @property
+    def _shard(self):
+        return TRACING.value.shard_of(self)
+
     def __reduce_ex__(self, protocol):
         # pickled (call arguments), a mesh tensor is a reference to its shard
         return ref_placeholder(self._wire_id())
@@ -207,6 +222,10 @@ class Tensor(torch.Tensor, Ref):
     def delete(self) -> None:
         if not self._deleted:
             borrows.returned(self)
+            seen = self.__dict__
+            if ("_shard_cache" in seen or "_shard_kept" in seen) and TRACING.value.hand_over(self):
+                self._deleted = True  # a compiled backward still reads its value
+                return
         Ref.delete(self)
 
 
@@ -228,3 +247,5 @@ register_ref_type(Tensor, Ref._wire_id)
 DISPATCH = Hook("tensor_dispatch", "the mesh tensor's op dispatch: .dispatch, .rename_aliases")
 # backward.py: a mesh tensor's backward() (.mark_hooked: a hook the ranks cannot run)
 BACKWARD = Hook("tensor_backward", "a mesh tensor's backward(), run on its ranks")
+# traced.py: a mesh tensor's shard as torch.compile sees it (.shard_of, .unflatten)
+TRACING = Hook("tensor_tracing", "mesh tensors under torch.compile: their shards")

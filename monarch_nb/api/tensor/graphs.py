@@ -1,0 +1,121 @@
+"""``torch.compile(fn, backend=mnb.mesh_backend)``: the graphs of ``fn`` run on the
+ranks, one command a graph a call.
+
+dynamo traces ``fn`` over mesh tensors and AOTAutograd splits each graph into a
+forward and a backward over their shards (``traced``): each rank's own program.
+Each becomes a tensor op whose function is the graph (sent once to every
+generation of workers, ``send.define``), and a call of it is one RunOps entry
+with the inputs' values and this call's Python numbers (an unspecialized float,
+a SymInt) in its slots. Its outputs are shards naming values on the ranks, which
+AOTAutograd makes mesh tensors again (or keeps, saved for the backward).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ...protocol import messages as m
+from ...protocol.aten import OpSlot
+from ...protocol.graph_program import GraphProgram
+from ...protocol.wire import function_ref
+from ..context import RecordingError
+from .plans import next_op_id
+from .propagate import layout_of
+from .send import define
+from .traced import owned, sweep, value_of
+
+__all__ = ["mesh_backend"]
+
+_names = itertools.count(1)
+
+
+class MeshGraph:
+    """One graph AOTAutograd made (a forward or a backward), run on the mesh of its
+    inputs: a boxed callable, as AOTAutograd calls its compilers' results."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str):
+        self.what = f"compiled {kind} graph {next(_names)}"
+        self.tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
+        self.scalars = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]
+        slot = {i: OpSlot(k) for k, i in enumerate(self.tensors + self.scalars)}
+        skeleton = tuple(slot[i] for i in range(len(example_inputs)))
+        out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        self.outputs = [self._output_of(n) for n in out]
+        op = next_op_id()
+        program = GraphProgram.of(gm, self.what)
+        self.template = (op, m.DefineOp(op, function_ref(program), skeleton, {}, self.what))
+
+    @staticmethod
+    def _output_of(node):
+        """An output's layout, or ``("value", v)`` for one that is no tensor."""
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+        if isinstance(val, torch.Tensor):
+            return layout_of(val)
+        return ("value", val)
+
+    def __call__(self, args: list) -> list:
+        sweep()
+        refs, where, keep = [], None, []
+        for i in self.tensors:
+            named = value_of(args[i], keep)
+            if named is None:
+                raise RecordingError(
+                    f"{self.what}: input {i} is a local tensor ({tuple(args[i].shape)}, "
+                    f"{args[i].dtype}); a graph on the mesh takes mesh tensors only"
+                )
+            ref_id, _ident, mesh, stream = named
+            if where is None:
+                where = (mesh, stream)
+            elif (mesh, stream) != where:
+                raise RecordingError(
+                    f"{self.what}: its inputs are on different meshes or streams "
+                    f"({where[0].name!r}/{where[1].name!r} and {mesh.name!r}/{stream.name!r})"
+                )
+            refs.append(ref_id)
+        if where is None:
+            raise RecordingError(f"{self.what}: no mesh tensor among its inputs")
+        mesh, stream = where
+        ctrl = mesh._controller
+        ctrl.check_usable(mesh.targets)
+        args_scalars = tuple(args[i] for i in self.scalars)
+        args.clear()  # boxed: the inputs may be freed once sent, as AOTAutograd wants
+        op = define(ctrl, self.template)
+        ident = ctrl.next_ident()
+        ids = tuple(ctrl.next_id() for _ in self.outputs)
+        ctrl.send_op((ident, ids, op, tuple(refs), stream.id, args_scalars), mesh.targets, self.what)
+        results = []
+        for spec, rid in zip(self.outputs, ids):
+            if spec[0] == "value":
+                ctrl.delete_ref(rid)
+                results.append(spec[1])
+            else:
+                results.append(owned(spec, rid, ident, mesh, stream))
+        return results
+
+
+def _compiler(kind: str):
+    def compile_graph(gm, example_inputs):
+        graph = MeshGraph(gm, example_inputs, kind)
+
+        def run(args: list) -> list:
+            return graph(args)
+
+        run._boxed_call = True  # AOTAutograd passes one list, which it may free
+        return run
+
+    return compile_graph
+
+
+_aot = []
+
+
+def mesh_backend(gm: torch.fx.GraphModule, example_inputs: list):
+    """A ``torch.compile`` backend for functions of mesh tensors: each graph dynamo
+    traces runs on the ranks as one command a call (its backward as one more)."""
+    if not _aot:
+        from torch._dynamo.backends.common import aot_autograd
+
+        _aot.append(aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward")))
+    return _aot[0](gm, example_inputs)

@@ -1,0 +1,297 @@
+"""Mesh tensors under ``torch.compile``: a traceable wrapper of one shard.
+
+To dynamo and AOTAutograd a mesh tensor is a wrapper subclass with one inner
+tensor, its *shard*: a FakeTensor of its layout (``shard_of``), so the graphs
+they trace over the inner tensors are each rank's own program, which the mesh
+backend (``graphs``) sends to the ranks once and runs there as one command a
+call. While they trace, a mesh tensor is ``traced`` (its ``_layout`` None): its
+shard is the tracer's (fake, functional or proxied), its ops run on that shard
+and make nothing on the mesh. At run time the graph's outputs come back as shards
+naming values on the ranks (``owned``), and ``unflatten`` makes them mesh
+tensors again.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes, return_and_correct_aliasing
+from torch.utils._pytree import tree_map
+
+from ..context import RecordingError
+from .propagate import _fake, op_name
+from .tensor import TRACING, Tensor
+
+__all__ = [
+    "Place",
+    "dispatch",
+    "hand_over",
+    "owned",
+    "shard_of",
+    "sweep",
+    "traced",
+    "unflatten",
+    "value_of",
+]
+
+# the mode of the shards a mesh tensor shows torch.compile at run time (made on first
+# use); dynamo makes fakes of its own of them, so one mode serves every thread
+_SHARDS: list = []
+_OUTER = "_mnb_outer"  # a run-time shard's attribute: its mesh tensor (a weakref or _Strong)
+# the storage of each run-time shard -> (its StorageWeakRef, the shard's layout, its
+# mesh tensor as _OUTER holds it). torch hands a graph's shards on as new tensors of
+# the same storage (the copies autograd saves, views), so a shard is known by its
+# storage, and a graph output's mesh tensor lives as long as that storage does.
+_LIVE: dict = {}
+
+
+class Place:
+    """Where a mesh tensor lives (its mesh and stream): what torch.compile keeps of it
+    beside its shard, and guards on (the same mesh object, the same stream)."""
+
+    __slots__ = ("mesh", "stream")
+
+    def __init__(self, mesh, stream):
+        self.mesh, self.stream = mesh, stream
+
+    def __eq__(self, other) -> bool:
+        return (
+            type(other) is Place and other.mesh is self.mesh and other.stream.id == self.stream.id
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self.mesh), self.stream.id))
+
+    def __deepcopy__(self, memo):  # dynamo's guard keeps a copy: the same place
+        return self
+
+    def __repr__(self) -> str:
+        return f"Place({self.mesh.name!r}, {self.stream.name!r})"
+
+
+class _Strong:
+    """A strong reference called like a weakref: a graph output's mesh tensor."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def _remember(shard: torch.Tensor, holder) -> None:
+    setattr(shard, _OUTER, holder)
+    storage = shard.untyped_storage()
+    _LIVE[storage._cdata] = (StorageWeakRef(storage), _layout(shard), holder)
+
+
+def sweep() -> None:
+    """Forget the shards whose storage died: a graph output no tensor reads any more
+    is freed on the ranks (unless its mesh tensor lives on)."""
+    dead = [k for k, entry in _LIVE.items() if entry[0].expired()]
+    for k in dead:
+        del _LIVE[k]
+
+
+def shard_of(t: Tensor) -> torch.Tensor:
+    """The shard a mesh tensor shows torch.compile: a FakeTensor of its layout that
+    leads back to it (made again when its layout changed)."""
+    if t._layout is None:
+        return t._traced_shard
+    cached = t.__dict__.get("_shard_cache")
+    if cached is not None and cached[0] == t._layout:
+        return cached[1]
+    if not _SHARDS:
+        _first_use()
+    with _disable_current_modes(), _SHARDS[0]:
+        shard = _fake(t._layout)
+    _remember(shard, weakref.ref(t))
+    t._shard_cache = (t._layout, shard)
+    return shard
+
+
+def _first_use() -> None:
+    """torch.compile met its first mesh tensor (dynamo is tracing): dynamo must not
+    trace into this package (the dispatch of the ops between graphs is ours, not the
+    user's), which it would otherwise compile frame by frame."""
+    from torch._dynamo import trace_rules
+
+    trace_rules.add("monarch_nb")
+    _SHARDS.append(FakeTensorMode(allow_non_fake_inputs=True))
+
+
+def hand_over(t: Tensor) -> bool:
+    """``t``, once shown to torch.compile, is being deleted: its value lives on
+    while its shard's storage does (a copy autograd saved for a compiled backward
+    may read it), freed by a later ``sweep`` (True: do not free it now)."""
+    kept = t.__dict__.get("_shard_kept")
+    shard = kept if kept is not None else t._shard_cache[1]
+    cdata = shard.untyped_storage()._cdata
+    entry = _LIVE.get(cdata)
+    if entry is None:
+        return False
+    heir = Tensor(t._layout, t.id, t.mesh, t.stream, t.ident)
+    _LIVE[cdata] = (entry[0], entry[1], _Strong(heir))
+    setattr(shard, _OUTER, _Strong(heir))
+    return True
+
+
+class _Made:
+    """A graph output's value on the ranks, freed when this goes unless its mesh
+    tensor took it over: made on first call, held weakly (autograd steals a grad
+    only from a tensor nothing else holds), it frees the value from then on, or
+    hands it over (``hand_over``) while torch still holds a copy of its shard."""
+
+    __slots__ = ("fields", "t")
+
+    def __init__(self, value: int, ident: int, mesh, stream, layout: tuple):
+        self.fields, self.t = (value, ident, mesh, stream, layout), None
+
+    def __call__(self) -> Tensor | None:
+        return None if self.t is None else self.t()
+
+    def named(self) -> tuple | None:
+        """``(value id, ident, mesh, stream)`` while this holds the value itself."""
+        return self.fields[:4] if self.t is None else None
+
+    def tensor(self, shard: torch.Tensor) -> Tensor:
+        """Its mesh tensor, made on first call; it frees the value from then on (or
+        hands it over while torch holds a tensor of ``shard``'s storage)."""
+        t = self()
+        if t is None:
+            value, ident, mesh, stream, layout = self.fields
+            t = Tensor(layout, value, mesh, stream, ident)
+            t._shard_kept = shard
+            self.t = weakref.ref(t)
+        return t
+
+    def __del__(self):
+        if self.t is None:
+            mesh = self.fields[2]
+            mesh._controller.delete_ref(self.fields[0])
+
+
+def owned(layout: tuple, value: int, ident: int, mesh, stream) -> torch.Tensor:
+    """The shard of a graph's output, the value ``value`` on the ranks of ``mesh``
+    (made on ``stream``): a meta tensor of ``layout`` (torch only passes it on);
+    the value lives while its storage does (``sweep``), or longer if the user holds
+    its mesh tensor."""
+    size, stride, offset, dtype, _device = layout
+    if offset:
+        extent = sum((n - 1) * st for n, st in zip(size, stride)) + 1 if all(size) else 0
+        shard = torch.empty((offset + extent,), dtype=dtype, device="meta")
+        shard = shard.as_strided(size, stride, offset)
+    else:
+        shard = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    _remember(shard, _Made(value, ident, mesh, stream, layout))
+    return shard
+
+
+def value_of(shard, keep: list) -> tuple | None:
+    """``(value id, ident, mesh, stream)`` a run-time shard names, or None for a
+    tensor that is no mesh tensor's shard. A view (or copy) torch made of a shard
+    names that view of its mesh tensor on the ranks (kept alive in ``keep``)."""
+    outer = getattr(shard, _OUTER, None)
+    if outer is None:
+        if not isinstance(shard, torch.Tensor):
+            return None
+        entry = _LIVE.get(shard.untyped_storage()._cdata)
+        if entry is None or entry[0].expired():
+            return None
+        outer = entry[2]
+        if _layout(shard) != entry[1]:
+            t = outer.tensor(shard) if type(outer) is _Made else outer()
+            if t is not None:
+                keep.append(t)
+                t = torch.ops.aten.as_strided.default(
+                    t, tuple(shard.shape), tuple(shard.stride()), shard.storage_offset()
+                )
+                keep.append(t)
+                return t._wire_id(), t.ident, t.mesh, t.stream
+    if type(outer) is _Made:
+        named = outer.named()
+        if named is not None:
+            return named
+    t = outer()
+    if t is None:  # torch.compile held only the shard: its tensor is gone
+        raise RecordingError("a compiled graph's input was freed before the graph ran")
+    return t._wire_id(), t.ident, t.mesh, t.stream
+
+
+def unflatten(shard, place: Place, outer_size, outer_stride) -> Tensor:
+    """The mesh tensor of ``shard``: a graph output's or the tensor a run-time shard
+    leads back to, or one a tracer made (``traced``)."""
+    outer = getattr(shard, _OUTER, None)
+    if type(outer) is _Made:
+        return outer.tensor(shard)
+    t = outer() if outer is not None else None
+    return traced(shard, place.mesh, place.stream) if t is None else t
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+
+
+_NOT_OURS = (
+    "a mesh tensor torch.compile made while it traced reached the mesh: compile "
+    "functions of mesh tensors with torch.compile(fn, backend=mnb.mesh_backend)"
+)
+
+
+def traced(shard: torch.Tensor, mesh, stream) -> Tensor:
+    """A mesh tensor while torch.compile traces (``_layout`` None): ops on it run on
+    its shard (the tracer's) and send nothing; it names no value on the ranks. It is
+    of mesh tensors' own class, as AOTAutograd checks the class of what it rebuilds."""
+    t = torch.Tensor._make_wrapper_subclass(
+        Tensor,
+        shard.size(),
+        strides=shard.stride(),
+        storage_offset=shard.storage_offset(),
+        dtype=shard.dtype,
+        device=shard.device,
+        requires_grad=shard.requires_grad,
+    )
+    t._traced_shard = shard
+    # a Ref's fields, naming nothing: delete() and __del__ do nothing
+    t.id, t.ident, t.mesh, t.stream = 0, 0, mesh, stream
+    t.generation, t._deleted, t._borrow = -1, True, None
+    t._gone = _NOT_OURS
+    t._layout = None
+    t._aliases = None
+    return t
+
+
+def dispatch(func, args, kwargs):
+    """An op while torch.compile traces (``dispatch.dispatch`` sends one here when a
+    mesh tensor among its arguments is traced): run on the shards."""
+    where: list = []
+
+    def inner(x):
+        if type(x) is Tensor or isinstance(x, Tensor):
+            if x._layout is not None:
+                raise RecordingError(
+                    f"{op_name(func)}: a mesh tensor torch.compile did not take as an "
+                    f"input of its graph (made inside the compiled function under "
+                    f"mesh.activate()?); make it outside and pass it in"
+                )
+            if not where:
+                where.append((x.mesh, x.stream))
+            return x._traced_shard
+        return x
+
+    out = func(*tree_map(inner, args), **tree_map(inner, kwargs))
+    mesh, stream = where[0]
+
+    def outer(o):
+        return traced(o, mesh, stream) if isinstance(o, torch.Tensor) else o
+
+    return return_and_correct_aliasing(func, args, kwargs, tree_map(outer, out))
+
+
+TRACING.install(sys.modules[__name__])  # mesh tensors' __tensor_flatten__ comes here

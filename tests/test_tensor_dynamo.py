@@ -1,0 +1,158 @@
+"""``torch.compile(fn, backend=mnb.mesh_backend)`` on a real dp=2 mesh: dynamo's
+graphs of mesh tensors run on the ranks, one command a graph a call, with local
+torch's numbers bit for bit (the transformer LM of ``benchmarks/lm.py``)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from worker_probes import env_sizes
+
+import monarch_nb as mnb
+from benchmarks import lm
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = mnb.local_mesh(dp=2, name="tensor-dynamo")
+    try:
+        yield m
+    finally:
+        m.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _commands(mesh, fn) -> int:
+    """The commands one call of ``fn`` runs on the mesh's first rank."""
+
+    def done() -> int:
+        mesh.wait()
+        return mesh.status()["ranks"][mesh.ranks[0]]["streams"]["default"]["done"]
+
+    before = done()
+    fn()
+    return done() - before
+
+
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the same kernels, the same last bits
+    return saved
+
+
+def test_a_compiled_function_runs_on_the_ranks_as_one_command(mesh):
+    with mesh.activate():
+        x, w = torch.randn(4, 8), torch.randn(8, 3)
+        x2 = torch.randn(4, 8)
+
+    def f(x, w):
+        pos = torch.arange(3, dtype=torch.float32)  # made on each rank, in the graph
+        return torch.relu(x @ w) * 0.5 + pos
+
+    with mesh.activate():
+        want, want2 = f(x, w).fetch(), mnb.inspect(f(x2, w))
+    compiled = torch.compile(f, backend=mnb.mesh_backend)
+    y = compiled(x, w)
+    assert isinstance(y, mnb.Tensor) and y.shape == (4, 3)
+    assert all(torch.equal(a, b) for a, b in zip(y.fetch(), want))  # every rank's shard
+    assert _commands(mesh, lambda: compiled(x2, w)) == 1
+    assert torch.equal(mnb.inspect(compiled(x2, w)), want2)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        compiled(x2, w)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile
+
+
+def test_the_lm_gradients_are_one_graph_with_local_torchs_numbers(mesh):
+    saved = _one_thread()
+    try:
+        # the reference first: making the mesh's model seeds the local generator too
+        local = lm.make()
+        losses = [lm.step(*local).detach().clone() for _ in range(STEPS + 1)]
+        with mesh.activate():
+            model, opt, sched, data = lm.make()
+        grads = torch.compile(lm.accumulate, backend=mnb.mesh_backend)
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            got = [lm.compiled_step(grads, model, opt, sched, data) for _ in range(STEPS)]
+            # the graph (2 micro-batches, backward, accumulation, clipping) and AdamW's
+            # few foreach commands; op by op the step is ~220
+            assert _commands(mesh, lambda: got.append(lm.compiled_step(grads, model, opt, sched, data))) <= 20
+        for a, b in zip(got, losses, strict=True):
+            assert torch.equal(mnb.inspect(a), b)
+    finally:
+        torch.set_num_threads(saved)
+    ours = dict(model.named_parameters())
+    for name, p in local[0].named_parameters():
+        assert torch.equal(mnb.inspect(ours[name]), p.detach()), name
+        assert torch.equal(mnb.inspect(ours[name].grad), p.grad), name
+
+
+def test_a_backward_outside_the_graph_runs_the_compiled_backward(mesh):
+    """Without trace_autograd_ops dynamo ends the graph at ``backward()``: torch's
+    engine runs the compiled backward (one more command) and accumulates the grads."""
+    saved = _one_thread()
+    try:
+        local = lm.make()
+        want = local[0]
+        for _ in range(2):  # the reference first (making the mesh's model seeds it)
+            out = want(local[3][:4, :-1]).reshape(-1, lm.VOCAB)
+            torch.nn.functional.cross_entropy(out, local[3][:4, 1:].reshape(-1)).backward()
+        with mesh.activate():
+            model, opt, _, data = lm.make()
+        forward = torch.compile(model, backend=mnb.mesh_backend)
+        tokens, targets = data[:4, :-1], data[:4, 1:].reshape(-1)
+        with mesh.activate():
+            for _ in range(2):  # accumulated
+                logits = forward(tokens)
+                torch.nn.functional.cross_entropy(logits.reshape(-1, lm.VOCAB), targets).backward()
+    finally:
+        torch.set_num_threads(saved)
+    ours = dict(model.named_parameters())
+    for name, p in want.named_parameters():
+        assert torch.equal(mnb.inspect(ours[name].grad), p.grad), name
+
+
+def test_a_graphs_values_are_freed_on_the_ranks(mesh):
+    with mesh.activate():
+        model, opt, sched, data = lm.make()
+    grads = torch.compile(lm.accumulate, backend=mnb.mesh_backend)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        for _ in range(3):
+            lm.compiled_step(grads, model, opt, sched, data)
+        gc.collect()
+        grads(model, data)  # a call forgets what died since the last (saved tensors)
+        base = env_sizes(mesh)
+        for _ in range(10):
+            lm.compiled_step(grads, model, opt, sched, data)
+        gc.collect()
+        grads(model, data)
+    assert env_sizes(mesh) == base
+
+
+def test_bad_input_gives_a_clear_error_and_the_mesh_goes_on(mesh):
+    with mesh.activate():
+        x = torch.randn(4, 8)
+
+    def f(a, b):
+        return a @ b
+
+    compiled = torch.compile(f, backend=mnb.mesh_backend)
+    with pytest.raises(Exception, match="local tensor"):
+        compiled(x, torch.randn(8, 3))  # a local tensor beside mesh tensors
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="backend=mnb.mesh_backend"):
+        mnb.inspect(torch.compile(f)(x, x.t()))  # another backend runs graphs here
+    with mesh.activate():
+        assert mnb.inspect(x @ x.t()).shape == (4, 4)  # the engine works on
+    torch._dynamo.reset()
+    assert mnb.inspect(torch.compile(f, backend=mnb.mesh_backend)(x, x.t())).shape == (4, 4)
