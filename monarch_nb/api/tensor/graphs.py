@@ -24,7 +24,7 @@ from ..context import RecordingError
 from .plans import next_op_id
 from .propagate import layout_of
 from .send import define
-from .traced import owned, sweep, value_of
+from .traced import owned, value_of
 
 __all__ = ["mesh_backend"]
 
@@ -56,7 +56,6 @@ class MeshGraph:
         return ("value", val)
 
     def __call__(self, args: list) -> list:
-        sweep()
         refs, where, keep = [], None, []
         for i in self.tensors:
             named = value_of(args[i], keep)
@@ -79,12 +78,15 @@ class MeshGraph:
         mesh, stream = where
         ctrl = mesh._controller
         ctrl.check_usable(mesh.targets)
-        args_scalars = tuple(args[i] for i in self.scalars)
-        args.clear()  # boxed: the inputs may be freed once sent, as AOTAutograd wants
+        scalars = tuple(args[i] for i in self.scalars)
         op = define(ctrl, self.template)
         ident = ctrl.next_ident()
         ids = tuple(ctrl.next_id() for _ in self.outputs)
-        ctrl.send_op((ident, ids, op, tuple(refs), stream.id, args_scalars), mesh.targets, self.what)
+        ctrl.send_op((ident, ids, op, tuple(refs), stream.id, scalars), mesh.targets, self.what)
+        # boxed: AOTAutograd lets the callee free its inputs; a value freed now is
+        # deleted on the ranks after this command, which reads it
+        args.clear()
+        del keep
         results = []
         for spec, rid in zip(self.outputs, ids):
             if spec[0] == "value":

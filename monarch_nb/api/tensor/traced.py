@@ -18,7 +18,6 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes, return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 
@@ -32,7 +31,6 @@ __all__ = [
     "hand_over",
     "owned",
     "shard_of",
-    "sweep",
     "traced",
     "unflatten",
     "value_of",
@@ -42,10 +40,11 @@ __all__ = [
 # use); dynamo makes fakes of its own of them, so one mode serves every thread
 _SHARDS: list = []
 _OUTER = "_mnb_outer"  # a run-time shard's attribute: its mesh tensor (a weakref or _Strong)
-# the storage of each run-time shard -> (its StorageWeakRef, the shard's layout, its
-# mesh tensor as _OUTER holds it). torch hands a graph's shards on as new tensors of
-# the same storage (the copies autograd saves, views), so a shard is known by its
-# storage, and a graph output's mesh tensor lives as long as that storage does.
+# the storage of each run-time shard -> [the shard's layout, its mesh tensor as _OUTER
+# holds it]. torch hands a graph's shards on as new tensors of the same storage (the
+# copies autograd saves, views), so a shard is known by its storage, and a graph
+# output's value lives as long as that storage does: a finalizer on the storage's
+# Python object (which torch keeps while the storage lives) forgets it.
 _LIVE: dict = {}
 
 
@@ -88,15 +87,14 @@ class _Strong:
 def _remember(shard: torch.Tensor, holder) -> None:
     setattr(shard, _OUTER, holder)
     storage = shard.untyped_storage()
-    _LIVE[storage._cdata] = (StorageWeakRef(storage), _layout(shard), holder)
+    entry = _LIVE[storage._cdata] = [_layout(shard), holder]
+    weakref.finalize(storage, _forget, storage._cdata, entry)
 
 
-def sweep() -> None:
-    """Forget the shards whose storage died: a graph output no tensor reads any more
-    is freed on the ranks (unless its mesh tensor lives on)."""
-    dead = [k for k, entry in _LIVE.items() if entry[0].expired()]
-    for k in dead:
-        del _LIVE[k]
+def _forget(cdata: int, entry: list) -> None:
+    """A shard's storage died: its value is freed (unless its mesh tensor lives on)."""
+    if _LIVE.get(cdata) is entry:
+        del _LIVE[cdata]
 
 
 def shard_of(t: Tensor) -> torch.Tensor:
@@ -129,16 +127,15 @@ def _first_use() -> None:
 def hand_over(t: Tensor) -> bool:
     """``t``, once shown to torch.compile, is being deleted: its value lives on
     while its shard's storage does (a copy autograd saved for a compiled backward
-    may read it), freed by a later ``sweep`` (True: do not free it now)."""
+    may read it), held by a new mesh tensor (True: do not free it now)."""
     kept = t.__dict__.get("_shard_kept")
     shard = kept if kept is not None else t._shard_cache[1]
     cdata = shard.untyped_storage()._cdata
     entry = _LIVE.get(cdata)
     if entry is None:
         return False
-    heir = Tensor(t._layout, t.id, t.mesh, t.stream, t.ident)
-    _LIVE[cdata] = (entry[0], entry[1], _Strong(heir))
-    setattr(shard, _OUTER, _Strong(heir))
+    entry[1] = _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
+    setattr(shard, _OUTER, entry[1])
     return True
 
 
@@ -180,7 +177,7 @@ class _Made:
 def owned(layout: tuple, value: int, ident: int, mesh, stream) -> torch.Tensor:
     """The shard of a graph's output, the value ``value`` on the ranks of ``mesh``
     (made on ``stream``): a meta tensor of ``layout`` (torch only passes it on);
-    the value lives while its storage does (``sweep``), or longer if the user holds
+    the value lives while its storage does (``_forget``), or longer if the user holds
     its mesh tensor."""
     size, stride, offset, dtype, _device = layout
     if offset:
@@ -202,10 +199,10 @@ def value_of(shard, keep: list) -> tuple | None:
         if not isinstance(shard, torch.Tensor):
             return None
         entry = _LIVE.get(shard.untyped_storage()._cdata)
-        if entry is None or entry[0].expired():
+        if entry is None:
             return None
-        outer = entry[2]
-        if _layout(shard) != entry[1]:
+        outer = entry[1]
+        if _layout(shard) != entry[0]:
             t = outer.tensor(shard) if type(outer) is _Made else outer()
             if t is not None:
                 keep.append(t)
