@@ -156,3 +156,40 @@ def test_bad_input_gives_a_clear_error_and_the_mesh_goes_on(mesh):
         assert mnb.inspect(x @ x.t()).shape == (4, 4)  # the engine works on
     torch._dynamo.reset()
     assert mnb.inspect(torch.compile(f, backend=mnb.mesh_backend)(x, x.t())).shape == (4, 4)
+
+
+def test_a_new_batch_size_gives_each_result_its_own_shape(mesh):
+    """dynamo makes the batch dim symbolic on a second size: the results' layouts
+    are worked out per call from the sizes the call has."""
+    with mesh.activate():
+        w = torch.randn(8, 3)
+        xs = [torch.randn(n, 8) for n in (4, 5, 6, 7)]
+
+    def f(x, w):
+        return torch.relu(x @ w) * x.shape[0]
+
+    compiled = torch.compile(f, backend=mnb.mesh_backend)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for x in xs:
+        y = compiled(x, w)
+        assert y.shape == (x.shape[0], 3) and all(type(d) is int for d in y.shape)
+        with mesh.activate():
+            assert torch.equal(mnb.inspect(y + 0), mnb.inspect(f(x, w)))  # usable on
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2
+
+
+def test_a_graph_failing_on_the_ranks_is_reported_and_the_mesh_goes_on(mesh):
+    with mesh.activate():
+        table = torch.randn(10, 4)
+        bad = torch.tensor([1, 2, 99])  # out of the table's range: fails on the ranks
+
+    def lookup(i, t):
+        return torch.nn.functional.embedding(i, t) * 2
+
+    compiled = torch.compile(lookup, backend=mnb.mesh_backend)
+    y = compiled(bad, table)
+    with pytest.raises(mnb.RemoteError, match="compiled forward graph"):
+        mnb.inspect(y)
+    with mesh.activate():
+        good = torch.tensor([1, 2, 3])
+    assert torch.equal(mnb.inspect(compiled(good, table)), mnb.inspect(table)[1:4] * 2)

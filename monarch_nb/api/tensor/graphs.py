@@ -43,6 +43,12 @@ class MeshGraph:
         skeleton = tuple(slot[i] for i in range(len(example_inputs)))
         out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
         self.outputs = [self._output_of(n) for n in out]
+        # dynamic shapes: the symbols (SymInt inputs) output layouts are written in
+        self.symbols = [
+            (i, x.node.expr) for i, x in enumerate(example_inputs) if isinstance(x, torch.SymInt)
+        ]
+        self.symbolic = any(_symbolic(spec) for spec in self.outputs)
+        self._layouts: dict = {}  # the symbols' values -> the outputs' layouts
         op = next_op_id()
         program = GraphProgram.of(gm, self.what)
         self.template = (op, m.DefineOp(op, function_ref(program), skeleton, {}, self.what))
@@ -54,6 +60,20 @@ class MeshGraph:
         if isinstance(val, torch.Tensor):
             return layout_of(val)
         return ("value", val)
+
+    def _outputs_for(self, args: list) -> list:
+        """The outputs' layouts (and values) for this call's values of the symbols."""
+        if not self.symbolic:
+            return self.outputs
+        key = tuple(args[i] for i, _ in self.symbols)
+        found = self._layouts.get(key)
+        if found is None:
+            env = {expr: value for (_, expr), value in zip(self.symbols, key)}
+            found = [_concrete(spec, env) for spec in self.outputs]
+            if len(self._layouts) > 64:
+                self._layouts.clear()
+            self._layouts[key] = found
+        return found
 
     def __call__(self, args: list) -> list:
         refs, where, keep = [], None, []
@@ -79,6 +99,7 @@ class MeshGraph:
         ctrl = mesh._controller
         ctrl.check_usable(mesh.targets)
         scalars = tuple(args[i] for i in self.scalars)
+        outputs = self._outputs_for(args)
         op = define(ctrl, self.template)
         ident = ctrl.next_ident()
         ids = tuple(ctrl.next_id() for _ in self.outputs)
@@ -88,13 +109,47 @@ class MeshGraph:
         args.clear()
         del keep
         results = []
-        for spec, rid in zip(self.outputs, ids):
+        for spec, rid in zip(outputs, ids):
             if spec[0] == "value":
                 ctrl.delete_ref(rid)
                 results.append(spec[1])
             else:
                 results.append(owned(spec, rid, ident, mesh, stream))
         return results
+
+
+def _is_sym(x) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _symbolic(spec) -> bool:
+    if spec[0] == "value":
+        return _is_sym(spec[1])
+    size, stride, offset = spec[:3]
+    return any(_is_sym(d) for d in (*size, *stride, offset))
+
+
+def _concrete(spec, env: dict):
+    """``spec`` with its symbolic sizes evaluated where the symbols take ``env``."""
+
+    def value(d):
+        if not _is_sym(d):
+            return d
+        out = d.node.expr.xreplace(env)
+        if isinstance(d, torch.SymFloat):
+            return float(out)
+        return bool(out) if isinstance(d, torch.SymBool) else int(out)
+
+    if spec[0] == "value":
+        return ("value", value(spec[1]))
+    size, stride, offset, dtype, device = spec
+    return (
+        tuple(value(d) for d in size),
+        tuple(value(d) for d in stride),
+        value(offset),
+        dtype,
+        device,
+    )
 
 
 def _compiler(kind: str):
