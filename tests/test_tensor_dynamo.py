@@ -193,3 +193,56 @@ def test_a_graph_failing_on_the_ranks_is_reported_and_the_mesh_goes_on(mesh):
     with mesh.activate():
         good = torch.tensor([1, 2, 3])
     assert torch.equal(mnb.inspect(compiled(good, table)), mnb.inspect(table)[1:4] * 2)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 10),
+    )
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return net, opt, torch.randn(6, 3, 8, 8), torch.randint(0, 10, (6,))
+
+
+def _cnn_loss(net, x, y):
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh):
+    """BatchNorm's running stats are updated in the graph (on the ranks) and its
+    ``num_batches_tracked``, a 0-dim tensor on the controller, by the part of the
+    graph that reads only it, run on the controller."""
+    saved = _one_thread()
+    try:
+        net, opt, x, y = _cnn()
+        want = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            want.append(_cnn_loss(net, x, y))
+            opt.step()
+        net.eval()
+        want_eval = net(x).detach()
+        with mesh.activate():
+            ours, our_opt, mx, my = _cnn()
+        train = torch.compile(_cnn_loss, backend=mnb.mesh_backend)
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            for expected in want:
+                our_opt.zero_grad()
+                assert torch.equal(mnb.inspect(train(ours, mx, my)), expected)
+                our_opt.step()
+        ours.eval()
+        evaluate = torch.compile(lambda n, x: n(x), backend=mnb.mesh_backend)
+        assert torch.equal(mnb.inspect(evaluate(ours, mx)), want_eval)
+    finally:
+        torch.set_num_threads(saved)
+    bn, local_bn = ours[1], net[1]
+    assert torch.equal(mnb.inspect(bn.running_mean), local_bn.running_mean)
+    assert torch.equal(mnb.inspect(bn.running_var), local_bn.running_var)
+    assert bn.num_batches_tracked.item() == local_bn.num_batches_tracked.item() == STEPS

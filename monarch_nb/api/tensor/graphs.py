@@ -15,12 +15,14 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ...protocol import messages as m
 from ...protocol.aten import OpSlot
 from ...protocol.graph_program import GraphProgram
 from ...protocol.wire import function_ref
 from ..context import RecordingError
+from .graph_parts import local_part
 from .plans import next_op_id
 from .propagate import layout_of
 from .send import define
@@ -37,10 +39,12 @@ class MeshGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str):
         self.what = f"compiled {kind} graph {next(_names)}"
+        self.gm, self.inputs = gm, len(example_inputs)
         self.tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
         self.scalars = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]
-        slot = {i: OpSlot(k) for k, i in enumerate(self.tensors + self.scalars)}
-        skeleton = tuple(slot[i] for i in range(len(example_inputs)))
+        self.program = function_ref(GraphProgram.of(gm, self.what))
+        # per set of the tensor inputs that are local: (template, local outputs, module)
+        self._variants: dict = {}
         out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
         self.outputs = [self._output_of(n) for n in out]
         # dynamic shapes: the symbols (SymInt inputs) output layouts are written in
@@ -49,9 +53,21 @@ class MeshGraph:
         ]
         self.symbolic = any(_symbolic(spec) for spec in self.outputs)
         self._layouts: dict = {}  # the symbols' values -> the outputs' layouts
-        op = next_op_id()
-        program = GraphProgram.of(gm, self.what)
-        self.template = (op, m.DefineOp(op, function_ref(program), skeleton, {}, self.what))
+
+    def _variant(self, local: tuple) -> tuple:
+        """``(template, local output indices, their module)`` for a call whose tensor
+        inputs at ``local`` are local tensors (sent by value, after the mesh's)."""
+        found = self._variants.get(local)
+        if found is None:
+            on_mesh = [i for i in self.tensors if i not in local]
+            by_value = sorted(set(self.scalars) | set(local))
+            slot = {i: OpSlot(k) for k, i in enumerate(on_mesh + by_value)}
+            skeleton = tuple(slot[i] for i in range(self.inputs))
+            op = next_op_id()
+            template = (op, m.DefineOp(op, self.program, skeleton, {}, self.what))
+            indices, module = local_part(self.gm, set(on_mesh)) if local else ([], None)
+            found = self._variants[local] = (template, by_value, indices, module)
+        return found
 
     @staticmethod
     def _output_of(node):
@@ -76,13 +92,19 @@ class MeshGraph:
         return found
 
     def __call__(self, args: list) -> list:
-        refs, where, keep = [], None, []
+        refs, where, keep, local = [], None, [], []
         for i in self.tensors:
             named = value_of(args[i], keep)
             if named is None:
+                t = args[i]
+                if _host(t) and t.dim() == 0:  # a host scalar: sent by value
+                    local.append(i)
+                    continue
+                what = "a local tensor" if _host(t) else "no mesh tensor's shard"
                 raise RecordingError(
-                    f"{self.what}: input {i} is a local tensor ({tuple(args[i].shape)}, "
-                    f"{args[i].dtype}); a graph on the mesh takes mesh tensors only"
+                    f"{self.what}: input {i} is {what} ({tuple(t.shape)}, {t.dtype}); a "
+                    f"graph on the mesh takes mesh tensors and 0-dim local ones: create "
+                    f"it on the mesh (under mesh.activate()), or pass it as a number"
                 )
             ref_id, _ident, mesh, stream = named
             if where is None:
@@ -98,9 +120,11 @@ class MeshGraph:
         mesh, stream = where
         ctrl = mesh._controller
         ctrl.check_usable(mesh.targets)
-        scalars = tuple(args[i] for i in self.scalars)
+        template, by_value, indices, module = self._variant(tuple(local))
+        scalars = tuple(args[i] for i in by_value)
         outputs = self._outputs_for(args)
-        op = define(ctrl, self.template)
+        here = dict(zip(indices, module(*args))) if module is not None else {}
+        op = define(ctrl, template)
         ident = ctrl.next_ident()
         ids = tuple(ctrl.next_id() for _ in self.outputs)
         ctrl.send_op((ident, ids, op, tuple(refs), stream.id, scalars), mesh.targets, self.what)
@@ -109,13 +133,21 @@ class MeshGraph:
         args.clear()
         del keep
         results = []
-        for spec, rid in zip(outputs, ids):
-            if spec[0] == "value":
+        for k, (spec, rid) in enumerate(zip(outputs, ids)):
+            if k in here:  # computed here from local inputs alone: a local tensor
+                ctrl.delete_ref(rid)
+                results.append(here[k])
+            elif spec[0] == "value":
                 ctrl.delete_ref(rid)
                 results.append(spec[1])
             else:
                 results.append(owned(spec, rid, ident, mesh, stream))
         return results
+
+
+def _host(t) -> bool:
+    """A local tensor the controller holds (not a fake or meta one of torch's)."""
+    return isinstance(t, torch.Tensor) and t.device.type != "meta" and not is_fake(t)
 
 
 def _is_sym(x) -> bool:
