@@ -12,6 +12,7 @@ AOTAutograd makes mesh tensors again (or keeps, saved for the backward).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -55,8 +56,9 @@ class MeshGraph:
         self._layouts: dict = {}  # the symbols' values -> the outputs' layouts
 
     def _variant(self, local: tuple) -> tuple:
-        """``(template, local output indices, their module)`` for a call whose tensor
-        inputs at ``local`` are local tensors (sent by value, after the mesh's)."""
+        """``(template, the inputs sent by value, local output indices, their module)``
+        for a call whose tensor inputs at ``local`` are local tensors (sent by value,
+        after the mesh tensors, with the Python numbers)."""
         found = self._variants.get(local)
         if found is None:
             on_mesh = [i for i in self.tensors if i not in local]
@@ -197,14 +199,14 @@ def _compiler(kind: str):
     return compile_graph
 
 
-_aot = []
+@functools.cache
+def _aot_backend():
+    from torch._dynamo.backends.common import aot_autograd  # imports dynamo: seconds
+
+    return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"))
 
 
 def mesh_backend(gm: torch.fx.GraphModule, example_inputs: list):
     """A ``torch.compile`` backend for functions of mesh tensors: each graph dynamo
     traces runs on the ranks as one command a call (its backward as one more)."""
-    if not _aot:
-        from torch._dynamo.backends.common import aot_autograd
-
-        _aot.append(aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward")))
-    return _aot[0](gm, example_inputs)
+    return _aot_backend()(gm, example_inputs)

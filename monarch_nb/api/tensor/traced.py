@@ -13,6 +13,7 @@ tensors again.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -36,9 +37,6 @@ __all__ = [
     "value_of",
 ]
 
-# the mode of the shards a mesh tensor shows torch.compile at run time (made on first
-# use); dynamo makes fakes of its own of them, so one mode serves every thread
-_SHARDS: list = []
 _OUTER = "_mnb_outer"  # a run-time shard's attribute: its mesh tensor (a weakref or _Strong)
 # the storage of each run-time shard -> [the shard's layout, its mesh tensor as _OUTER
 # holds it]. torch hands a graph's shards on as new tensors of the same storage (the
@@ -105,29 +103,32 @@ def shard_of(t: Tensor) -> torch.Tensor:
     cached = t.__dict__.get("_shard_cache")
     if cached is not None and cached[0] == t._layout:
         return cached[1]
-    if not _SHARDS:
-        _first_use()
-    with _disable_current_modes(), _SHARDS[0]:
+    with _disable_current_modes(), _shard_mode():
         shard = _fake(t._layout)
     _remember(shard, weakref.ref(t))
     t._shard_cache = (t._layout, shard)
     return shard
 
 
-def _first_use() -> None:
-    """torch.compile met its first mesh tensor (dynamo is tracing): dynamo must not
-    trace into this package (the dispatch of the ops between graphs is ours, not the
-    user's), which it would otherwise compile frame by frame."""
+@functools.cache
+def _shard_mode() -> FakeTensorMode:
+    """The mode of the shards mesh tensors show torch.compile (one for every thread:
+    dynamo makes fakes of its own of them), made when torch.compile meets its first
+    mesh tensor. Then (dynamo is tracing) dynamo is told not to trace into this
+    package: the dispatch of the ops between graphs is ours, not the user's, and it
+    would otherwise compile it frame by frame."""
     from torch._dynamo import trace_rules
 
     trace_rules.add("monarch_nb")
-    _SHARDS.append(FakeTensorMode(allow_non_fake_inputs=True))
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def hand_over(t: Tensor) -> bool:
     """``t``, once shown to torch.compile, is being deleted: its value lives on
     while its shard's storage does (a copy autograd saved for a compiled backward
     may read it), held by a new mesh tensor (True: do not free it now)."""
+    if t.generation != t.mesh._controller.generation:
+        return False  # the mesh restarted: the value is gone
     kept = t.__dict__.get("_shard_kept")
     shard = kept if kept is not None else t._shard_cache[1]
     cdata = shard.untyped_storage()._cdata
