@@ -171,6 +171,8 @@ class Agent(ControlChannel):
         if self.stealer is not None:
             refuse(conn, f"mesh {self.mesh_name!r} is being taken over by pid {self.stealer[1]}")
             return
+        if self.orphaned_at is None:
+            self._settle_controller()
         if self.orphaned_at is None:  # a controller has the mesh
             if not msg.steal:
                 refuse(
@@ -185,6 +187,25 @@ class Agent(ControlChannel):
             self.stealer = (conn, pid, time.monotonic() + STEAL_WAIT)
             return
         self._adopt(conn, pid)
+
+    def _settle_controller(self) -> None:
+        """Take in what the controller's channel holds now: a knock that follows its
+        hang-up (a SIGKILLed controller: the kernel closed its socket) in the same
+        poll round finds the mesh orphaned, not held."""
+        if not self.running:  # it went earlier in this round
+            self._keep_alive()
+            return
+        watched = select.poll()
+        watched.register(self.ctl_in, select.POLLIN)
+        if self.controller_fd is not None:
+            watched.register(self.controller_fd, select.POLLIN)
+        for fd, _ in watched.poll(0):
+            if fd == self.ctl_in:
+                self._read_control()
+            else:
+                self.running = False  # the controller is gone
+        if not self.running:
+            self._keep_alive()
 
     def _adopt(self, conn, pid: int) -> None:
         log(f"controller pid {pid} attached")
@@ -203,6 +224,10 @@ class Agent(ControlChannel):
     def _let_go(self) -> None:
         """Stop serving the current controller's channel."""
         self.poll.unregister(self.ctl_in)
+        if self.controller_fd is not None:  # the first controller's pidfd: it has ended
+            self.poll.unregister(self.controller_fd)
+            os.close(self.controller_fd)
+            self.controller_fd = None
         if self.link is not None:
             self.link.close()
             self.link = None
