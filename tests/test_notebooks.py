@@ -369,7 +369,8 @@ def test_training_notebook(tmp_path):
     """A transformer LM (AdamW, clip_grad_norm_, a schedule, accumulation, dropout)
     trained locally, then unchanged on dp=2 op by op and compiled, and a CNN with
     BatchNorm: its cells assert bit-equality with local torch; the compiled step is
-    one command on a rank."""
+    one command on a rank; torch.compile with mnb.mesh_backend gives the same
+    losses."""
     nb = nbformat.read(NOTEBOOKS / "06_training.ipynb", as_version=4)
     client = notebook_client(nb, tmp_path, timeout=300)
     client.execute(env=kernel_env(tmp_path))
@@ -379,5 +380,6 @@ def test_training_notebook(tmp_path):
             assert o.output_type != "error", outputs_text(cell)
     assert "every loss and every weight equals the local run" in outputs_text(cells["cell-07"])
     assert "commands on rank 0: 1" in outputs_text(cells["cell-09"])
+    assert "torch.compile: the local run's losses" in outputs_text(cells["cell-09c"])
     assert "eval logits equal" in outputs_text(cells["cell-11"])
     assert "cnn losses equal" in outputs_text(cells["cell-13"])
