@@ -246,3 +246,20 @@ def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh):
     assert torch.equal(mnb.inspect(bn.running_mean), local_bn.running_mean)
     assert torch.equal(mnb.inspect(bn.running_var), local_bn.running_var)
     assert bn.num_batches_tracked.item() == local_bn.num_batches_tracked.item() == STEPS
+
+
+def test_a_torch_compiled_function_inside_mnb_compile_replays(mesh):
+    """mnb.compile records the graph's command like any other and replays it."""
+    with mesh.activate():
+        x, w = torch.randn(4, 8), torch.randn(8, 3)
+
+    def f(x, w):
+        return torch.relu(x @ w) * 0.5
+
+    compiled = torch.compile(f, backend=mnb.mesh_backend)
+    recorded = mnb.compile(lambda: compiled(x, w))
+    with mesh.activate():
+        want = mnb.inspect(f(x, w))
+    outs = [recorded() for _ in range(4)]
+    assert all(torch.equal(mnb.inspect(o), want) for o in outs)
+    assert _commands(mesh, recorded) == 1
