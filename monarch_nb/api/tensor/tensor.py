@@ -223,7 +223,8 @@ class Tensor(torch.Tensor, Ref):
         if not self._deleted:
             borrows.returned(self)
             seen = self.__dict__
-            if ("_shard_cache" in seen or "_shard_kept" in seen) and TRACING.value.hand_over(self):
+            compiled = "_shard_cache" in seen or "_shard_kept" in seen
+            if compiled and self._borrow is None and TRACING.value.hand_over(self):
                 self._deleted = True  # a compiled backward still reads its value
                 return
         Ref.delete(self)
