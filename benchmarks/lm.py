@@ -9,6 +9,8 @@ The same code runs locally and under ``mesh.activate()``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +50,18 @@ class LM(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln(x))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Local torch on one thread, as each rank of a dp=2 mesh here (another count
+    splits reductions otherwise and changes the last bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def make(seed: int = 0):

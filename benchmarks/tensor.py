@@ -21,7 +21,7 @@ import time
 
 from ._report import Entry, interleaved
 from .raw import RawPeer
-from .tensor_real import _commands
+from .tensor_real import commands_per_call
 
 
 def bench_tensor_op_rate(quick: bool) -> list[Entry]:
@@ -123,7 +123,7 @@ def bench_tensor_step(quick: bool) -> list[Entry]:
         _train_steps(model, opt, x, y, 2)
         state = mnb.remote(worker_steps)(None, 2, mesh=mesh)
         mesh.wait()
-        ops = _commands(mesh, lambda: _train_steps(model, opt, x, y, 1))
+        ops = commands_per_call(mesh, lambda: _train_steps(model, opt, x, y, 1))
 
         def ours() -> float:
             t0 = time.perf_counter()

@@ -68,7 +68,7 @@ def _cpu_per_step(mesh, fn, n: int) -> dict:
     }
 
 
-def _commands(mesh, fn) -> int:
+def commands_per_call(mesh, fn) -> int:
     """The commands one call of ``fn`` runs on the mesh's first rank."""
 
     def done() -> int:
@@ -119,8 +119,8 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
             lm.step(*state)
             step()
         mesh.wait()
-        op_commands = _commands(mesh, lambda: lm.step(*state))
-        compiled_messages = _commands(mesh, step)
+        op_commands = commands_per_call(mesh, lambda: lm.step(*state))
+        compiled_messages = commands_per_call(mesh, step)
         op_cpu = _cpu_per_step(mesh, lambda: lm.step(*state), n)
         compiled_cpu = _cpu_per_step(mesh, step, n)
         ours, base = _vs_eager(mesh, lambda: lm.step(*state), lambda: lm.step(*local), n, reps)
@@ -198,14 +198,10 @@ def _dynamo(mesh, n: int, reps: int) -> dict:
         return lm.compiled_step(grads, model, opt, sched, data)
 
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        out = _variant("x", mesh, fn, lambda: lm.step(*local), n, reps)
-        cpu = _cpu_per_step(mesh, fn, n)
-    return {
-        "steps_per_s": out["x_steps_per_s"],
-        "local_eager_steps_per_s": out["x_local_eager_steps_per_s"],
-        "commands_per_step": out["x_commands_per_step"],
-        **cpu,
-    }
+        out = _variant("", mesh, fn, lambda: lm.step(*local), n, reps)
+        out.update(_cpu_per_step(mesh, fn, n))
+    del out["vs_local_eager"]  # the row's ratio
+    return out
 
 
 def _pure_replay(mesh, n: int, reps: int) -> dict:
@@ -241,16 +237,18 @@ def _split(mesh, n: int, reps: int) -> dict:
 
 def _variant(name: str, mesh, fn, local_fn, n: int, reps: int) -> dict:
     """A variant of the step (``fn`` on ``mesh``) against its local eager twin, as
-    ``{name}_...`` fields of the compiled row: its commands a step, steps/s, ratio."""
+    ``{name}_...`` fields of the compiled row (unprefixed for a ``name`` of ""): its
+    commands a step, steps/s, ratio."""
     for _ in range(4):  # settled: SGD's momentum buffers and AdamW's state exist after one
         local_fn()
         fn()
     ours, base = _vs_eager(mesh, fn, local_fn, n, reps)
+    prefix = f"{name}_" if name else ""
     return {
-        f"{name}_commands_per_step": _commands(mesh, fn),
-        f"{name}_steps_per_s": round(ours, 1),
-        f"{name}_local_eager_steps_per_s": round(base, 1),
-        f"{name}_vs_local_eager": round(ours / base, 3),
+        f"{prefix}commands_per_step": commands_per_call(mesh, fn),
+        f"{prefix}steps_per_s": round(ours, 1),
+        f"{prefix}local_eager_steps_per_s": round(base, 1),
+        f"{prefix}vs_local_eager": round(ours / base, 3),
     }
 
 

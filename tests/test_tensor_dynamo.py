@@ -11,7 +11,9 @@ import torch
 from worker_probes import env_sizes
 
 import monarch_nb as mnb
-from benchmarks import lm
+from benchmarks import cnn, lm
+from benchmarks.lm import one_thread
+from benchmarks.tensor_real import commands_per_call as _commands
 
 STEPS = 3
 
@@ -30,24 +32,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def _commands(mesh, fn) -> int:
-    """The commands one call of ``fn`` runs on the mesh's first rank."""
-
-    def done() -> int:
-        mesh.wait()
-        return mesh.status()["ranks"][mesh.ranks[0]]["streams"]["default"]["done"]
-
-    before = done()
-    fn()
-    return done() - before
-
-
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank: the same kernels, the same last bits
-    return saved
 
 
 def test_a_compiled_function_runs_on_the_ranks_as_one_command(mesh):
@@ -74,8 +58,7 @@ def test_a_compiled_function_runs_on_the_ranks_as_one_command(mesh):
 
 
 def test_the_lm_gradients_are_one_graph_with_local_torchs_numbers(mesh):
-    saved = _one_thread()
-    try:
+    with one_thread():
         # the reference first: making the mesh's model seeds the local generator too
         local = lm.make()
         losses = [lm.step(*local).detach().clone() for _ in range(STEPS + 1)]
@@ -86,11 +69,10 @@ def test_the_lm_gradients_are_one_graph_with_local_torchs_numbers(mesh):
             got = [lm.compiled_step(grads, model, opt, sched, data) for _ in range(STEPS)]
             # the graph (2 micro-batches, backward, accumulation, clipping) and AdamW's
             # few foreach commands; op by op the step is ~220
-            assert _commands(mesh, lambda: got.append(lm.compiled_step(grads, model, opt, sched, data))) <= 20
+            step = lm.compiled_step
+            assert _commands(mesh, lambda: got.append(step(grads, model, opt, sched, data))) <= 20
         for a, b in zip(got, losses, strict=True):
             assert torch.equal(mnb.inspect(a), b)
-    finally:
-        torch.set_num_threads(saved)
     ours = dict(model.named_parameters())
     for name, p in local[0].named_parameters():
         assert torch.equal(mnb.inspect(ours[name]), p.detach()), name
@@ -102,16 +84,13 @@ def test_a_backward_outside_the_graph_runs_the_compiled_backward(mesh):
     its frame runs eagerly and the model's forward is a graph of its own): torch's
     engine runs the compiled backward (one more command), reading the activations
     the forward saved, and accumulates the grads op by op."""
-    saved = _one_thread()
-    try:
+    with one_thread():
         local = lm.make()  # the reference first (making the mesh's model seeds it)
         losses = [lm.step(*local).detach().clone() for _ in range(STEPS)]
         with mesh.activate():
             model, opt, sched, data = lm.make()
         grads = torch.compile(lm.accumulate, backend=mnb.mesh_backend)
         got = [lm.compiled_step(grads, model, opt, sched, data) for _ in range(STEPS)]
-    finally:
-        torch.set_num_threads(saved)
     for a, b in zip(got, losses, strict=True):
         assert torch.equal(mnb.inspect(a), b)
     ours = dict(model.named_parameters())
@@ -195,20 +174,6 @@ def test_a_graph_failing_on_the_ranks_is_reported_and_the_mesh_goes_on(mesh):
     assert torch.equal(mnb.inspect(compiled(good, table)), mnb.inspect(table)[1:4] * 2)
 
 
-def _cnn():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1),
-        torch.nn.BatchNorm2d(8),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(),
-        torch.nn.Linear(8 * 4 * 4, 10),
-    )
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    return net, opt, torch.randn(6, 3, 8, 8), torch.randint(0, 10, (6,))
-
-
 def _cnn_loss(net, x, y):
     loss = torch.nn.functional.cross_entropy(net(x), y)
     loss.backward()
@@ -219,9 +184,8 @@ def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh):
     """BatchNorm's running stats are updated in the graph (on the ranks) and its
     ``num_batches_tracked``, a 0-dim tensor on the controller, by the part of the
     graph that reads only it, run on the controller."""
-    saved = _one_thread()
-    try:
-        net, opt, x, y = _cnn()
+    with one_thread():
+        net, opt, x, y = cnn.make(6)
         want = []
         for _ in range(STEPS):
             opt.zero_grad()
@@ -230,7 +194,7 @@ def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh):
         net.eval()
         want_eval = net(x).detach()
         with mesh.activate():
-            ours, our_opt, mx, my = _cnn()
+            ours, our_opt, mx, my = cnn.make(6)
         train = torch.compile(_cnn_loss, backend=mnb.mesh_backend)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             for expected in want:
@@ -240,8 +204,6 @@ def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh):
         ours.eval()
         evaluate = torch.compile(lambda n, x: n(x), backend=mnb.mesh_backend)
         assert torch.equal(mnb.inspect(evaluate(ours, mx)), want_eval)
-    finally:
-        torch.set_num_threads(saved)
     bn, local_bn = ours[1], net[1]
     assert torch.equal(mnb.inspect(bn.running_mean), local_bn.running_mean)
     assert torch.equal(mnb.inspect(bn.running_var), local_bn.running_var)

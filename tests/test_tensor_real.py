@@ -5,27 +5,14 @@ clip_grad_norm_, LambdaLR, 2 accumulated micro-batches) trained unmodified under
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import monarch_nb as mnb
-from benchmarks import lm
+from benchmarks import cnn, lm
+from benchmarks.lm import one_thread
 
 STEPS = 3
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Local torch on one thread, as each rank of a dp=2 mesh here (another count
-    splits reductions otherwise and changes the last bits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -151,20 +138,6 @@ def test_the_lm_step_split_replays_its_gradients_pure_with_local_numbers(mesh):
     assert adamw.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
-def _cnn():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1),
-        torch.nn.BatchNorm2d(8),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(),
-        torch.nn.Linear(8 * 4 * 4, 10),
-    )
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    return net, opt, torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
-
-
 def _cnn_step(net, opt, x, y):
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(net(x), y)
@@ -175,12 +148,12 @@ def _cnn_step(net, opt, x, y):
 
 def test_a_cnn_with_batchnorm_trains_and_its_weights_travel_both_ways(mesh):
     with one_thread():
-        local = _cnn()
+        local = cnn.make()
         local_losses = [_cnn_step(*local).item() for _ in range(3)]
         local[0].eval()
         local_eval = local[0](local[2]).detach()
     with mesh.activate():
-        state = _cnn()
+        state = cnn.make()
         losses = [_cnn_step(*state) for _ in range(3)]
         state[0].eval()
         ours = state[0](state[2])
@@ -191,12 +164,12 @@ def test_a_cnn_with_batchnorm_trains_and_its_weights_travel_both_ways(mesh):
     assert low.dtype == mnb.inspect(low).dtype == torch.bfloat16
     # the mesh's weights into a local model, and local weights onto the mesh
     fetched = {k: mnb.inspect(v) for k, v in state[0].state_dict().items()}
-    fresh = _cnn()[0]
+    fresh = cnn.make()[0]
     fresh.load_state_dict(fetched)
     fresh.eval()
     assert torch.equal(fresh(local[2]).detach(), local_eval)
     with mesh.activate():
-        other = _cnn()[0]
+        other = cnn.make()[0]
         other.load_state_dict(local[0].state_dict())
         other.eval()
         again = other(state[2])

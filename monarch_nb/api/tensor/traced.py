@@ -37,6 +37,7 @@ __all__ = [
     "value_of",
 ]
 
+_META = torch.device("meta")
 _OUTER = "_mnb_outer"  # a run-time shard's attribute: its mesh tensor (a weakref or _Strong)
 # the storage of each run-time shard -> [the shard's layout, its mesh tensor as _OUTER
 # holds it]. torch hands a graph's shards on as new tensors of the same storage (the
@@ -180,13 +181,7 @@ def owned(layout: tuple, value: int, ident: int, mesh, stream) -> torch.Tensor:
     (made on ``stream``): a meta tensor of ``layout`` (torch only passes it on);
     the value lives while its storage does (``_forget``), or longer if the user holds
     its mesh tensor."""
-    size, stride, offset, dtype, _device = layout
-    if offset:
-        extent = sum((n - 1) * st for n, st in zip(size, stride)) + 1 if all(size) else 0
-        shard = torch.empty((offset + extent,), dtype=dtype, device="meta")
-        shard = shard.as_strided(size, stride, offset)
-    else:
-        shard = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    shard = _fake((*layout[:4], _META))
     _remember(shard, _Made(value, ident, mesh, stream, layout))
     return shard
 
