@@ -662,10 +662,13 @@ def test_a_failing_foreach_op_marks_every_tensor_it_writes(mesh):
     with mesh.activate():
         bad = torch.zeros(4)
         bad[idx * 10] = 1.0  # index_put_: out of range on rank 1 only
+        view = a[0][1:3]  # shares a[0]'s storage: fails with it
+        other = torch.zeros(2)
         torch._foreach_add_(a, [bad, torch.ones(2)])  # returns nothing, writes both
     assert mnb.inspect(a[0], dp=0).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert mnb.inspect(a[1], dp=0).tolist() == [1.0, 1.0]
-    for t in a:
+    assert mnb.inspect(other, dp=1).tolist() == [0.0, 0.0]
+    for t in (*a, view):
         with pytest.raises(mnb.RemoteError, match="rank 1"):
             mnb.inspect(t, dp=1)
     with mesh.activate():

@@ -343,3 +343,38 @@ def test_a_global_the_function_reads_is_read_on_every_call(mesh):
         assert _commands_done(mesh) - before == 1
     finally:
         TEMPERATURE = 1.0
+
+
+def _fill_rank(t):
+    t.fill_(mnb.current_rank())
+
+
+def test_a_foreach_op_failing_in_a_replay_fails_what_it_writes_and_its_views(mesh):
+    @mnb.compile
+    def add(xs, y):
+        torch._foreach_add_(xs, [y, y])  # writes both, returns nothing
+
+    with mesh.activate():
+        xs, y = [torch.zeros(4), torch.zeros(4)], torch.ones(4)
+        idx = torch.zeros(1, dtype=torch.int64)
+    add(xs, y)
+    add(xs, y)
+    mnb.remote(_fill_rank)(idx, mesh=mesh)
+    with mesh.activate():
+        bad = y.clone()
+        bad[idx * 10] = 1.0  # index_put_: out of range on rank 1 only
+        view = xs[0][1:3]
+    with pytest.raises(mnb.RemoteError, match="index_put_"):
+        mesh.wait()
+    before = _commands_done(mesh)
+    add(xs, bad)
+    assert _commands_done(mesh) - before == 1  # replayed
+    assert mnb.inspect(xs[0], dp=0).tolist() == [3.0] * 4
+    assert mnb.inspect(view, dp=0).tolist() == [3.0, 3.0]
+    for t in (*xs, view):
+        with pytest.raises(mnb.RemoteError, match="rank 1"):
+            mnb.inspect(t, dp=1)
+    with mesh.activate():
+        fresh = torch.zeros(4)
+    add([fresh, fresh.clone()], y)  # the recording goes on
+    assert mnb.inspect(fresh, dp=1).tolist() == [1.0] * 4

@@ -54,7 +54,9 @@ class CallFunction(NamedTuple):
 class DefineOp(NamedTuple):
     """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks an op's i-th Ref.
     ``grad``: the slots of its Refs that require grad on the controller, which ran it
-    in grad mode (so do the ranks: ``autograd.run_grad``), or None (in no_grad)."""
+    in grad mode (so do the ranks: ``autograd.run_grad``), or None (in no_grad).
+    ``writes``: the slots of the Refs it writes without returning them (a foreach op's
+    lists): when it fails, they fail, and every value sharing their storage."""
 
     op: int
     function: Function
@@ -62,6 +64,7 @@ class DefineOp(NamedTuple):
     kwargs: dict
     what: str
     grad: tuple | None = None
+    writes: tuple = ()
 
 
 @sent_to(WORKER)

@@ -12,7 +12,7 @@ from ..protocol import messages as m
 from ..protocol.aten import OpSlot, resolve_op, run_op
 from ..protocol.autograd import requiring, run_grad
 from ..protocol.pickling import resolve_function
-from .ref_cell import Cell, get_value
+from .ref_cell import Cell, Written, get_value
 from .slots import fill, slot_keys
 
 
@@ -25,6 +25,7 @@ class OpTemplate:
             fn, args = resolve_op(args[0]), args[1:]  # the op itself: no lookup per call
         self.fn, self.args, self.kwargs, self.what = fn, args, kwargs, msg.what
         self.grad = msg.grad  # with autograd (the slots that require grad), or None
+        self.writes = tuple(msg.writes)  # the slots it writes without returning them
         self._slots = [(i, a.i) for i, a in enumerate(args) if type(a) is OpSlot]
         self._nested = bool(slot_keys(kwargs, set())) or any(
             type(a) is not OpSlot and slot_keys(a, set()) for a in args
@@ -46,7 +47,7 @@ class _Undefined:
     """The template of an op id this worker never heard of (a controller bug)."""
 
     def __init__(self, op: int, error: BaseException | None = None):
-        self.what = f"op {op}"
+        self.what, self.writes = f"op {op}", ()
         self.error = error or RuntimeError(f"tensor op {op} was never defined on this worker")
 
     def run(self, values: list):
@@ -103,18 +104,18 @@ class OpHandlers:
         queued: dict[int, list] = {}  # stream id -> commands, in order
         for ident, result, op_id, refs, sid, scalars in msg.ops:
             op = ops.get(op_id) or _Undefined(op_id)
-            if type(result) is tuple:  # several values: aliases_after's new names
-                cells = [Cell() for _ in result]
-                env.update(zip(result, cells))
-                out = _Spread(cells)
+            if type(result) is tuple:  # several values (an op of many outputs)
+                items = [Cell() for _ in result]
+                env.update(zip(result, items))
+                out = _Spread(items)
             else:
                 out = env[result] = Cell()
             commands = queued.get(sid)
             if commands is None:
                 commands = queued[sid] = []
-            commands.append(
-                (ident, op.what, _work(op, [cell(r) for r in refs], scalars), (out,), True)
-            )
+            cells = [cell(r) for r in refs]
+            results = (out, Written([cells[j] for j in op.writes], env)) if op.writes else (out,)
+            commands.append((ident, op.what, _work(op, cells, scalars), results, True))
         for sid, commands in queued.items():
             self._stream(sid).schedule_many(commands)
 

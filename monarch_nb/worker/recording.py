@@ -24,7 +24,7 @@ from ..protocol import messages as m
 from ..protocol.aten import OpSlot
 from ..protocol.wire import resolve_function, unpack_args
 from .code import run_source
-from .ref_cell import Cell, DependentOnError, MissingRef
+from .ref_cell import Cell, DependentOnError, MissingRef, fail_written, shares, storages
 from .slots import fill, slot_keys
 
 
@@ -96,7 +96,22 @@ def _op_runner(op, refs: tuple, scalars: tuple, at: int):
             args.extend(floats[at : at + n] if floats else scalars)
         return op.run(args)
 
-    return run
+    if not op.writes:
+        return run
+    written = [refs[j] for j in op.writes]
+
+    def run_writing(values, worker, ident):
+        try:
+            return run(values, worker, ident)
+        except BaseException as e:  # noqa: B036 - what it wrote fails too, then the op
+            failed = e if isinstance(e, DependentOnError) else DependentOnError(ident)
+            keys = storages([values.get(rid) for rid in written])
+            for rid in values:
+                if rid in written or shares(values[rid], keys):
+                    values[rid] = failed
+            raise
+
+    return run_writing
 
 
 def _step(msg, ops: dict, at: int) -> tuple:
@@ -139,14 +154,17 @@ class Recording:
         self.name = msg.name
         self.what = f"compiled {msg.name}"
         self._steps: dict[int, list[tuple]] = {}  # stream id -> [_step(command)]
+        self.writes = False  # whether an op writes values it does not return
         for cmd, at in zip(msg.commands, msg.floats_at):
             sid = cmd[4] if type(cmd) is tuple else cmd.stream
+            if type(cmd) is tuple and getattr(ops.get(cmd[2]), "writes", ()):
+                self.writes = True
             steps = self._steps.setdefault(sid, [])
             step = _step(cmd, ops, at)
             if type(step[3]) is not tuple:
                 steps.append(step)
                 continue
-            # several results (aliases_after): the value under a key of its own (< -1),
+            # several results (an op of many outputs): the value under a key of its own (< -1),
             # then each result its item
             whole = -2 - sum(len(s) for s in self._steps.values())
             steps.append((*step[:3], whole, step[4]))
@@ -204,6 +222,8 @@ class Recording:
                 finally:
                     for rid, c in produced:
                         c.set(values.get(rid, DependentOnError(ident)))
+                    if self.writes:  # an input a failing op wrote fails here too
+                        fail_written(inputs, values, env)
 
             worker._stream(sid).schedule(ident, self.what, work)
 

@@ -66,6 +66,61 @@ def raw(cell: Cell):
     return v
 
 
+def storages(values) -> set:
+    """The storages (their ids) of the tensors among ``values``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return set()
+    return {v.untyped_storage()._cdata for v in values if isinstance(v, torch.Tensor)}
+
+
+def shares(value, keys: set) -> bool:
+    """Whether ``value`` is a tensor of one of the storages ``keys``."""
+    torch = sys.modules.get("torch")
+    return (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.untyped_storage()._cdata in keys
+    )
+
+
+class Written:
+    """A result of an op that writes ``cells``' values without returning them (a
+    foreach op's lists): when the op fails, those cells fail too, and every cell of
+    ``env`` holding a tensor of the same storage (their views); when it succeeds,
+    nothing changes."""
+
+    __slots__ = ("cells", "env")
+
+    def __init__(self, cells: list, env: dict):
+        self.cells, self.env = cells, env
+
+    def set(self, value) -> None:
+        if not isinstance(value, DependentOnError):
+            return
+        keys = storages([c.value for c in self.cells])
+        for c in self.cells:
+            c.set(value)
+        if keys:
+            for c in list(self.env.values()):
+                if shares(c.value, keys):
+                    c.set(value)
+
+
+def fail_written(inputs: list, values: dict, env: dict) -> None:
+    """After a replay: each input ``(rid, cell)`` whose value in ``values`` became a
+    failure there (an op that failed wrote it) fails in ``cell`` too, with every cell
+    of ``env`` holding a tensor of its storage."""
+    failed = [(c, values.get(rid)) for rid, c in inputs]
+    failed = [
+        (c, v)
+        for c, v in failed
+        if isinstance(v, DependentOnError) and not isinstance(c.value, (DependentOnError, MissingRef))
+    ]
+    if failed:
+        Written([c for c, _ in failed], env).set(failed[0][1])
+
+
 AUTOGRAD = "monarch_nb.protocol.autograd"  # the functions that build a rank's graph
 
 

@@ -121,7 +121,8 @@ def dispatch(func, args, kwargs, mesh=None):
         grad,
         p.outputs,
     )
-    return _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream)
+    templated = p.template is not None
+    return _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream, templated)
 
 
 def _saved_copy(t: Tensor) -> Tensor:
@@ -157,7 +158,7 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
     result, ident = ctrl.next_id(), ctrl.next_ident()
     msg = m.CallFunction(ident, result, function, packed, stream.id, mesh.id, p.what)
     ctrl.send(msg, mesh.targets, stream.id, p.what)
-    out = _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream)
+    out = _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream, False)
     if to_gpu:
         return dispatch(torch.ops.aten._to_copy.default, (out,), {"device": _CUDA})
     return out
@@ -181,14 +182,21 @@ def _names(func) -> tuple:
     return (func.name(), op_name(func))
 
 
-def _finish(p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh, stream):
+def _finish(
+    p: Plan, result: int, ident: int, func, args, kwargs, tensors, mesh, stream, templated=True
+):
     """The op's outputs, once its command is sent: mesh tensors naming its values
-    (``result``: a tuple of ids, one per item of a value of several, or one id)."""
+    (``result``: a tuple of ids, one per item of a value of several, or one id;
+    ``templated``: sent as a RunOps entry of ``p``'s template, not a CallFunction)."""
     ctrl = mesh._controller
     several = type(result) is tuple
-    if p.mutated:  # before the op's own value may be freed below
-        after = Holder(result[0] if several else result)
-        rename_written([tensors[j] for j in p.mutated], after, mesh, stream)
+    if p.mutated:
+        if templated:  # the ranks fail what it writes when it fails (DefineOp.writes)
+            for j in p.mutated:
+                tensors[j].ident = ident
+        else:  # a CallFunction: renamed after it (before its value may be freed below)
+            after = Holder(result[0] if several else result)
+            rename_written([tensors[j] for j in p.mutated], after, mesh, stream)
     entry = p.entry
     kind = entry[0]
     if kind == "one":

@@ -164,7 +164,7 @@ def plan(func, args, kwargs, tensors: list, key, lifted: bool = False, grad=None
         floats = [len(tensors)] if lifted else None  # the next scalar slot
         skel_kwargs = _skeleton(kwargs, index, floats)
         skel_args = (names[0], *_skeleton(args, index, floats))
-        template = _template(skel_args, skel_kwargs, names[1], grad)
+        template = _template(skel_args, skel_kwargs, names[1], grad, mutated)
     p = Plan(func, entry, mutated, _written(entry, mutated), names, template)
     if key is not None:
         if len(_plans) >= _PLANS_MAX:
@@ -174,18 +174,18 @@ def plan(func, args, kwargs, tensors: list, key, lifted: bool = False, grad=None
     return p
 
 
-def _template(args: tuple, kwargs: dict, what: str, grad=None) -> tuple:
+def _template(args: tuple, kwargs: dict, what: str, grad=None, writes: tuple = ()) -> tuple:
     """``(op id, DefineOp)`` of an op with these arguments: one per distinct content,
     so that plans which differ only in their inputs' layouts (a slice's storage
     offset) send the same op (``mnb.compile`` sees the same command)."""
     try:
-        content = pickle.dumps((args, kwargs, grad), 5)
+        content = pickle.dumps((args, kwargs, grad, writes), 5)
     except Exception:
         content = None
     template = _templates.get(content) if content is not None else None
     if template is None:
         op = next_op_id()
-        template = (op, m.DefineOp(op, RUN_OP, args, kwargs, what, grad))
+        template = (op, m.DefineOp(op, RUN_OP, args, kwargs, what, grad, writes))
         if content is not None:
             _templates[content] = template
     return template

@@ -130,15 +130,44 @@ def hand_over(t: Tensor) -> bool:
     may read it), held by a new mesh tensor (True: do not free it now)."""
     if t.generation != t.mesh._controller.generation:
         return False  # the mesh restarted: the value is gone
-    kept = t.__dict__.get("_shard_kept")
-    shard = kept if kept is not None else t._shard_cache[1]
-    cdata = shard.untyped_storage()._cdata
-    entry = _LIVE.get(cdata)
-    if entry is None:
+    shard = t.__dict__.get("_shard_kept")  # a graph's output (``owned``)
+    alone = _alone
+    if shard is None:
+        shard, alone = t._shard_cache[1], None
+    storage = shard.untyped_storage()
+    entry = _LIVE.get(storage._cdata)
+    if entry is None or (alone is not None and alone(shard, storage)):
         return False
     entry[1] = _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
     setattr(shard, _OUTER, entry[1])
     return True
+
+
+def _alone(shard: torch.Tensor, storage) -> bool:
+    """Whether nothing but the dying mesh tensor holds ``shard`` (a graph output's) or
+    its storage, as for a gradient dropped by ``zero_grad``: its value may go now."""
+    refs, uses, storage_uses = _counts(shard, storage)
+    return refs <= _ALONE[0] and uses <= _ALONE[1] and storage_uses <= _ALONE[2]
+
+
+def _counts(shard: torch.Tensor, storage) -> tuple:
+    return sys.getrefcount(shard), shard._use_count(), torch._C._storage_Use_Count(storage._cdata)
+
+
+def _baseline() -> tuple:
+    """``_counts`` of an ``owned`` shard held by its mesh tensor alone, as ``hand_over``
+    sees it (they differ between versions of torch)."""
+    shard = _fake(((1,), (1,), 0, torch.float32, _META))
+    held = {"_shard_kept": shard}  # noqa: F841 - the mesh tensor's reference
+    storage = shard.untyped_storage()
+    return _as_hand_over(shard, storage)
+
+
+def _as_hand_over(shard, storage) -> tuple:  # one frame, as _alone's between
+    return _counts(shard, storage)
+
+
+_ALONE = _baseline()
 
 
 class _Made:
