@@ -292,7 +292,8 @@ def check_refs(refs: list, mesh: DeviceMesh, stream: Stream) -> None:
         recording_trace.active.note(refs)
     for r in refs:
         if r.mesh is mesh and r.stream is stream:  # the common case: nothing to check
-            r._first_use()
+            if r._borrow is not None:
+                r._first_use()
             continue
         if r.mesh._controller is not mesh._controller:
             raise RefUseError(

@@ -93,9 +93,13 @@ class Holder:
     """The worker-side tuple of a multi-output op, named in the getitem calls."""
 
     __slots__ = ("id",)
+    _deleted, generation = False, None  # as a Ref's (``send._ids``): never stale
 
     def __init__(self, ref_id: int):
         self.id = ref_id
+
+    def _check(self) -> None:
+        pass
 
     def _wire_id(self) -> int:
         return self.id

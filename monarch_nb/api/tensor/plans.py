@@ -32,6 +32,8 @@ _LOCAL = object()
 _FLOAT = object()  # a lifted float's place in a key
 _lifting: dict = {}  # id(op) -> whether its floats are lifted
 _SCALARS = (float, bool, complex)
+_RUN = object()  # in a key: a run of mesh tensors of a long list, by their places
+_ONLY_TENSORS = {Tensor}
 _LONG = 8  # a list longer than this is keyed by ids (a foreach op's: tens of tensors)
 _plans: dict = {}
 _templates: dict = {}  # a template's pickled arguments -> (op id, DefineOp)
@@ -118,8 +120,20 @@ def key_of(x, tensors: list, local: list, floats: list | None = None):
 
 def _long_key(x, tensors: list, local: list, floats: list | None) -> tuple:
     """``key_of`` of a long list (a foreach op's tensors): each tensor's place found
-    by its id, not by a scan of those met before."""
-    where = {id(t): i for i, t in enumerate(tensors)}
+    by its id, not by a scan of those met before. A list of mesh tensors met for the
+    first time, each once, or the same run of them again (``addcmul_(a, g, g)``), is
+    one mark of that run."""
+    where = dict(zip(map(id, tensors), itertools.count()))
+    if set(map(type, x)) == _ONLY_TENSORS:
+        ids = list(map(id, x))
+        n = len(ids)
+        if where.keys().isdisjoint(ids) and len(set(ids)) == n:
+            start = len(tensors)
+            tensors.extend(x)
+            return (_RUN, start, n)
+        start = where.get(ids[0])
+        if start is not None and list(map(id, tensors[start : start + n])) == ids:
+            return (_RUN, start, n)
     out = []
     for y in x:
         if type(y) is Tensor:

@@ -36,10 +36,21 @@ def run(
     op = define(ctrl, template)
     if outputs:
         result = (result, *[ctrl.next_id() for _ in range(outputs - 1)])
-    refs = tuple([r._wire_id() for r in refs])
+    refs = _ids(refs, ctrl.generation)
     scalars = tuple(floats) if floats else ()
     ctrl.send_op((ident, result, op, refs, stream.id, scalars), mesh.targets, what)  # checked
     return result, ident
+
+
+def _ids(refs, generation: int) -> tuple:
+    """The ids of ``refs``, each checked as ``Ref._wire_id`` checks it (a loop of
+    attribute reads: a foreach op sends tens)."""
+    ids = []
+    for r in refs:
+        if r._deleted or r.generation != generation:
+            r._check()  # raises why
+        ids.append(r.id)
+    return tuple(ids)
 
 
 def call_of(qualname: str, args: tuple, kwargs: dict, grad: bool) -> tuple:
