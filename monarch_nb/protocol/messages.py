@@ -2,9 +2,8 @@
 
 Each record declares who receives it (``@sent_to``, receivers.py); each receiver
 dispatches it to the handler named after its class (as the reference worker does),
-from a table it builds and checks when it starts. Ref,
-stream and mesh ids are ints the controller chooses; ``ident`` is its command
-counter (``Controller.next_ident``).
+from a table it builds and checks when it starts. Ref, stream and mesh ids are ints
+the controller chooses; ``ident`` is its command counter (``Controller.next_ident``).
 """
 
 from __future__ import annotations
@@ -53,10 +52,9 @@ class CallFunction(NamedTuple):
 @sent_to(WORKER)
 class DefineOp(NamedTuple):
     """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks an op's i-th Ref.
-    ``grad``: the slots of its Refs that require grad on the controller, which ran it
-    in grad mode (so do the ranks: ``autograd.run_grad``), or None (in no_grad).
-    ``writes``: the slots of the Refs it writes without returning them (a foreach op's
-    lists): when it fails, they fail, and every value sharing their storage."""
+    ``grad``: the slots of its Refs that require grad (``autograd.run_grad``), or None;
+    ``writes``: those it writes without returning (a foreach op's lists), which fail
+    with it, as do their storages' other values."""
 
     op: int
     function: Function
@@ -69,9 +67,8 @@ class DefineOp(NamedTuple):
 
 @sent_to(WORKER)
 class RunOps(NamedTuple):
-    """Tensor ops, in order: each ``(ident, result, op, refs, stream, scalars)`` calls the
-    op defined as ``op`` with ``refs`` in its first slots and ``scalars`` (lifted floats)
-    in the slots after them, on ``stream``, into ``result``."""
+    """Tensor ops, in order: each ``(ident, result, op, refs, stream, scalars)`` runs op
+    ``op`` with ``refs``, then ``scalars`` (lifted floats), in its slots, on ``stream``."""
 
     ops: tuple
 
