@@ -707,6 +707,37 @@ def test_an_op_of_several_outputs_is_one_command_and_long_lists_key_by_place(mes
         assert torch.equal(mnb.inspect(a, dp=1), b)
 
 
+def test_foreach_lists_of_the_same_tensors_in_other_orders_get_their_own_plans(mesh):
+    # a long list keys as one mark of its run of tensors when it is new or the same
+    # run again; any other arrangement must key (and compute) otherwise
+    xs = [torch.full((2,), float(i)) for i in range(10)]
+    ys = [torch.full((2,), 100.0 + i) for i in range(10)]
+
+    def arrangements(a, b):
+        return [
+            (a, a),  # the same run twice
+            (a, b),  # two new runs
+            (a, a[::-1]),  # the same tensors reversed
+            (a, a[1:] + a[:1]),  # rotated
+            (a, a[:5] + a[:5]),  # a run of half, twice
+            (a, b[:5] + a[5:]),  # new tensors, then a part of the first run
+        ]
+
+    def triples(a, b):  # the same count of tensors, told apart only by the marks
+        return [(a, b, b), (a, b, a)]
+
+    def run(a, b):
+        out = [torch._foreach_add(u, v) for u, v in arrangements(a, b)]
+        return out + [torch._foreach_addcmul(u, v, w, value=0.5) for u, v, w in triples(a, b)]
+
+    local = run(xs, ys)
+    with mesh.activate():
+        mxs, mys = [torch.tensor(t.tolist()) for t in xs], [torch.tensor(t.tolist()) for t in ys]
+        for _ in range(2):  # the second time from the plans the first made
+            for got, want in zip(run(mxs, mys), local):
+                assert [mnb.inspect(t, dp=1).tolist() for t in got] == [t.tolist() for t in want]
+
+
 def test_clip_grad_norm_takes_the_foreach_path_with_local_numbers(mesh):
     torch.manual_seed(3)
     local = [torch.randn(5, requires_grad=True) for _ in range(12)]

@@ -146,6 +146,8 @@ def hand_over(t: Tensor) -> bool:
 def _alone(shard: torch.Tensor, storage) -> bool:
     """Whether nothing but the dying mesh tensor holds ``shard`` (a graph output's) or
     its storage, as for a gradient dropped by ``zero_grad``: its value may go now."""
+    if _ALONE is None:
+        return False
     refs, uses, storage_uses = _counts(shard, storage)
     return refs <= _ALONE[0] and uses <= _ALONE[1] and storage_uses <= _ALONE[2]
 
@@ -174,7 +176,10 @@ def _as_hand_over(shard, storage) -> tuple:  # one frame, as _alone's between
     return _counts(shard, storage)
 
 
-_ALONE = _baseline()
+try:
+    _ALONE = _baseline()
+except AttributeError:  # a torch without these counts: every such value is handed over
+    _ALONE = None
 
 
 class _Made:
