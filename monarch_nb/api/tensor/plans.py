@@ -33,7 +33,8 @@ _FLOAT = object()  # a lifted float's place in a key
 _lifting: dict = {}  # id(op) -> whether its floats are lifted
 _SCALARS = (float, bool, complex)
 _RUN = object()  # in a key: a run of mesh tensors of a long list, by their places
-_ONLY_TENSORS = {Tensor}
+_FLOATS = object()  # in a key: a long list of lifted floats, by its length
+_ONLY_TENSORS, _ONLY_FLOATS = {Tensor}, {float}
 _LONG = 8  # a list longer than this is keyed by ids (a foreach op's: tens of tensors)
 _plans: dict = {}
 _templates: dict = {}  # a template's pickled arguments -> (op id, DefineOp)
@@ -122,9 +123,13 @@ def _long_key(x, tensors: list, local: list, floats: list | None) -> tuple:
     """``key_of`` of a long list (a foreach op's tensors): each tensor's place found
     by its id, not by a scan of those met before. A list of mesh tensors met for the
     first time, each once, or the same run of them again (``addcmul_(a, g, g)``), is
-    one mark of that run."""
+    one mark of that run; a list of floats an op lifts, one mark of their count."""
+    types = set(map(type, x))
+    if types == _ONLY_FLOATS and floats is not None:  # an optimizer's per-tensor floats
+        floats.extend(x)
+        return (_FLOATS, len(x))
     where = dict(zip(map(id, tensors), itertools.count()))
-    if set(map(type, x)) == _ONLY_TENSORS:
+    if types == _ONLY_TENSORS:
         ids = list(map(id, x))
         n = len(ids)
         if where.keys().isdisjoint(ids) and len(set(ids)) == n:
