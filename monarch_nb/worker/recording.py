@@ -104,7 +104,7 @@ def _op_runner(op, refs: tuple, scalars: tuple, at: int):
         try:
             return run(values, worker, ident)
         except BaseException as e:  # noqa: B036 - what it wrote fails too, then the op
-            failed = e if isinstance(e, DependentOnError) else DependentOnError(ident)
+            failed = DependentOnError(e.ident if isinstance(e, DependentOnError) else ident)
             keys = storages([values.get(rid) for rid in written])
             for rid in values:
                 if rid in written or shares(values[rid], keys):

@@ -98,6 +98,8 @@ class Written:
     def set(self, value) -> None:
         if not isinstance(value, DependentOnError):
             return
+        if type(value) is not DependentOnError:  # what a cell holds is read by its type
+            value = DependentOnError(value.ident)
         keys = storages([c.value for c in self.cells])
         for c in self.cells:
             c.set(value)

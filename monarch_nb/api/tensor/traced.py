@@ -227,7 +227,6 @@ def owned(layout: tuple, value: int, ident: int, mesh, stream) -> torch.Tensor:
     return shard
 
 
-
 def value_of(shard, keep: list) -> tuple | None:
     """``(value id, ident, mesh, stream)`` a run-time shard names, or None for a
     tensor that is no mesh tensor's shard. A view (or copy) torch made of a shard
