@@ -43,7 +43,11 @@ def layout_of(t: torch.Tensor) -> tuple:
 
 
 def _fake(layout: tuple) -> torch.Tensor:
+    """An empty tensor of ``layout`` (under a FakeTensorMode, a fake one): one call
+    where it starts its storage, else a view of a storage that ends where it does."""
     size, stride, offset, dtype, device = layout
+    if not offset:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
     extent = sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
     base = torch.empty((offset + extent,), dtype=dtype, device=device)
     return base.as_strided(size, stride, offset)

@@ -156,17 +156,10 @@ def _counts(shard: torch.Tensor, storage) -> tuple:
     return sys.getrefcount(shard), shard._use_count(), torch._C._storage_Use_Count(storage._cdata)
 
 
-def _meta(layout: tuple) -> torch.Tensor:
-    """A meta tensor of ``layout`` (one call where it starts its storage)."""
-    if layout[2]:
-        return _fake((*layout[:4], _META))
-    return torch.empty_strided(layout[0], layout[1], dtype=layout[3], device=_META)
-
-
 def _baseline() -> tuple:
     """``_counts`` of an ``owned`` shard held by its mesh tensor alone, as ``hand_over``
     sees it (they differ between versions of torch)."""
-    shard = _meta(((1,), (1,), 0, torch.float32, _META))
+    shard = _fake(((1,), (1,), 0, torch.float32, _META))
     held = {"_shard_kept": shard}  # noqa: F841 - the mesh tensor's reference
     storage = shard.untyped_storage()
     return _as_hand_over(shard, storage)
@@ -222,7 +215,7 @@ def owned(layout: tuple, value: int, ident: int, mesh, stream) -> torch.Tensor:
     (made on ``stream``): a meta tensor of ``layout`` (torch only passes it on);
     the value lives while its storage does (``_forget``), or longer if the user holds
     its mesh tensor."""
-    shard = _meta(layout)
+    shard = _fake((*layout[:4], _META))
     _remember(shard, _Made(value, ident, mesh, stream, layout))
     return shard
 
