@@ -79,6 +79,78 @@ def test_the_lm_gradients_are_one_graph_with_local_torchs_numbers(mesh):
         assert torch.equal(mnb.inspect(ours[name].grad), p.grad), name
 
 
+@pytest.mark.unit
+def test_the_lm_graphs_gradient_copies_are_dropped_with_the_same_results():
+    """AOTAutograd writes each new ``.grad`` as ``copy(empty_like(p), g)``: where ``g``
+    has ``p``'s layout already, ``drop_layout_copies`` returns ``g`` itself (a real
+    graph of the LM's gradients, traced locally; the program each rank runs)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from monarch_nb.api.tensor.graph_copies import drop_layout_copies
+    from monarch_nb.protocol.graph_program import GraphProgram
+
+    seen = {}
+
+    def keep(gm, example_inputs):
+        seen["gm"] = gm
+
+        def run(*args):
+            seen["args"] = list(args)
+            return gm(*args)
+
+        return run
+
+    with one_thread(), torch._dynamo.config.patch(trace_autograd_ops=True):
+        model, opt, _, data = lm.make()
+        opt.zero_grad(set_to_none=True)
+        torch.compile(lm.accumulate, backend=aot_autograd(fw_compiler=keep))(model, data)
+    gm, args = seen["gm"], seen["args"]
+    before = GraphProgram.of(gm, "before")
+
+    def copies():
+        return len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy.default))
+
+    n = 2 * len(list(model.parameters()))  # a copy per parameter per micro-batch
+    assert copies() == n
+    # every gradient has its parameter's layout here (a Linear's weight grad is
+    # t(t(mm)), contiguous): no copy is left
+    assert drop_layout_copies(gm) == n and copies() == 0
+    after = GraphProgram.of(gm, "after")
+    torch.manual_seed(1)
+    want = before(*args)
+    torch.manual_seed(1)
+    got = after(*args)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def test_a_copy_the_graph_needs_stays_its_own_tensor(mesh):
+    """A copy whose source is also returned, or has another layout, is kept: the
+    results are tensors of their own, of local torch's layouts and values."""
+    with mesh.activate():
+        x = torch.randn(4, 4)
+
+    def f(x):
+        y = x * 2
+        same = torch.empty_like(x).copy_(y)  # y is returned too: a tensor of its own
+        other = torch.empty_like(x).copy_((x + 3).t())  # its strides are not x's
+        lone = torch.empty_like(x).copy_(x + 1)  # droppable: nothing else sees x + 1
+        return same, y, other, lone
+
+    want = f(mnb.inspect(x))
+    got = torch.compile(f, backend=mnb.mesh_backend)(x)
+    for a, b in zip(got, want, strict=True):
+        assert a.stride() == b.stride()
+        assert torch.equal(mnb.inspect(a), b)
+    same, y, other, lone = got
+    with mesh.activate():
+        y.add_(1)
+    assert torch.equal(mnb.inspect(same), want[0])  # y's change did not reach it
+    assert torch.equal(mnb.inspect(y), want[1] + 1)
+    assert torch.equal(mnb.inspect(lone), want[3])
+
+
 def test_a_backward_outside_the_graph_runs_the_compiled_backward(mesh):
     """Without trace_autograd_ops dynamo ends the graph at ``backward()`` (in a loop,
     its frame runs eagerly and the model's forward is a graph of its own): torch's

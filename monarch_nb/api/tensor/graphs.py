@@ -23,6 +23,7 @@ from ...protocol.aten import OpSlot
 from ...protocol.graph_program import GraphProgram
 from ...protocol.wire import function_ref
 from ..context import RecordingError
+from .graph_copies import drop_layout_copies
 from .graph_parts import local_part
 from .plans import next_op_id
 from .propagate import layout_of
@@ -39,6 +40,7 @@ class MeshGraph:
     inputs: a boxed callable, as AOTAutograd calls its compilers' results."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str):
+        drop_layout_copies(gm)
         self.what = f"compiled {kind} graph {next(_names)}"
         self.gm, self.inputs = gm, len(example_inputs)
         self.tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
