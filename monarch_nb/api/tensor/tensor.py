@@ -28,6 +28,9 @@ class Tensor(torch.Tensor, Ref):
     each); its values come back with ``mnb.inspect(t)`` or ``t.fetch()``."""
 
     _fetched = function_ref(shard_value)  # a shard comes back without its rank's graph
+    # torch functions and attributes (.grad, .data) go straight to __torch_dispatch__:
+    # Tensor's own __torch_function__ is Python run on every call (~2-3 us, more for a list)
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, layout: tuple, ref_id: int, mesh, stream, ident: int):
