@@ -46,8 +46,13 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
 
 
 def _val(node):
+    """The node's example value, where its layout is plain numbers (a symbolic size is
+    not compared here: that would add a guard dynamo never checks)."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    numbers = (*val.shape, *val.stride(), val.storage_offset(), val.untyped_storage().nbytes())
+    return val if all(type(d) is int for d in numbers) else None
 
 
 def _fresh(node) -> bool:
