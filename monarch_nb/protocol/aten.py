@@ -27,6 +27,13 @@ def resolve_op(name: str):
         ) from None
 
 
+def op_callable(name: str):
+    """The C++ callable of the op ``name`` (its OpOverload's ``_op``): a call of it
+    skips OpOverload.__call__'s Python frame around it (~0.4 us of ~4 an op)."""
+    op = resolve_op(name)
+    return getattr(op, "_op", op)
+
+
 def op_named(name: str):
     """The OpOverload ``name``, resolved once per process."""
     op = _ops.get(name)

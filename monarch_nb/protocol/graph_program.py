@@ -12,6 +12,8 @@ import importlib
 import re
 from types import ModuleType, SimpleNamespace
 
+from .aten import op_callable
+
 # an op call in FX's source: torch.ops.<namespace>.<op>.<overload>(
 _OP_CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
 
@@ -75,13 +77,10 @@ class GraphProgram:
 
 def _bind(scope: dict, namespace: str, op: str, overload: str) -> str:
     """A name in ``scope`` for the op's C++ callable: a call of it skips the
-    ``torch.ops`` lookups and OpOverload's Python ``__call__`` (~1.8 us of ~4 per op)."""
-    import torch
-
+    ``torch.ops`` lookups and OpOverload's Python ``__call__``."""
     name = f"_op_{namespace}_{op}_{overload}"
     if name not in scope:
-        overloaded = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-        scope[name] = getattr(overloaded, "_op", overloaded)
+        scope[name] = op_callable(f"{namespace}::{op}.{overload}")
     return name
 
 

@@ -9,7 +9,7 @@ cells and one call.
 from __future__ import annotations
 
 from ..protocol import messages as m
-from ..protocol.aten import OpSlot, resolve_op, run_op
+from ..protocol.aten import OpSlot, op_callable, run_op
 from ..protocol.autograd import requiring, run_grad
 from ..protocol.pickling import resolve_function
 from .ref_cell import Cell, Written, get_value
@@ -22,9 +22,7 @@ class OpTemplate:
     def __init__(self, msg: m.DefineOp):
         fn, args, kwargs = resolve_function(msg.function), tuple(msg.args), dict(msg.kwargs)
         if fn is run_op and args and type(args[0]) is str:
-            fn, args = resolve_op(args[0]), args[1:]  # the op itself: no lookup per call
-            # its C++ callable: OpOverload.__call__ is a Python frame around it (~0.4 us)
-            fn = getattr(fn, "_op", fn)
+            fn, args = op_callable(args[0]), args[1:]  # the op itself: no lookup per call
         self.fn, self.args, self.kwargs, self.what = fn, args, kwargs, msg.what
         self.grad = msg.grad  # with autograd (the slots that require grad), or None
         self.writes = tuple(msg.writes)  # the slots it writes without returning them
