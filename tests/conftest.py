@@ -170,17 +170,23 @@ def nb7_server(tmp_path_factory):
 
 def _page(browser, server, name: str):
     """A fresh page; its screenshot as the test left it goes to artifacts/NAME-end.png
-    (a failed test: where it stopped); the server's kernels end with the test."""
+    (a failed test: where it stopped), and the requests the browser saw fail (with
+    chromium's reason: net::ERR_...) to artifacts/NAME-requests.txt; the server's
+    kernels end with the test."""
     from browser_helpers import ARTIFACTS
 
     ctx = browser.new_context(viewport={"width": 1600, "height": 1100})
     pg = ctx.new_page()
+    failed: list[str] = []
+    pg.on("requestfailed", lambda r: failed.append(f"{r.method} {r.url}: {r.failure}"))
     try:
         yield pg
     finally:
         try:
             ARTIFACTS.mkdir(exist_ok=True)
             pg.screenshot(path=str(ARTIFACTS / f"{name}-end.png"), full_page=True)
+            if failed:
+                (ARTIFACTS / f"{name}-requests.txt").write_text("\n".join(failed) + "\n")
         finally:
             ctx.close()
             server.end_sessions()

@@ -37,6 +37,10 @@ class Ref:
     # and slots would conflict with torch.Tensor's instance layout
 
     _fetched: m.Function | None = None  # what a fetch sends of the value (None: itself)
+    # defaults a Ref changes only when deleted or borrowed: read from the class until
+    # then (no per-Ref writes: the tensor dispatcher makes one or two a tensor op)
+    _deleted = False
+    _borrow: list | None = None  # [borrow id, first use sent]
 
     def __init__(self, ref_id: int, mesh: DeviceMesh, stream: Stream, ident: int):
         self.id = ref_id
@@ -44,8 +48,6 @@ class Ref:
         self.mesh = mesh
         self.stream = stream
         self.generation = mesh._controller.generation
-        self._deleted = False
-        self._borrow: list | None = None  # [borrow id, first use sent]
         keep_unraisable_hook()  # its __del__ hands a Ctrl-C back: see controller.sigint
 
     def __repr__(self) -> str:

@@ -22,6 +22,8 @@ from ..remote import Ref
 from . import borrows
 from .agreed import agreed_shard
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
 
 class Tensor(torch.Tensor, Ref):
     """A tensor on a mesh: torch ops on it run on every rank (one remote call
@@ -31,22 +33,21 @@ class Tensor(torch.Tensor, Ref):
     # torch functions and attributes (.grad, .data) go straight to __torch_dispatch__:
     # Tensor's own __torch_function__ is Python run on every call (~2-3 us, more for a list)
     __torch_function__ = torch._C._disabled_torch_function_impl
+    _aliases = None  # weakrefs to the tensors sharing its storage (aliases.join)
 
     @staticmethod
     def __new__(cls, layout: tuple, ref_id: int, mesh, stream, ident: int):
         size, stride, offset, dtype, device = layout
-        t = torch.Tensor._make_wrapper_subclass(
-            cls,
-            size,
-            strides=stride,
-            storage_offset=offset,
-            dtype=dtype,
-            device=device,
-            requires_grad=False,
-        )
+        # requires_grad defaults to False, storage_offset to 0: each keyword parsed costs,
+        # and the dispatcher makes ~1.6 tensors an op
+        if offset:
+            t = _make_wrapper(
+                cls, size, strides=stride, storage_offset=offset, dtype=dtype, device=device
+            )
+        else:
+            t = _make_wrapper(cls, size, strides=stride, dtype=dtype, device=device)
         Ref.__init__(t, ref_id, mesh, stream, ident)
         t._layout = layout
-        t._aliases = None  # weakrefs to the tensors sharing its storage (dispatch._join)
         trace = recording_trace.anyone and recording_trace.active
         if trace is not None:  # mnb.compile: a tensor made while recording may be state
             trace.made.append(weakref.ref(t))
