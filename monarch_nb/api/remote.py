@@ -33,12 +33,9 @@ class Ref:
     workers. Passing a Ref to a remote function uses the value on each rank.
     """
 
-    # no __slots__: a mesh tensor (``mnb.Tensor``) derives from torch.Tensor and Ref,
-    # and slots would conflict with torch.Tensor's instance layout
-
+    # no __slots__ (a mesh tensor derives from torch.Tensor and Ref: they would conflict);
+    # _deleted and _borrow are the class's until set (a tensor op makes one or two Refs)
     _fetched: m.Function | None = None  # what a fetch sends of the value (None: itself)
-    # defaults a Ref changes only when deleted or borrowed: read from the class until
-    # then (no per-Ref writes: the tensor dispatcher makes one or two a tensor op)
     _deleted = False
     _borrow: list | None = None  # [borrow id, first use sent]
 
