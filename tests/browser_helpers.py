@@ -335,7 +335,16 @@ class Lab(_Page):
         url = f"{self.server.url}/lab/workspaces/{ws}/tree/{self.name}.ipynb?token={self.server.token}"
         self.page.goto(url)
         self.page.locator(".jp-Notebook").first.wait_for(timeout=timeout)
-        self.wait_idle(timeout)
+        try:
+            self.wait_idle(timeout)
+        except Exception:
+            dialog = self.page.locator(".jp-Dialog")  # e.g. "File Load Error ... Failed to fetch"
+            if dialog.count():
+                raise AssertionError(
+                    f"JupyterLab showed a dialog instead of the notebook: "
+                    f"{' '.join(dialog.first.inner_text().split())!r}"
+                ) from None
+            raise
 
     def wait_idle(self, timeout: float = 60_000) -> None:
         """The status bar names the kernel as idle (the toolbar says so too early)."""
