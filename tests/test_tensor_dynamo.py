@@ -4,16 +4,20 @@ torch's numbers bit for bit (the transformer LM of ``benchmarks/lm.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from worker_probes import env_sizes
 
 import monarch_nb as mnb
 from benchmarks import cnn, lm
 from benchmarks.lm import one_thread
 from benchmarks.tensor_real import commands_per_call as _commands
+from monarch_nb.api.tensor.dispatch import dispatch
+from monarch_nb.api.tensor.mode import MeshMode
 
 STEPS = 3
 
@@ -57,7 +61,34 @@ def test_a_compiled_function_runs_on_the_ranks_as_one_command(mesh):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile
 
 
-def test_the_lm_gradients_are_one_graph_with_local_torchs_numbers(mesh):
+def _inside(mesh, inside: bool):
+    """``mesh.activate()`` where a test calls its compiled function inside it."""
+    return mesh.activate() if inside else contextlib.nullcontext()
+
+
+def test_inside_activate_a_compiled_function_is_still_one_graph_and_one_command(mesh):
+    """torch.compile runs a frame eagerly under a TorchDispatchMode that does not
+    ignore compile internals: the mesh's mode does, and the compiled call's own
+    bookkeeping (meta outputs, host scalars) never becomes ops of the mesh."""
+    with mesh.activate():
+        x, w = torch.randn(4, 8), torch.randn(8, 3)
+
+        def f(x, w):
+            return torch.relu(x @ w) * 0.5 + torch.arange(3, dtype=torch.float32)
+
+        want = mnb.inspect(f(x, w))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled = torch.compile(f, backend=mnb.mesh_backend)
+        assert torch.equal(mnb.inspect(compiled(x, w)), want)
+        assert _commands(mesh, lambda: compiled(x, w)) == 1
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+        assert torch.equal(mnb.inspect(f(x, w)), want)  # eager under the mode goes on
+    assert torch.equal(mnb.inspect(compiled(x, w)), want)  # and outside it, the same graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["outside", "inside-activate"])
+def test_the_lm_gradients_are_one_graph_with_local_torchs_numbers(mesh, inside):
     with one_thread():
         # the reference first: making the mesh's model seeds the local generator too
         local = lm.make()
@@ -65,7 +96,7 @@ def test_the_lm_gradients_are_one_graph_with_local_torchs_numbers(mesh):
         with mesh.activate():
             model, opt, sched, data = lm.make()
         grads = torch.compile(lm.accumulate, backend=mnb.mesh_backend)
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(trace_autograd_ops=True), _inside(mesh, inside):
             got = [lm.compiled_step(grads, model, opt, sched, data) for _ in range(STEPS)]
             # the graph (2 micro-batches, backward, accumulation, clipping) and AdamW's
             # few foreach commands; op by op the step is ~220
@@ -151,7 +182,8 @@ def test_a_copy_the_graph_needs_stays_its_own_tensor(mesh):
     assert torch.equal(mnb.inspect(lone), want[3])
 
 
-def test_a_backward_outside_the_graph_runs_the_compiled_backward(mesh):
+@pytest.mark.parametrize("inside", [False, True], ids=["outside", "inside-activate"])
+def test_a_backward_outside_the_graph_runs_the_compiled_backward(mesh, inside):
     """Without trace_autograd_ops dynamo ends the graph at ``backward()`` (in a loop,
     its frame runs eagerly and the model's forward is a graph of its own): torch's
     engine runs the compiled backward (one more command), reading the activations
@@ -162,7 +194,12 @@ def test_a_backward_outside_the_graph_runs_the_compiled_backward(mesh):
         with mesh.activate():
             model, opt, sched, data = lm.make()
         grads = torch.compile(lm.accumulate, backend=mnb.mesh_backend)
-        got = [lm.compiled_step(grads, model, opt, sched, data) for _ in range(STEPS)]
+        with _inside(mesh, inside):
+            got = [lm.compiled_step(grads, model, opt, sched, data) for _ in range(STEPS)]
+    # the eager ops after the graph break pass through the mesh's mode: dynamo
+    # compiles no frame of it (its __torch_dispatch__ is not wrapped in a disable)
+    for fn in (MeshMode.__torch_dispatch__, dispatch):
+        assert not _debug_get_cache_entry_list(fn.__code__), fn.__qualname__
     for a, b in zip(got, losses, strict=True):
         assert torch.equal(mnb.inspect(a), b)
     ours = dict(model.named_parameters())
@@ -252,7 +289,8 @@ def _cnn_loss(net, x, y):
     return loss.detach()
 
 
-def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh):
+@pytest.mark.parametrize("inside", [False, True], ids=["outside", "inside-activate"])
+def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh, inside):
     """BatchNorm's running stats are updated in the graph (on the ranks) and its
     ``num_batches_tracked``, a 0-dim tensor on the controller, by the part of the
     graph that reads only it, run on the controller."""
@@ -268,14 +306,15 @@ def test_a_cnn_with_batchnorm_trains_and_evaluates_as_local_torch(mesh):
         with mesh.activate():
             ours, our_opt, mx, my = cnn.make(6)
         train = torch.compile(_cnn_loss, backend=mnb.mesh_backend)
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(trace_autograd_ops=True), _inside(mesh, inside):
             for expected in want:
                 our_opt.zero_grad()
                 assert torch.equal(mnb.inspect(train(ours, mx, my)), expected)
                 our_opt.step()
         ours.eval()
         evaluate = torch.compile(lambda n, x: n(x), backend=mnb.mesh_backend)
-        assert torch.equal(mnb.inspect(evaluate(ours, mx)), want_eval)
+        with _inside(mesh, inside):
+            assert torch.equal(mnb.inspect(evaluate(ours, mx)), want_eval)
     bn, local_bn = ours[1], net[1]
     assert torch.equal(mnb.inspect(bn.running_mean), local_bn.running_mean)
     assert torch.equal(mnb.inspect(bn.running_var), local_bn.running_var)

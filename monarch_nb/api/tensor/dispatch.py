@@ -133,6 +133,23 @@ def _saved_copy(t: Tensor) -> Tensor:
     return _output(t._layout, 0, rid, ident, mesh, stream, [t])
 
 
+def local_only(func, args, kwargs) -> bool:
+    """Whether an op that reaches the mesh's mode with no mesh tensor among its
+    arguments reads local tensors: local torch (an optimizer's step counts, an
+    inspected shard), run as such without a key or a plan. ``torch.tensor(data)``
+    (a lift) and factories (no tensor at all) are no such op: they go to the mesh."""
+    if func in _LIFTS:
+        return False
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            return True
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return True
+    return False
+
+
 def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
     """An op with local tensors among its arguments: ``torch.tensor(data)`` (the data
     goes to every rank), local torch (no mesh tensor), or 0-dim values beside mesh

@@ -17,6 +17,7 @@ import itertools
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...protocol import messages as m
 from ...protocol.aten import OpSlot
@@ -193,7 +194,10 @@ def _compiler(kind: str):
         graph = MeshGraph(gm, example_inputs, kind)
 
         def run(args: list) -> list:
-            return graph(args)
+            # the call's own torch (meta outputs, host scalars) is bookkeeping here,
+            # never ops for the mesh of an active mesh.activate() (MeshMode)
+            with _disable_current_modes():
+                return graph(args)
 
         run._boxed_call = True  # AOTAutograd passes one list, which it may free
         return run

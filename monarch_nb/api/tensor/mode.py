@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import torch
 import torch._guards
 from torch._guards import TracingContext
 from torch.utils._python_dispatch import (
@@ -16,11 +17,12 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-from .dispatch import dispatch
+from .dispatch import dispatch, local_only
 
 _tls = threading.local()
 # ops about the controller itself (torch.autograd.profiler's record_function)
 _LOCAL_NAMESPACES = frozenset({"profiler"})
+_DEVICE = torch.ops.prim.device.default
 _guards_tls = getattr(torch._guards, "_TLS", None)
 if isinstance(_guards_tls, threading.local):
 
@@ -39,18 +41,29 @@ class MeshMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch would wrap __torch_dispatch__ in torch._disable_dynamo (~3 us an op);
-        # nothing is compiled under a mesh, so there is nothing to keep dynamo out of
+        # dynamo does not trace it (no frame of it or of dispatch is compiled under a
+        # torch.compile'd function called in the block: tests/test_tensor_dynamo.py)
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # else torch.compile runs every frame eagerly under the mode (op by op); its
+        # graphs are traced with the mode passing ops by (_tracing) and their calls
+        # (graphs.py) run with it off
+        return True
 
     def __init__(self, mesh):
         super().__init__()
         self.mesh = mesh
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # dynamo's guards read each input's: a wrapper knows its own
+            return args[0].device
         if (
             _tls.__dict__.get("local", 0)  # no_mesh(): the thread's own dict, no getattr miss
             or func.namespace in _LOCAL_NAMESPACES
             or _tracing() is not None
+            or (not types and local_only(func, args, kwargs))  # types: mesh tensors' class
         ):
             return func(*args, **(kwargs or {}))
         return dispatch(func, args, kwargs or {}, self.mesh)
