@@ -182,7 +182,8 @@ def bench_tensor_real_step(quick: bool) -> list[Entry]:
 
 def _dynamo(mesh, n: int, reps: int) -> dict:
     """``lm.compiled_step`` (the gradients one graph of dynamo's on the ranks) against
-    ``lm.step`` in local eager torch: steps/s, its commands a step, CPU per step."""
+    ``lm.step`` in local eager torch: steps/s, its commands a step, CPU per step; and
+    ``inside_activate_*``: the same step called under ``mesh.activate()``."""
     import torch
 
     import monarch_nb as mnb
@@ -197,9 +198,14 @@ def _dynamo(mesh, n: int, reps: int) -> dict:
     def fn():
         return lm.compiled_step(grads, model, opt, sched, data)
 
+    def inside():  # the loop a notebook writes: the step under mesh.activate()
+        with mesh.activate():
+            return fn()
+
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         out = _variant("", mesh, fn, lambda: lm.step(*local), n, reps)
         out.update(_cpu_per_step(mesh, fn, n))
+        out.update(_variant("inside_activate", mesh, inside, lambda: lm.step(*local), n, reps))
     del out["vs_local_eager"]  # the row's ratio
     return out
 

@@ -242,6 +242,10 @@ def test_bad_input_gives_a_clear_error_and_the_mesh_goes_on(mesh):
         mnb.inspect(torch.compile(f)(x, x.t()))  # another backend runs graphs here
     with mesh.activate():
         assert mnb.inspect(x @ x.t()).shape == (4, 4)  # the engine works on
+        torch._dynamo.reset()  # the same inside activate(), where dynamo compiles too
+        with pytest.raises(Exception, match="backend=mnb.mesh_backend"):
+            mnb.inspect(torch.compile(f)(x, x.t()))
+        assert mnb.inspect(x @ x.t()).shape == (4, 4)
     torch._dynamo.reset()
     assert mnb.inspect(torch.compile(f, backend=mnb.mesh_backend)(x, x.t())).shape == (4, 4)
 

@@ -41,8 +41,8 @@ class MeshMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch would wrap __torch_dispatch__ in torch._disable_dynamo (~3 us an op);
-        # dynamo does not trace it (no frame of it or of dispatch is compiled under a
-        # torch.compile'd function called in the block: tests/test_tensor_dynamo.py)
+        # dynamo does not trace it: traced.py puts monarch_nb in its skip rules
+        # (tests/test_tensor_dynamo.py checks no frame of it is compiled)
         return False
 
     @classmethod
