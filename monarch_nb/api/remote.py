@@ -33,8 +33,9 @@ class Ref:
     workers. Passing a Ref to a remote function uses the value on each rank.
     """
 
-    # no __slots__ (a mesh tensor derives from torch.Tensor and Ref: they would conflict);
-    # _deleted and _borrow are the class's until set (a tensor op makes one or two Refs)
+    # no __slots__ here (with torch.Tensor's layout they would conflict): a mesh tensor
+    # keeps these fields in slots of its own class. _deleted and _borrow are the
+    # class's until set
     _fetched: m.Function | None = None  # what a fetch sends of the value (None: itself)
     _deleted = False
     _borrow: list | None = None  # [borrow id, first use sent]

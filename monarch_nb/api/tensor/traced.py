@@ -287,7 +287,8 @@ def traced(shard: torch.Tensor, mesh, stream) -> Tensor:
     t._traced_shard = shard
     # a Ref's fields, naming nothing: delete() and __del__ do nothing
     t.id, t.ident, t.mesh, t.stream = 0, 0, mesh, stream
-    t.generation, t._deleted = -1, True  # (_borrow and _aliases: the classes' None)
+    t.generation, t._deleted = -1, True
+    t._borrow = t._aliases = None
     t._gone = _NOT_OURS
     t._layout = None
     return t
