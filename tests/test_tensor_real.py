@@ -217,3 +217,42 @@ def test_a_transformers_model_from_a_config_trains_as_locally(mesh, monkeypatch)
         losses.append(compiled())
         assert _commands_done(mesh) - before == 1  # replayed
     assert [mnb.inspect(t, dp=1).item() for t in losses] == expect
+
+
+def _casts_and_a_step(model, x):
+    """``to(device)``, ``float()``, ``double()`` and an SGD step, then a bfloat16 copy's
+    forward: what a training script does to a model before it trains."""
+    model.to("cpu").float()
+    view = model[0].weight[0]  # a view, gone before the next cast
+    del view
+    model.double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    half = model(x.to(torch.bfloat16)) if model.to(torch.bfloat16) is model else None
+    return loss, half
+
+
+def test_module_to_and_dtype_casts_swap_mesh_parameters_as_locally(mesh):
+    """``Module.to()`` swaps each parameter of a tensor subclass with its converted
+    copy (``torch.utils.swap_tensors``), which torch refuses for a tensor something
+    references weakly: a mesh parameter (made by detaching, once viewed) is not."""
+    with one_thread():
+        torch.manual_seed(0)
+        local = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        x = torch.randn(5, 4, dtype=torch.float64)
+        local_loss, local_half = _casts_and_a_step(local, x)
+    with mesh.activate():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        x = torch.randn(5, 4, dtype=torch.float64)
+        weight = model[0].weight
+        loss, half = _casts_and_a_step(model, x)
+    assert type(weight) is mnb.Tensor and weight.dtype == torch.bfloat16
+    assert weight is model[0].weight  # swapped in place: the module keeps its object
+    for rank in (0, 1):
+        assert torch.equal(mnb.inspect(loss, dp=rank), local_loss)
+        assert torch.equal(mnb.inspect(half, dp=rank), local_half)
+    for p, q in zip(model.parameters(), local.parameters()):
+        assert torch.equal(mnb.inspect(p, dp=1), q.detach())

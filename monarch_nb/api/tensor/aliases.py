@@ -16,14 +16,35 @@ _ALIAS = function_ref(alias_after)
 _ALIASES = function_ref(aliases_after)
 
 
+class _Group(list):
+    """Weak references to the live tensors sharing one storage. It is their weakrefs'
+    callback too: once one tensor is left, it leaves the group, so a tensor whose
+    aliases are gone is weakly referenced by nothing (``torch.utils.swap_tensors``,
+    which ``Module.to()`` uses for such a subclass, refuses a tensor that is)."""
+
+    __slots__ = ()
+
+    def __call__(self, _dead=None) -> None:
+        """Keep the live ones (a member died, or a writer looks)."""
+        live = [r for r in self if r() is not None]
+        if len(live) == 1:
+            last = live[0]()
+            if last is not None and last._aliases is self:
+                last._aliases = None
+            live = []
+        self[:] = live
+
+
 def join(view: Tensor, base: Tensor) -> None:
     """``view`` shares ``base``'s storage on every rank: one alias group."""
     group = base._aliases
+    if group is not None and len(group) >= 16:
+        group()
+        group = base._aliases
     if group is None:
-        group = base._aliases = [weakref.ref(base)]
-    elif len(group) >= 16:
-        group[:] = [r for r in group if r() is not None]
-    group.append(weakref.ref(view))
+        group = base._aliases = _Group()
+        group.append(weakref.ref(base, group))
+    group.append(weakref.ref(view, group))
     view._aliases = group
 
 
@@ -31,15 +52,13 @@ def rename_aliases(t: Tensor, mesh, stream) -> None:
     """After an in-place op on ``t``, every live tensor sharing its storage names
     its value anew, after that op: a failure of the op reaches their readers too
     (as the reference's ``mutates`` marks every alias)."""
-    live = []
-    for r in t._aliases:
+    group = t._aliases
+    group()
+    for r in list(group):
         u = r()
-        if u is None:
-            continue
-        live.append(r)
-        if u is not t and u.mesh.targets == mesh.targets and u.generation == t.generation:
-            _rename(u, t, mesh, stream)
-    t._aliases[:] = live
+        if u is not None and u is not t:
+            if u.mesh.targets == mesh.targets and u.generation == t.generation:
+                _rename(u, t, mesh, stream)
 
 
 def rename_written(written: list, after, mesh, stream) -> None:
@@ -50,10 +69,10 @@ def rename_written(written: list, after, mesh, stream) -> None:
     names, seen = [], set()
     for t in written:
         group = [t]
-        if t._aliases is not None:
-            pairs = [(r, r()) for r in t._aliases]
-            t._aliases[:] = [r for r, u in pairs if u is not None]
-            group += [u for _, u in pairs if u is not None]
+        shared = t._aliases
+        if shared is not None:
+            shared()
+            group += [u for u in (r() for r in shared) if u is not None]
         for u in group:
             if id(u) in seen or u._deleted or u._borrow is not None or u.stream.id != stream.id:
                 continue

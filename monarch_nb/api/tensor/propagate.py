@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 _tls = threading.local()
+_DETACH = torch.ops.aten.detach.default
 
 
 def _fake_mode() -> FakeTensorMode:
@@ -165,7 +166,8 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
         one = spec(out)
         if relayout:
             return ("relayout", one, relayout[one])
-        return ("one", one, base(out))
+        # a detached copy shares the storage but joins no alias group (docs/api.md)
+        return ("one", one, None if func is _DETACH else base(out))
     if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
         return ("many", type(out), [spec(o) for o in out], [base(o) for o in out])
     if out is None:
