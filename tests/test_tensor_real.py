@@ -256,3 +256,33 @@ def test_module_to_and_dtype_casts_swap_mesh_parameters_as_locally(mesh):
         assert torch.equal(mnb.inspect(half, dp=rank), local_half)
     for p, q in zip(model.parameters(), local.parameters()):
         assert torch.equal(mnb.inspect(p, dp=1), q.detach())
+
+
+def test_torch_save_of_mesh_tensors_is_refused_naming_the_ways_that_work(mesh, tmp_path):
+    """``torch.save(model.state_dict(), path)`` under a mesh wrote a file of worker
+    references that failed only when loaded; now it fails at once, naming how to save
+    them, and the fetched state dict saves and loads as locally."""
+    import pickle
+
+    with mesh.activate():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+    with pytest.raises(pickle.PicklingError, match=r"mnb\.inspect.*mesh\.save\(path, model="):
+        torch.save(model.state_dict(), tmp_path / "model.pt")
+    with pytest.raises(pickle.PicklingError, match="holds no values here"):
+        pickle.dumps(model.weight)
+    fetched = {k: mnb.inspect(v) for k, v in model.state_dict().items()}
+    torch.save(fetched, tmp_path / "model.pt")
+    torch.manual_seed(0)
+    local = torch.nn.Linear(4, 2)
+    loaded = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(loaded[k], v) for k, v in local.state_dict().items())
+    # a function sent by value that refers to a mesh tensor: refused when sent (the
+    # worker failed, "Ref 7 can only be resolved inside a worker command"); as an
+    # argument it is the rank's shard
+    bias = model.bias
+    with pytest.raises(TypeError, match="refers to a mesh tensor.*pass the tensor as an arg"):
+        mnb.remote(lambda: bias.sum().item())(mesh=mesh)
+    total = mnb.remote(lambda b: b.sum().item())(bias, mesh=mesh).fetch(rank=1)
+    assert total == pytest.approx(local.bias.sum().item())
+    assert torch.equal(mnb.inspect(model.bias, dp=0), local.bias.detach())  # the mesh goes on

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import linecache
 import os
@@ -30,6 +31,7 @@ import cloudpickle
 
 from ..hooks import Hook
 from .messages import Args, Function
+from .wrapped_names import reduce_wrapped
 
 
 class RefUseError(ValueError):
@@ -117,7 +119,8 @@ def _sources_of(obj) -> dict:
 
 def dumps_by_value(obj) -> tuple:
     f = io.BytesIO()
-    _SourceKeepingPickler(f, protocol=5).dump(obj)
+    with _packing("by_value"):  # a Ref met on the way refuses (ref_placeholder)
+        _SourceKeepingPickler(f, protocol=5).dump(obj)
     return f.getvalue(), _sources_of(obj)
 
 
@@ -223,46 +226,8 @@ class _Pickler(pickle.Pickler):
             if is_by_value(obj):
                 return (_load_by_value, dumps_by_value(obj))
             if cls is types.FunctionType:
-                return _reduce_wrapped(obj)
+                return reduce_wrapped(obj)
         return NotImplemented
-
-
-def _reduce_wrapped(fn):
-    """A function whose importable name holds a wrapper of it, or which wraps the
-    function of its name (functools.wraps; torch._dynamo wraps torch.manual_seed,
-    the tensor engine torch.random.manual_seed): by that name and the number of
-    ``__wrapped__`` steps from it to ``fn``. Otherwise NotImplemented (pickle's way)."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    qualname = getattr(fn, "__qualname__", "")
-    if module is None or "<" in qualname:
-        return NotImplemented
-    named = module
-    for part in qualname.split("."):
-        named = getattr(named, part, None)
-    if named is None or named is fn:
-        return NotImplemented
-    found, depth = named, 0
-    while found is not fn and found is not None and depth < 8:
-        found, depth = getattr(found, "__wrapped__", None), depth + 1
-    if found is not fn:  # fn wraps the named function: calling that is the same
-        inner, depth = fn, 0
-        while inner is not named and inner is not None and depth < 8:
-            inner, depth = getattr(inner, "__wrapped__", None), depth + 1
-        if inner is not named:
-            return NotImplemented
-        depth = 0
-    return (_load_wrapped, (module.__name__, qualname, depth))
-
-
-def _load_wrapped(module: str, qualname: str, depth: int):
-    import importlib
-
-    fn = importlib.import_module(module)
-    for part in qualname.split("."):
-        fn = getattr(fn, part)
-    for _ in range(depth):  # where the name holds no wrapper, it is the function itself
-        fn = getattr(fn, "__wrapped__", fn)
-    return fn
 
 
 def dumps(obj, refs: list | None = None) -> tuple[bytes, list]:
@@ -378,10 +343,24 @@ def resolve_function(f: Function) -> Callable:
     return fn
 
 
-def ref_placeholder(ref_id: int) -> tuple:
-    """What a Ref reduces to in a pickle (for a Ref class's own ``__reduce_ex__``):
-    on a worker, inside a command, it unpickles as the value ``ref_id`` names."""
-    return (_load_ref, (ref_id,))
+def ref_placeholder(ref_id: int, refusals: tuple[str, str]) -> tuple:
+    """A Ref class's ``__reduce_ex__``: in ``pack_ref_args``, a placeholder a worker
+    resolves inside the command. In a function sent by value (resolved nowhere):
+    PicklingError(``refusals[1]``); in any other pickle (torch.save, pickle.dumps),
+    whose file would fail only when loaded: PicklingError(``refusals[0]``)."""
+    packing = getattr(_tls, "packing", None)
+    if packing == "refs":
+        return (_load_ref, (ref_id,))
+    raise pickle.PicklingError(refusals[1] if packing == "by_value" else refusals[0])
+
+
+@contextlib.contextmanager
+def _packing(kind: str):
+    before, _tls.packing = getattr(_tls, "packing", None), kind
+    try:
+        yield
+    finally:
+        _tls.packing = before
 
 
 def pack_ref_args(args: tuple, kwargs: dict, ref_ids: tuple) -> Args:
@@ -389,7 +368,8 @@ def pack_ref_args(args: tuple, kwargs: dict, ref_ids: tuple) -> Args:
     ``ref_placeholder`` (no tensors, no functions by value): the C pickler alone.
     ``ref_ids``: the ids of the Refs inside."""
     try:
-        payload = pickle.dumps((args, kwargs), 5)
+        with _packing("refs"):
+            payload = pickle.dumps((args, kwargs), 5)
     except RefUseError:
         raise
     except Exception as e:

@@ -13,6 +13,7 @@ from .send import aux_template, define, run
 from .tensor import Tensor
 
 _ALIAS = function_ref(alias_after)
+_HOLDER = "an op's worker-side tuple goes to the workers as an argument only"
 _ALIASES = function_ref(aliases_after)
 
 
@@ -124,7 +125,7 @@ class Holder:
         return self.id
 
     def __reduce_ex__(self, protocol):
-        return ref_placeholder(self.id)
+        return ref_placeholder(self.id, (_HOLDER,) * 2)
 
 
 register_ref_type(Holder, operator.attrgetter("id"))

@@ -23,6 +23,18 @@ from . import borrows
 from .agreed import agreed_shard
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_NOT_SAVED = (
+    "a mesh tensor holds no values here (its shards live on the ranks), so torch.save and "
+    "pickle cannot save it: bring the values here first (mnb.inspect(t); a state dict: "
+    "{k: mnb.inspect(v) for k, v in model.state_dict().items()}), or save them where they "
+    "are with mesh.save(path, model=model) (torch.distributed.checkpoint)"
+)
+_REFUSALS = (
+    _NOT_SAVED,
+    "a function sent to the workers by value refers to a mesh tensor (in its closure or "
+    "globals): pass the tensor as an argument instead (mnb.remote(fn)(t) gives fn each "
+    "rank's shard of t)",
+)
 
 
 class Tensor(torch.Tensor, Ref):
@@ -84,8 +96,9 @@ class Tensor(torch.Tensor, Ref):
         return TRACING.value.shard_of(self)
 
     def __reduce_ex__(self, protocol):
-        # pickled (call arguments), a mesh tensor is a reference to its shard
-        return ref_placeholder(self._wire_id())
+        # sent, a reference to its shard; any other pickle (torch.save, a function sent
+        # by value) refuses, saying why
+        return ref_placeholder(self._wire_id(), _REFUSALS)
 
     def __deepcopy__(self, memo):
         """A copy on the same mesh and stream (one clone per rank); a parameter's copy
