@@ -239,3 +239,21 @@ def test_a_crash_with_nobody_waiting_is_logged_once(crashy, caplog):
     ]
     with pytest.raises(mnb.WorkerCrashed, match="needs a restart"):
         mnb.remote(add)(1, 2, mesh=crashy)
+
+
+def test_a_ref_refuses_pickles_that_would_save_nothing_and_goes_as_an_argument(mesh):
+    """pickle (torch.save) of a Ref, or a function sent by value that holds one, was a
+    TypeError about a lock inside it; each now says what to do, and the Ref as an
+    argument is each rank's value."""
+    ones = mnb.remote(torch_ones)(3, mesh=mesh)
+    with pytest.raises(pickle.PicklingError, match=r"ref\.fetch\(\)"):
+        pickle.dumps(ones)
+    with pytest.raises(TypeError, match="refers to a Ref.*pass the Ref as an argument"):
+        mnb.remote(lambda: ones.sum().item())(mesh=mesh)
+    assert mnb.remote(lambda t: t.sum().item())(ones, mesh=mesh).fetch(rank=1) == 3.0
+
+
+def torch_ones(n):
+    import torch
+
+    return torch.ones(n)

@@ -12,6 +12,7 @@ from ..controller import raise_pending_interrupt as _raise_pending_interrupt
 from ..hooks import Hook
 from ..protocol import messages as m
 from ..protocol.function_guard import pickled
+from ..protocol.pickling import ref_placeholder
 from ..protocol.reduce_options import REDUCTIONS, check_combination
 from ..protocol.wire import (
     RefUseError,
@@ -24,6 +25,13 @@ from .context import BaseMesh, Stream, recording_trace, resolve_target
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
+
+_REFUSALS = (
+    "a Ref names a value on the ranks, which torch.save and pickle cannot save: bring it "
+    "here first (ref.fetch())",
+    "a function sent to the workers by value refers to a Ref (in its closure or globals): "
+    "pass the Ref as an argument instead (mnb.remote(fn)(ref) gives fn each rank's value)",
+)
 
 
 class Ref:
@@ -51,6 +59,11 @@ class Ref:
     def __repr__(self) -> str:
         state = " deleted" if self._deleted else ""
         return f"<Ref {self.id} on {self.mesh.name!r} stream {self.stream.name!r}{state}>"
+
+    def __reduce_ex__(self, protocol):
+        # sent, a reference to the value; torch.save, pickle or a function sent by value
+        # refuses, saying why (a copy would name nothing)
+        return ref_placeholder(self._wire_id(), _REFUSALS)
 
     def _check(self) -> None:
         if self._deleted:
@@ -163,24 +176,11 @@ class Ref:
         ident, result = ctrl.next_ident(), ctrl.next_id()
         what = f"reduce {','.join(dims)} {reduction}{' scatter' if scatter else ''}"
         sizes = tuple(mesh._slice.sizes[i] for i in reduced)
-        ctrl.send(
-            m.Reduce(
-                ident,
-                result,
-                self.id,
-                key,
-                reduction,
-                scatter,
-                inplace,
-                None if out is None else out.id,
-                stream.id,
-                sizes,
-                what,
-            ),
-            mesh.targets,
-            stream.id,
-            what,
+        into = None if out is None else out.id
+        msg = m.Reduce(
+            ident, result, self.id, key, reduction, scatter, inplace, into, stream.id, sizes, what
         )
+        ctrl.send(msg, mesh.targets, stream.id, what)
         return Ref(result, mesh, stream, ident)
 
     def to_mesh(self, other: DeviceMesh) -> Ref:
