@@ -5,6 +5,8 @@ clip_grad_norm_, LambdaLR, 2 accumulated micro-batches) trained unmodified under
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -230,8 +232,8 @@ def _casts_and_a_step(model, x):
     loss = model(x).square().mean()
     loss.backward()
     opt.step()
-    half = model(x.to(torch.bfloat16)) if model.to(torch.bfloat16) is model else None
-    return loss, half
+    model.to(torch.bfloat16)
+    return loss, model(x.to(torch.bfloat16))
 
 
 def test_module_to_and_dtype_casts_swap_mesh_parameters_as_locally(mesh):
@@ -262,8 +264,6 @@ def test_torch_save_of_mesh_tensors_is_refused_naming_the_ways_that_work(mesh, t
     """``torch.save(model.state_dict(), path)`` under a mesh wrote a file of worker
     references that failed only when loaded; now it fails at once, naming how to save
     them, and the fetched state dict saves and loads as locally."""
-    import pickle
-
     with mesh.activate():
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)

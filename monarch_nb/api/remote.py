@@ -47,6 +47,7 @@ class Ref:
     _fetched: m.Function | None = None  # what a fetch sends of the value (None: itself)
     _deleted = False
     _borrow: list | None = None  # [borrow id, first use sent]
+    _refusals = _REFUSALS  # what a pickle other than the wire's is told (ref_placeholder)
 
     def __init__(self, ref_id: int, mesh: DeviceMesh, stream: Stream, ident: int):
         self.id = ref_id
@@ -61,9 +62,8 @@ class Ref:
         return f"<Ref {self.id} on {self.mesh.name!r} stream {self.stream.name!r}{state}>"
 
     def __reduce_ex__(self, protocol):
-        # sent, a reference to the value; torch.save, pickle or a function sent by value
-        # refuses, saying why (a copy would name nothing)
-        return ref_placeholder(self._wire_id(), _REFUSALS)
+        # the wire's pickler sends Refs itself; any other pickle refuses (ref_placeholder)
+        return ref_placeholder(self._wire_id(), self._refusals)
 
     def _check(self) -> None:
         if self._deleted:

@@ -15,7 +15,6 @@ import torch
 
 from ...hooks import Hook
 from ...protocol.autograd import shard_value
-from ...protocol.pickling import ref_placeholder
 from ...protocol.wire import function_ref, register_ref_type
 from ..context import recording_trace
 from ..remote import Ref
@@ -45,6 +44,9 @@ class Tensor(torch.Tensor, Ref):
     # torch functions and attributes (.grad, .data) go straight to __torch_dispatch__:
     # Tensor's own __torch_function__ is Python run on every call (~2-3 us, more for a list)
     __torch_function__ = torch._C._disabled_torch_function_impl
+    # Ref's, not torch.Tensor's (first in the MRO), with a mesh tensor's words
+    __reduce_ex__ = Ref.__reduce_ex__
+    _refusals = _REFUSALS
     # a Ref's fields and its own in slots: read ~10 times a tensor an op, a slot costs a
     # quarter of a tensor's __dict__ (torch keeps that at a negative offset, which
     # Python's fast attribute paths skip). Every one is set where a Tensor is made.
@@ -94,11 +96,6 @@ class Tensor(torch.Tensor, Ref):
     @property
     def _shard(self):
         return TRACING.value.shard_of(self)
-
-    def __reduce_ex__(self, protocol):
-        # sent, a reference to its shard; any other pickle (torch.save, a function sent
-        # by value) refuses, saying why
-        return ref_placeholder(self._wire_id(), _REFUSALS)
 
     def __deepcopy__(self, memo):
         """A copy on the same mesh and stream (one clone per rank); a parameter's copy
