@@ -16,6 +16,7 @@ import monarch_nb as mnb
 from benchmarks import cnn, lm
 from benchmarks.lm import one_thread
 from benchmarks.tensor_real import commands_per_call as _commands
+from monarch_nb.api.tensor import traced
 from monarch_nb.api.tensor.dispatch import dispatch
 from monarch_nb.api.tensor.mode import MeshMode
 
@@ -225,6 +226,29 @@ def test_a_graphs_values_are_freed_on_the_ranks(mesh):
     torch._dynamo.reset()  # dynamo's cache holds the compiled frame (and its guards)
     gc.collect()
     assert all(n < b for n, b in zip(env_sizes(mesh), base))
+
+
+def test_gradients_dropped_by_zero_grad_are_freed_at_once(mesh, monkeypatch):
+    """A graph's output that nothing but its mesh tensor holds (a gradient, dropped by
+    zero_grad) frees its value there and then: no mesh tensor is made to hand it over
+    (31 a step were, each made and freed again, when a local in Tensor.delete held the
+    shard that hand_over counts the holders of)."""
+    with mesh.activate():
+        model, opt, sched, data = lm.make()
+    grads = torch.compile(lm.accumulate, backend=mnb.mesh_backend)
+    handed: list = []
+    real = traced.hand_over
+    monkeypatch.setattr(traced, "hand_over", lambda t: handed.append(real(t)) or handed[-1])
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        for _ in range(2):
+            lm.compiled_step(grads, model, opt, sched, data)
+        before = env_sizes(mesh)
+        handed.clear()
+        opt.zero_grad(set_to_none=True)
+        after = env_sizes(mesh)
+    n = len(list(model.parameters()))
+    assert handed == [False] * n
+    assert [b - a for a, b in zip(after, before)] == [n, n]
 
 
 def test_bad_input_gives_a_clear_error_and_the_mesh_goes_on(mesh):

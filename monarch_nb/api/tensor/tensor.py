@@ -244,9 +244,13 @@ class Tensor(torch.Tensor, Ref):
     def delete(self) -> None:
         if not self._deleted:
             borrows.returned(self)
-            # getattr, not self.__dict__: that would make the dict most tensors never have
-            compiled = getattr(self, "_shard_cache", None) or getattr(self, "_shard_kept", None)
-            if compiled is not None and self._borrow is None and TRACING.value.hand_over(self):
+            # getattr, not self.__dict__ (that would make the dict most tensors never
+            # have), and into no local: hand_over counts who else holds the shard
+            compiled = (
+                getattr(self, "_shard_cache", None) is not None
+                or getattr(self, "_shard_kept", None) is not None
+            )
+            if compiled and self._borrow is None and TRACING.value.hand_over(self):
                 self._deleted = True  # a compiled backward still reads its value
                 return
         Ref.delete(self)

@@ -40,10 +40,12 @@ __all__ = [
 _META = torch.device("meta")
 _OUTER = "_mnb_outer"  # a run-time shard's attribute: its mesh tensor (a weakref or _Strong)
 # the storage of each run-time shard -> [the shard's layout, its mesh tensor as _OUTER
-# holds it]. torch hands a graph's shards on as new tensors of the same storage (the
-# copies autograd saves, views), so a shard is known by its storage, and a graph
-# output's value lives as long as that storage does: a finalizer on the storage's
-# Python object (which torch keeps while the storage lives) forgets it.
+# holds it, a weakref to the storage]. torch hands a graph's shards on as new tensors of
+# the same storage (the copies autograd saves, views), so a shard is known by its
+# storage, and a graph output's value lives as long as that storage does: the weakref's
+# callback (on the storage's Python object, which torch keeps while the storage lives)
+# forgets it. (A plain weakref, kept by the entry: ~1 us to make and fire against
+# weakref.finalize's 2-4, and a step of the dynamo LM makes 31.)
 _LIVE: dict = {}
 
 
@@ -86,14 +88,19 @@ class _Strong:
 def _remember(shard: torch.Tensor, holder) -> None:
     setattr(shard, _OUTER, holder)
     storage = shard.untyped_storage()
-    entry = _LIVE[storage._cdata] = [_layout(shard), holder]
-    weakref.finalize(storage, _forget, storage._cdata, entry)
+    cdata = storage._cdata
+    _LIVE[cdata] = [_layout(shard), holder, weakref.ref(storage, _forgetter(cdata))]
 
 
-def _forget(cdata: int, entry: list) -> None:
-    """A shard's storage died: its value is freed (unless its mesh tensor lives on)."""
-    if _LIVE.get(cdata) is entry:
-        del _LIVE[cdata]
+def _forgetter(cdata: int):
+    def forget(ref) -> None:
+        """A shard's storage died: its value is freed (unless its mesh tensor lives on).
+        Only its own entry: a storage made later at the same address has another."""
+        entry = _LIVE.get(cdata)
+        if entry is not None and entry[2] is ref:
+            del _LIVE[cdata]
+
+    return forget
 
 
 def shard_of(t: Tensor) -> torch.Tensor:
@@ -213,7 +220,7 @@ class _Made:
 def owned(layout: tuple, value: int, ident: int, mesh, stream) -> torch.Tensor:
     """The shard of a graph's output, the value ``value`` on the ranks of ``mesh``
     (made on ``stream``): a meta tensor of ``layout`` (torch only passes it on);
-    the value lives while its storage does (``_forget``), or longer if the user holds
+    the value lives while its storage does (``_forgetter``), or longer if the user holds
     its mesh tensor."""
     shard = _fake((*layout[:4], _META))
     _remember(shard, _Made(value, ident, mesh, stream, layout))
