@@ -757,24 +757,92 @@ def test_clip_grad_norm_takes_the_foreach_path_with_local_numbers(mesh):
         assert torch.equal(mnb.inspect(p.grad, dp=0), q.grad)
 
 
-@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
-def test_foreach_optimizers_match_the_per_tensor_path(mesh, opt_cls):
-    import copy
+_OPTIMIZERS = [
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+    torch.optim.Adagrad, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.Rprop,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Adafactor,
+]  # fmt: skip
 
+
+def _train(opt_cls, steps: int = 3, **options) -> tuple:
+    """A small model (made where this runs: under mesh.activate(), on the mesh) after
+    ``steps`` of ``opt_cls``: ``(model, optimizer, losses)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    opt = opt_cls(model.parameters(), lr=0.01, **options)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss)
+    return model, opt, losses
+
+
+@pytest.mark.parametrize("opt_cls", _OPTIMIZERS, ids=lambda c: c.__name__)
+def test_torchs_optimizers_give_local_numbers_taking_foreach_where_it_keeps_them(mesh, opt_cls):
+    """Each of torch's optimizers with its defaults: local torch's numbers bit for bit.
+    Those whose foreach path does the per-tensor path's arithmetic take it on the mesh
+    (a few commands a step); the others (NAdam, RAdam, ASGD, Adafactor round otherwise
+    there) keep torch's per-tensor choice, as locally. Before, all took foreach, and
+    those four drifted from local torch by an ulp a step."""
+    from monarch_nb.api.tensor.optim import SAME_NUMBERS
+
+    local_model, _, local_losses = _train(opt_cls)
     with mesh.activate():
-        torch.manual_seed(1)
-        model = torch.nn.Linear(4, 2)
-        x = torch.randn(8, 4)
-    twin = copy.deepcopy(model)
-    opts = [opt_cls(model.parameters(), lr=0.1, foreach=True)]
-    opts.append(opt_cls(twin.parameters(), lr=0.1, foreach=False))
-    for _ in range(3):
-        for net, opt in zip((model, twin), opts):
-            opt.zero_grad()
-            net(x).pow(2).sum().backward()
-            opt.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.allclose(mnb.inspect(p, dp=1), mnb.inspect(q, dp=1), atol=1e-6)
+        model, opt, losses = _train(opt_cls)
+    assert [mnb.inspect(v).item() for v in losses] == [v.item() for v in local_losses]
+    for p, q in zip(model.parameters(), local_model.parameters()):
+        assert torch.equal(mnb.inspect(p, dp=1), q)
+    assert opt.param_groups[0]["foreach"] is (True if opt_cls in SAME_NUMBERS else None)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
+def test_fused_optimizers_give_local_fused_numbers(mesh, opt_cls):
+    options = {"momentum": 0.9} if opt_cls is torch.optim.SGD else {"amsgrad": True}
+    local_model = _train(opt_cls, fused=True, **options)[0]
+    with mesh.activate():
+        model = _train(opt_cls, fused=True, **options)[0]
+    for p, q in zip(model.parameters(), local_model.parameters()):
+        assert torch.equal(mnb.inspect(p, dp=0), q)
+
+
+@pytest.mark.unit
+def test_the_optimizers_given_foreach_equal_their_per_tensor_path_in_this_torch():
+    """What ``SAME_NUMBERS`` stands on, checked against the torch installed: each
+    listed optimizer's foreach path gives its per-tensor path's numbers bit for bit."""
+    from monarch_nb.api.tensor.optim import SAME_NUMBERS
+
+    options = {torch.optim.SGD: {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}}
+    options[torch.optim.Adam] = options[torch.optim.AdamW] = {"amsgrad": True}
+    options[torch.optim.RMSprop] = {"momentum": 0.5, "centered": True}
+    options[torch.optim.Rprop] = {"etas": (0.4, 1.3), "maximize": True}
+    for opt_cls in SAME_NUMBERS:
+        for extra in ({}, options.get(opt_cls, {"weight_decay": 0.01})):
+            a = _train(opt_cls, 5, foreach=True, **extra)[0]
+            b = _train(opt_cls, 5, foreach=False, **extra)[0]
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert torch.equal(p, q), (opt_cls.__name__, extra)
+
+
+def test_writing_a_local_tensor_with_mesh_values_is_refused(mesh):
+    """A 0-dim tensor of a Python number stays local under activate(); an op writing
+    it with mesh tensors' values ran on the ranks, on a copy, and left it unchanged
+    without a word (ASGD's foreach path lost its step sizes so)."""
+    with mesh.activate():
+        eta = torch.as_tensor(0.01).clone()
+        value = torch.ones(()) * 0.5
+        with pytest.raises(mnb.RefUseError, match=r"aten.copy_ writes a local tensor"):
+            eta.copy_(value)
+        with pytest.raises(mnb.RefUseError, match=r"_foreach_copy_ writes a local tensor"):
+            torch._foreach_copy_([eta], [value])
+        assert not isinstance(eta, mnb.Tensor) and eta.item() == pytest.approx(0.01)
+        on_mesh = torch.zeros(())
+        on_mesh.copy_(value)  # a mesh tensor takes it; a local value still goes in
+        on_mesh.add_(torch.as_tensor(0.25))
+    assert mnb.inspect(on_mesh, dp=1).item() == 0.75
 
 
 def test_a_cuda_result_on_a_cpu_mesh_is_refused_at_the_call(mesh):

@@ -50,6 +50,36 @@ def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
     )
 
 
+_WRITTEN: dict = {}  # op -> ((position, name) of each argument it writes)
+
+
+def _written_local(func, args, kwargs) -> torch.Tensor | None:
+    """A local tensor among the arguments ``func`` writes (in place, or ``out=``)."""
+    places = _WRITTEN.get(func)
+    if places is None:
+        places = _WRITTEN[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    for i, name in places:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if type(value) is list or type(value) is tuple else (value,):
+            if isinstance(t, torch.Tensor) and not isinstance(t, Tensor):
+                return t
+    return None
+
+
+def _local_write_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
+    return RefUseError(
+        f"{name} writes a local tensor (shape {tuple(t.shape)}, {t.dtype}) with values "
+        f"of mesh {mesh.name!r}, which the ranks hold: a 0-dim tensor of a Python number "
+        f"(torch.tensor(0.5), torch.as_tensor(lr)) stays local under mesh.activate(); "
+        f"write a mesh tensor instead (torch.zeros(()) makes one), or bring the value "
+        f"here with mnb.inspect(t)"
+    )
+
+
 def dispatch(func, args, kwargs, mesh=None):
     """Run ``func`` on the shards of its mesh tensors (or, for a factory, on
     ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
@@ -167,6 +197,9 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
         for t in local:
             if (t.dim() != 0 and not copy_in) or t.requires_grad:
                 raise _local_error(op_name(func), t, mesh)
+        written = _written_local(func, args, kwargs)
+        if written is not None:  # the ranks would write a copy of it: nothing here
+            raise _local_write_error(op_name(func), written, mesh)
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)
     mesh, stream, ctrl = target(tensors, mesh, p.what, p.written)
