@@ -286,3 +286,27 @@ def test_torch_save_of_mesh_tensors_is_refused_naming_the_ways_that_work(mesh, t
     total = mnb.remote(lambda b: b.sum().item())(bias, mesh=mesh).fetch(rank=1)
     assert total == pytest.approx(local.bias.sum().item())
     assert torch.equal(mnb.inspect(model.bias, dp=0), local.bias.detach())  # the mesh goes on
+
+
+def test_a_transformer_encoders_padding_mask_in_inference_is_refused_or_runs_unnested(mesh):
+    """nn.TransformerEncoder in eval under no_grad takes torch's fast path, which makes
+    a nested tensor of a padding mask: on the mesh that failed with torch's "Internal
+    error: NestedTensorImpl doesn't support sizes". It is refused naming the switch;
+    with it, the encoder gives local torch's numbers (with the same switch)."""
+
+    def run(nested: bool):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+        model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+        x = torch.randn(2, 5, 16)
+        mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+        with torch.inference_mode():
+            return model(x, src_key_padding_mask=mask)
+
+    with one_thread(), mesh.activate():
+        with pytest.raises(NotImplementedError, match=r"enable_nested_tensor=False"):
+            run(True)
+        ours = run(False)
+    with one_thread():
+        local = run(False)
+    assert torch.equal(mnb.inspect(ours, dp=1), local)

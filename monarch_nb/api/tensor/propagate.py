@@ -121,6 +121,13 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
     """The description of ``func``'s outputs for mesh tensors ``tensors`` (in the
     order the dispatcher numbered them) among ``args`` / ``kwargs``."""
     name = op_name(func)
+    if "nested" in func.name():
+        raise NotImplementedError(
+            f"{name}: mesh tensors cannot be nested tensors, which nn.TransformerEncoder's "
+            f"fast path makes of a padding mask under no_grad or inference_mode: build it "
+            f"with enable_nested_tensor=False (locally too, to compare: the nested path "
+            f"gives other numbers)"
+        )
     try:
         with fake_inputs(args, kwargs, tensors, is_mesh) as (fargs, fkwargs, fakes):
             out = func(*fargs, **fkwargs)
