@@ -505,6 +505,47 @@ def test_manual_seed_under_the_mesh_seeds_every_rank(mesh):
     assert torch.equal(mnb.inspect(d, dp=1), mnb.inspect(c))
 
 
+def _seed_by_rank():
+    torch.manual_seed(100 + mnb.current_rank())
+
+
+def test_rng_state_under_the_mesh_is_the_ranks_so_checkpoint_redraws_dropout(mesh):
+    """torch.get_rng_state()/set_rng_state() under the mesh read and set the ranks'
+    generators (each its own), as torch.utils.checkpoint and fork_rng use them to draw
+    a recomputed dropout mask again. They were the controller's alone: a reentrant
+    checkpoint of dropout gave other gradients than local torch, without a word."""
+    import torch.utils.checkpoint as checkpoint
+
+    def checkpointed():
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Dropout(0.5))
+        x = torch.randn(4, 8, requires_grad=True)
+        checkpoint.checkpoint(block, x, use_reentrant=True).sum().backward()
+        return x.grad, block[0].weight.grad
+
+    local = checkpointed()
+    with mesh.activate():
+        ours = checkpointed()
+    for a, b in zip(ours, local):
+        assert torch.equal(mnb.inspect(a, dp=1), b)
+    mnb.remote(_seed_by_rank)(mesh=mesh).fetch()  # each rank its own stream
+    with mesh.activate():
+        state = torch.get_rng_state()
+        assert isinstance(state, mnb.Tensor)
+        first = torch.rand(3)
+        with torch.random.fork_rng():
+            torch.rand(5)
+        torch.set_rng_state(state)
+        again = torch.rand(3)
+    firsts = first.fetch()
+    assert not torch.equal(*firsts)
+    assert all(torch.equal(a, b) for a, b in zip(again.fetch(), firsts))
+    with mesh.activate():  # a local state: every rank's
+        torch.set_rng_state(torch.random.default_generator.get_state())
+        same = torch.rand(3)
+    assert torch.equal(*same.fetch())
+
+
 def double_plus_rank(t):
     return t * 2 + mnb.current_rank()
 

@@ -85,6 +85,20 @@ def manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_state():
+    """This rank's CPU generator state (``torch.get_rng_state()`` under a mesh)."""
+    import torch
+
+    return torch.default_generator.get_state()
+
+
+def set_rng_state(state) -> None:
+    """Set this rank's CPU generator state (``torch.set_rng_state`` under a mesh)."""
+    import torch
+
+    torch.default_generator.set_state(state)
+
+
 class LayoutMismatchError(RuntimeError):
     """A remote function's result differs from the layout its propagator gave."""
 
