@@ -310,3 +310,56 @@ def test_a_transformer_encoders_padding_mask_in_inference_is_refused_or_runs_unn
     with one_thread():
         local = run(False)
     assert torch.equal(mnb.inspect(ours, dp=1), local)
+
+
+def test_copies_and_loads_of_local_tensors_inside_a_mesh_block_stay_local(mesh, tmp_path):
+    """copy.deepcopy of a model with BatchNorm (its num_batches_tracked is a local host
+    scalar), torch.optim.swa_utils.AveragedModel and torch.load inside a mesh block
+    failed with torch's "Attempted to set the storage of a tensor on device 'meta'":
+    copying or unpickling a local tensor made a mesh tensor first. They run as local
+    torch; the copies of mesh tensors stay mesh tensors."""
+    import copy
+
+    def train_averaged():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        avg = torch.optim.swa_utils.AveragedModel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            avg.update_parameters(model)
+        torch.optim.swa_utils.update_bn([torch.randn(8, 4) for _ in range(2)], avg)
+        return avg
+
+    with one_thread():
+        local = train_averaged()
+    with one_thread(), mesh.activate():
+        ours = train_averaged()
+        twin = copy.deepcopy(ours)
+        saved = tmp_path / "local.pt"
+        torch.save(local.state_dict(), saved)
+        loaded = torch.load(saved)
+        ours.load_state_dict(loaded)
+    for (name, a), b in zip(ours.state_dict().items(), local.state_dict().values()):
+        assert torch.equal(mnb.inspect(a) if isinstance(a, mnb.Tensor) else a, b), name
+    assert all(not isinstance(t, mnb.Tensor) for t in loaded.values())
+    assert isinstance(twin.module[0].weight, mnb.Tensor)
+    assert not isinstance(twin.module[1].num_batches_tracked, mnb.Tensor)
+
+
+def test_setting_data_of_a_mesh_tensor_is_refused_and_it_stays_as_it_was(mesh):
+    """'p.data = x' (torch.nn.utils.vector_to_parameters does it) changed the shape
+    here and nothing on the ranks, without a word; it is refused, naming copy_."""
+    with mesh.activate():
+        weight = torch.nn.Parameter(torch.zeros(2, 3))
+        with pytest.raises(mnb.RefUseError, match=r"t\.copy_\(x\)"):
+            weight.data = torch.ones(4)
+        with pytest.raises(mnb.RefUseError, match="vector_to_parameters"):
+            torch.nn.utils.vector_to_parameters(torch.ones(6), [weight])
+        assert weight.shape == (2, 3)
+        with torch.no_grad():
+            weight.copy_(torch.ones(2, 3))
+        weight.data.mul_(2)  # .data reads as before: the same value
+    assert mnb.inspect(weight).tolist() == [[2.0] * 3] * 2

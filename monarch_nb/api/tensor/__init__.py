@@ -8,6 +8,7 @@ is the result: a torch wrapper subclass and a Ref. ``values`` brings shards back
 
 from . import backward as _backward  # noqa: F401 - installs mesh tensors' backward()
 from . import dispatch as _dispatch  # noqa: F401 - installs mesh tensors' dispatch
+from . import local_copies as _local_copies  # noqa: F401 - local tensors' copies stay local
 from . import optim as _optim  # noqa: F401 - optimizers of mesh tensors take foreach
 from . import remote_call as _remote_call  # noqa: F401 - registers with mnb.remote
 from . import seed as _seed  # noqa: F401 - wraps torch.manual_seed

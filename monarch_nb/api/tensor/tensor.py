@@ -15,7 +15,7 @@ import torch
 
 from ...hooks import Hook
 from ...protocol.autograd import shard_value
-from ...protocol.wire import function_ref, register_ref_type
+from ...protocol.wire import RefUseError, function_ref, register_ref_type
 from ..context import recording_trace
 from ..remote import Ref
 from . import borrows
@@ -115,6 +115,20 @@ class Tensor(torch.Tensor, Ref):
         """``torch.Tensor.backward``, run by each rank's autograd engine on its shards
         in one command where it can (see ``backward.py``)."""
         return BACKWARD.value.backward(self, gradient, retain_graph, create_graph, inputs)
+
+    @property
+    def data(self):
+        return _TORCH_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        # torch's setter swaps the metadata of the tensor here only: the ranks kept the
+        # old value while the shape here changed (vector_to_parameters did so silently)
+        raise RefUseError(
+            "'t.data = x' of a mesh tensor would change it here and not on the ranks: "
+            "write it in place, 'with torch.no_grad(): t.copy_(x)' (for each parameter: "
+            "torch.nn.utils.vector_to_parameters sets .data)"
+        )
 
     def register_hook(self, hook):
         BACKWARD.value.mark_hooked(self)
@@ -269,6 +283,8 @@ def _from_ref(ref: Ref, shape: tuple, dtype, device) -> Tensor:
 
 
 register_ref_type(Tensor, Ref._wire_id)
+
+_TORCH_DATA = torch._C.TensorBase.data  # torch's .data, whose getter mesh tensors keep
 
 # dispatch.py builds Tensors; it installs itself here when it loads (tensor/__init__)
 DISPATCH = Hook("tensor_dispatch", "the mesh tensor's op dispatch: .dispatch, .rename_aliases")
