@@ -21,7 +21,7 @@ from ..context import resolve_target
 from ..remote import check_refs
 from . import borrows, from_data
 from .aliases import Holder, join, rename_aliases, rename_written
-from .plans import Plan, key_of, lifts_floats, lookup, plan
+from .plans import Plan, key_of, lifts_floats, lookup, plan, written
 from .propagate import DataDependentError, layout_of, op_name
 from .send import aux_template, call_of, run
 from .tensor import DISPATCH, TRACING, Tensor
@@ -47,36 +47,6 @@ def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
         f"torch.tensor(...) inside 'with mesh.activate():' make mesh tensors), or bring "
         f"the mesh tensor's shard here with mnb.inspect(t) and compute locally "
         f"(inside 'with mnb.no_mesh():' factories are local too)"
-    )
-
-
-_WRITTEN: dict = {}  # op -> ((position, name) of each argument it writes)
-
-
-def _written_local(func, args, kwargs) -> torch.Tensor | None:
-    """A local tensor among the arguments ``func`` writes (in place, or ``out=``)."""
-    places = _WRITTEN.get(func)
-    if places is None:
-        places = _WRITTEN[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-    for i, name in places:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        for t in value if type(value) is list or type(value) is tuple else (value,):
-            if isinstance(t, torch.Tensor) and not isinstance(t, Tensor):
-                return t
-    return None
-
-
-def _local_write_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
-    return RefUseError(
-        f"{name} writes a local tensor (shape {tuple(t.shape)}, {t.dtype}) with values "
-        f"of mesh {mesh.name!r}, which the ranks hold: a 0-dim tensor of a Python number "
-        f"(torch.tensor(0.5), torch.as_tensor(lr)) stays local under mesh.activate(); "
-        f"write a mesh tensor instead (torch.zeros(()) makes one), or bring the value "
-        f"here with mnb.inspect(t)"
     )
 
 
@@ -197,9 +167,15 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
         for t in local:
             if (t.dim() != 0 and not copy_in) or t.requires_grad:
                 raise _local_error(op_name(func), t, mesh)
-        written = _written_local(func, args, kwargs)
-        if written is not None:  # the ranks would write a copy of it: nothing here
-            raise _local_write_error(op_name(func), written, mesh)
+        for t in written(func, args, kwargs):  # the ranks would write a copy of it
+            if isinstance(t, torch.Tensor) and not isinstance(t, Tensor):
+                raise RefUseError(
+                    f"{op_name(func)} writes a local tensor (shape {tuple(t.shape)}, "
+                    f"{t.dtype}) with values of mesh {mesh.name!r}, which the ranks hold: a "
+                    f"0-dim tensor of a Python number (torch.tensor(0.5), torch.as_tensor(lr)) "
+                    f"stays local under mesh.activate(); write a mesh tensor instead "
+                    f"(torch.zeros(()) makes one), or bring the value here with mnb.inspect(t)"
+                )
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)
     mesh, stream, ctrl = target(tensors, mesh, p.what, p.written)

@@ -229,24 +229,31 @@ def _makes_cuda(entry) -> bool:
     return any(type(spec) is tuple and spec[4].type == "cuda" for spec in specs)
 
 
-def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
-    """Indices (in ``tensors``) of the inputs ``func`` writes without returning them."""
+def written(func, args, kwargs):
+    """The values of the arguments ``func`` writes (in place, or ``out=``), each list's
+    members one by one."""
     schema = getattr(func, "_schema", None)
-    if schema is None or not tensors:
-        return ()
-    index = {id(t): i for i, t in enumerate(tensors)}
-    found, pos = [], 0
+    if schema is None:
+        return
+    pos = 0
     for a in schema.arguments:
         if a.kwarg_only:
             v = kwargs.get(a.name)
         else:
             v = args[pos] if pos < len(args) else kwargs.get(a.name)
             pos += 1
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        for t in v if isinstance(v, (list, tuple)) else (v,):
-            if isinstance(t, Tensor) and id(t) in index:
-                found.append(index[id(t)])
+        if a.alias_info is not None and a.alias_info.is_write:
+            yield from v if isinstance(v, (list, tuple)) else (v,)
+
+
+def _mutated_inputs(func, args, kwargs, tensors: list, entry) -> tuple:
+    """Indices (in ``tensors``) of the inputs ``func`` writes without returning them."""
+    if not tensors:
+        return ()
+    index = {id(t): i for i, t in enumerate(tensors)}
+    found = [
+        index[id(t)] for t in written(func, args, kwargs) if isinstance(t, Tensor) and id(t) in index
+    ]
     returned = set()
     if entry[0] in ("one", "relayout") and type(entry[1]) is int:
         returned.add(entry[1])
