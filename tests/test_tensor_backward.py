@@ -212,6 +212,34 @@ def test_a_compiled_step_keeps_one_command_per_call(mesh):
     assert first == want
 
 
+def test_detach_in_place_ends_the_graph_on_the_ranks_too(mesh):
+    """torch's detach_() is autograd's own kernel (no dispatch): the ranks' graph
+    used to go on through the shard, so the new leaf got no grad and the tensor it
+    came from got one there."""
+
+    def run():
+        torch.manual_seed(0)
+        x = torch.randn(3, 4, requires_grad=True)
+        y = (x * 2).detach_().requires_grad_()
+        z = x.sum(0).detach_()  # a detached result used later without grad
+        (y.pow(2).sum() + (x * z).sum()).backward()
+        return y, x, z
+
+    want = run()
+    with mesh.activate():
+        got = run()
+    assert got[0].is_leaf and got[0].grad is not None
+    assert torch.equal(mnb.inspect(got[0].grad), want[0].grad)
+    assert torch.equal(mnb.inspect(got[1].grad), want[1].grad)
+    assert not mnb.inspect(got[2]).requires_grad
+    with mesh.activate():
+        v = torch.ones(4, requires_grad=True).mul(3)[1:]
+        with pytest.raises(RuntimeError, match="Can't detach views in-place"):
+            v.detach_()
+        w = v + 1  # the mesh goes on
+    assert torch.equal(mnb.inspect(w), torch.full((3,), 4.0))
+
+
 def _halve(t):
     t.mul_(0.5)  # in place, on a parameter's shard: no autograd error on the rank
 

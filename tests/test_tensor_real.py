@@ -312,6 +312,44 @@ def test_a_transformer_encoders_padding_mask_in_inference_is_refused_or_runs_unn
     assert torch.equal(mnb.inspect(ours, dp=1), local)
 
 
+def _packed_lstm(lstm, x, lengths):
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+    out, _ = lstm(packed)
+    return torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0]
+
+
+def test_a_packed_sequence_is_refused_by_name_and_runs_on_the_shards(mesh):
+    """An LSTM over pack_padded_sequence's result failed inside torch's C++ with "The
+    tensor has a non-zero number of elements, but its data is not allocated yet" (the
+    RNN reads batch_sizes here). The packing is refused naming what works: the same
+    code on the shards through mnb.remote gives local torch's numbers."""
+    lengths = [6, 4, 2]
+    with one_thread():
+        torch.manual_seed(0)
+        lstm, x = torch.nn.LSTM(4, 5, batch_first=True), torch.randn(3, 6, 4)
+        local = _packed_lstm(lstm, x, torch.tensor(lengths))
+    with one_thread(), mesh.activate():
+        torch.manual_seed(0)
+        m_lstm, m_x = torch.nn.LSTM(4, 5, batch_first=True), torch.randn(3, 6, 4)
+        with pytest.raises(NotImplementedError, match=r"packed sequence.*mnb\.remote"):
+            torch.nn.utils.rnn.pack_padded_sequence(m_x, torch.tensor(lengths), batch_first=True)
+        ours = m_x * 1  # the mesh goes on
+    assert torch.equal(mnb.inspect(ours, dp=1), x)
+    w = dict(m_lstm.named_parameters())
+    got = mnb.remote(
+        lambda x, w: _packed_lstm(_rebuilt(w), x, torch.tensor(lengths)).detach()
+    )(m_x, w)
+    assert torch.equal(got.fetch(rank=1), local.detach())
+
+
+def _rebuilt(weights):
+    lstm = torch.nn.LSTM(4, 5, batch_first=True)
+    with torch.no_grad():
+        for name, p in lstm.named_parameters():
+            p.copy_(weights[name])
+    return lstm
+
+
 def test_copies_and_loads_of_local_tensors_inside_a_mesh_block_stay_local(mesh, tmp_path):
     """copy.deepcopy of a model with BatchNorm (its num_batches_tracked is a local host
     scalar), torch.optim.swa_utils.AveragedModel and torch.load inside a mesh block

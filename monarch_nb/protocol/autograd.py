@@ -94,6 +94,11 @@ def saved_copy(value):
     return value
 
 
+def detached(value):
+    """A shard's ``detach_()`` here: its alias without this rank's graph (a leaf)."""
+    return value.detach()
+
+
 def shard_value(value):
     """A shard as a fetch sends it: its value, without this rank's graph."""
     return value.detach() if isinstance(value, torch.Tensor) and value.requires_grad else value

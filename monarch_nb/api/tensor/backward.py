@@ -22,13 +22,14 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from ...protocol.aten import OpSlot
-from ...protocol.autograd import backward_shards
+from ...protocol.autograd import backward_shards, detached
 from ...protocol.wire import function_ref
 from .dispatch import target
-from .send import aux_template, define
+from .send import aux_template, define, run
 from .tensor import BACKWARD, Tensor
 
 _BACKWARD = function_ref(backward_shards)
+_DETACHED = function_ref(detached)
 HOOKED = "monarch_nb.hooked"  # a graph node's metadata: a hook the ranks cannot run
 _saved_names: dict = {}  # node type -> its _raw_saved_ attributes
 _SAVED_TENSOR = torch._C._autograd.SavedTensor
@@ -189,6 +190,19 @@ def _send(t: Tensor, gradient, retain: bool, leaves: list) -> None:
         for leaf, rid, (size, stride) in zip(leaves, ids, layouts):
             layout = (size, stride, 0, leaf.dtype, leaf.device)
             leaf.grad = Tensor(layout, rid, mesh, stream, ident)
+
+
+def detach_(t: Tensor) -> Tensor:
+    """``t.detach_()``: torch ends ``t``'s graph here without a dispatch (autograd's
+    own kernel), so each rank's shard is replaced by its detached alias too; else a
+    rank's graph would go on through it, and a later backward would fill other
+    tensors' grads there than here."""
+    torch.Tensor.detach_(t)
+    if t._layout is not None:  # not a torch.compile trace
+        mesh, stream, ctrl = target([t], t.mesh, "detach_", ())
+        template = aux_template(("detached",), (OpSlot(0),), _DETACHED, "detach_")
+        t._rebind(*run(ctrl, template, (t,), {}, (t,), mesh, stream, "detach_"))
+    return t
 
 
 BACKWARD.install(sys.modules[__name__])  # mesh tensors' backward() comes here

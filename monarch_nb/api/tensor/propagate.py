@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 _tls = threading.local()
 _DETACH = torch.ops.aten.detach.default
+_PACK = torch.ops.aten._pack_padded_sequence.default
 
 
 def _fake_mode() -> FakeTensorMode:
@@ -127,6 +128,13 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
             f"fast path makes of a padding mask under no_grad or inference_mode: build it "
             f"with enable_nested_tensor=False (locally too, to compare: the nested path "
             f"gives other numbers)"
+        )
+    if func is _PACK:
+        raise NotImplementedError(
+            f"{name}: a packed sequence of mesh tensors cannot run, as torch's RNNs and "
+            f"pad_packed_sequence read its batch_sizes here, where no values are: pass the "
+            f"padded batch (with a mask where the padding matters), or run the packed RNN "
+            f"on the shards in a function given to mnb.remote"
         )
     try:
         with fake_inputs(args, kwargs, tensors, is_mesh) as (fargs, fkwargs, fakes):

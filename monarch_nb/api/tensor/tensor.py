@@ -130,6 +130,9 @@ class Tensor(torch.Tensor, Ref):
             "torch.nn.utils.vector_to_parameters sets .data)"
         )
 
+    def detach_(self):
+        return BACKWARD.value.detach_(self)
+
     def register_hook(self, hook):
         BACKWARD.value.mark_hooked(self)
         return super().register_hook(hook)
@@ -289,6 +292,6 @@ _TORCH_DATA = torch._C.TensorBase.data  # torch's .data, whose getter mesh tenso
 # dispatch.py builds Tensors; it installs itself here when it loads (tensor/__init__)
 DISPATCH = Hook("tensor_dispatch", "the mesh tensor's op dispatch: .dispatch, .rename_aliases")
 # backward.py: a mesh tensor's backward() (.mark_hooked: a hook the ranks cannot run)
-BACKWARD = Hook("tensor_backward", "a mesh tensor's backward(), run on its ranks")
+BACKWARD = Hook("tensor_backward", "a mesh tensor's backward() and detach_(), run on its ranks")
 # traced.py: a mesh tensor's shard as torch.compile sees it (.shard_of, .unflatten)
 TRACING = Hook("tensor_tracing", "mesh tensors under torch.compile: their shards")
