@@ -546,6 +546,39 @@ def test_rng_state_under_the_mesh_is_the_ranks_so_checkpoint_redraws_dropout(mes
     assert torch.equal(*same.fetch())
 
 
+def test_a_local_generator_draws_here_as_local_torch_and_advances(mesh):
+    """``generator=`` of a local torch.Generator under the mesh: a copy of it went to
+    the ranks and it never advanced here, so every draw repeated the first one's
+    numbers (a DataLoader given generator= shuffled every epoch alike). It draws here,
+    advancing as locally, and every rank gets the values."""
+    from torch.utils.data import DataLoader
+
+    def draws():
+        g = torch.Generator().manual_seed(3)
+        w = torch.empty(2, 3)
+        torch.nn.init.normal_(w, generator=g)  # in place, on a mesh tensor under the mesh
+        order = [
+            torch.cat(list(DataLoader(torch.arange(6.0), batch_size=3, shuffle=True, generator=g)))
+            for _ in range(2)
+        ]
+        return [torch.randn(4, generator=g), torch.randperm(5, generator=g), w, *order]
+
+    local = draws()
+    with mesh.activate():
+        ours = draws()
+        noise = torch.rand(4)
+        with pytest.raises(mnb.RefUseError, match=r"local torch\.Generator .*mesh tensors"):
+            torch.bernoulli(noise, generator=torch.Generator())  # it reads the ranks' values
+        with pytest.raises(mnb.RecordingError, match=r"local torch\.Generator"):
+            mnb.compile(lambda: torch.rand(2, generator=torch.Generator()))()
+        after = noise + 1  # the mesh goes on
+    assert not torch.equal(local[3], local[4])  # two epochs, two orders
+    for a, b in zip(ours, local):
+        assert isinstance(a, mnb.Tensor)
+        assert all(torch.equal(s, b) for s in a.fetch())
+    assert torch.equal(mnb.inspect(after), mnb.inspect(noise) + 1)
+
+
 def double_plus_rank(t):
     return t * 2 + mnb.current_rank()
 

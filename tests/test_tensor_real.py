@@ -342,6 +342,25 @@ def test_a_packed_sequence_is_refused_by_name_and_runs_on_the_shards(mesh):
     assert torch.equal(got.fetch(rank=1), local.detach())
 
 
+def test_a_sparse_embedding_is_refused_by_name_where_it_would_make_a_sparse_grad(mesh):
+    """nn.Embedding(sparse=True) trained on the mesh failed in the ranks' backward with
+    "copy_() between dense and sparse Tensors is not implemented"; its forward is now
+    refused naming sparse=False, and without grad it runs as locally."""
+    with one_thread():
+        torch.manual_seed(0)
+        local = torch.nn.Embedding(10, 3, sparse=True)
+        want = local(torch.tensor([[1, 2], [3, 3]])).detach()
+    with one_thread(), mesh.activate():
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        idx = torch.tensor([[1, 2], [3, 3]])
+        with pytest.raises(NotImplementedError, match="sparse=False"):
+            emb(idx)
+        with torch.no_grad():
+            got = emb(idx)
+    assert torch.equal(mnb.inspect(got, dp=1), want)
+
+
 def _rebuilt(weights):
     lstm = torch.nn.LSTM(4, 5, batch_first=True)
     with torch.no_grad():

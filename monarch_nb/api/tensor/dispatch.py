@@ -21,6 +21,7 @@ from ..context import resolve_target
 from ..remote import check_refs
 from . import borrows, from_data
 from .aliases import Holder, join, rename_aliases, rename_written
+from .generators import draw
 from .plans import Plan, key_of, lifts_floats, lookup, plan, written
 from .propagate import DataDependentError, layout_of, op_name
 from .send import aux_template, call_of, run
@@ -34,6 +35,7 @@ _grad_on = torch.is_grad_enabled
 _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _COPY = torch.ops.aten.copy_.default  # a local source goes by value (load_state_dict)
 _CUDA = torch.device("cuda")
+_EMPTY = torch.ops.aten.empty_strided.default
 _DETACH = torch.ops.aten.detach.default
 _SAVED = function_ref(saved_copy)
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
@@ -55,6 +57,8 @@ def dispatch(func, args, kwargs, mesh=None):
     ``mesh``): returns mesh tensors with the layouts FakeTensor predicts."""
     if PENDING_INTERRUPT:  # a Ctrl-C a finalizer dropped: raised in the user's loop
         raise_pending_interrupt()
+    if kwargs and kwargs.get("generator") is not None:
+        return _drawn_here(func, args, kwargs, mesh)
     if func is _DETACH:
         t = args[0]
         if (
@@ -123,6 +127,18 @@ def dispatch(func, args, kwargs, mesh=None):
     )
     templated = p.template is not None
     return _finish(p, result, ident, func, args, kwargs, tensors, mesh, stream, templated)
+
+
+def _drawn_here(func, args, kwargs, mesh):
+    """A random op with a local ``generator=``: drawn here (``generators.draw``), its
+    values copied to every rank."""
+    value, t = draw(func, args, kwargs)
+    if t is None:
+        if not isinstance(value, torch.Tensor):
+            return value
+        layout = {"dtype": value.dtype, "device": value.device}
+        t = dispatch(_EMPTY, (value.shape, value.stride()), layout, mesh)
+    return dispatch(_COPY, (t, value), {})
 
 
 def _saved_copy(t: Tensor) -> Tensor:

@@ -30,6 +30,9 @@ from torch.utils._pytree import tree_map
 _tls = threading.local()
 _DETACH = torch.ops.aten.detach.default
 _PACK = torch.ops.aten._pack_padded_sequence.default
+# ops whose argument at this place asks for a sparse gradient of the weight
+_SPARSE_GRAD = {torch.ops.aten.embedding.default: 4, torch.ops.aten._embedding_bag.default: 5}
+_grad_on = torch.is_grad_enabled
 
 
 def _fake_mode() -> FakeTensorMode:
@@ -128,6 +131,13 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
             f"fast path makes of a padding mask under no_grad or inference_mode: build it "
             f"with enable_nested_tensor=False (locally too, to compare: the nested path "
             f"gives other numbers)"
+        )
+    at = _SPARSE_GRAD.get(func)
+    if at is not None and len(args) > at and args[at] and args[0].requires_grad and _grad_on():
+        raise NotImplementedError(
+            f"{name} with sparse=True makes a sparse gradient, which a mesh tensor cannot "
+            f"be (mesh tensors are dense): build the embedding with sparse=False (the "
+            f"optimizer then steps it as any parameter)"
         )
     if func is _PACK:
         raise NotImplementedError(
