@@ -221,6 +221,46 @@ def test_a_transformers_model_from_a_config_trains_as_locally(mesh, monkeypatch)
     assert [mnb.inspect(t, dp=1).item() for t in losses] == expect
 
 
+def test_a_transformers_llama_trains_and_generates_as_locally(mesh, monkeypatch):
+    """Llama of the transformers package from a config, with grouped-query attention
+    and a padding mask: a training step, then greedy ``generate``, which failed with
+    "aten.isin mixes a local tensor": its end-of-sequence id, a host scalar, became a
+    local tensor of one dim (``unsqueeze``) that then met the mesh's tokens."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=1,
+    )
+
+    def run():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(2, 50, (2, 8))
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, :3] = 0
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+        model.eval()
+        made = model.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        return out.loss.detach(), model.lm_head.weight.detach(), made
+
+    with one_thread():
+        local = run()
+    with one_thread(), mesh.activate():
+        ours = run()
+    for a, b in zip(ours, local):
+        assert torch.equal(mnb.inspect(a, dp=1), b)
+
+
 def _casts_and_a_step(model, x):
     """``to(device)``, ``float()``, ``double()`` and an SGD step, then a bfloat16 copy's
     forward: what a training script does to a model before it trains."""

@@ -166,6 +166,15 @@ def local_only(func, args, kwargs) -> bool:
     return False
 
 
+def scalars_only(args, kwargs) -> bool:
+    """Whether every tensor among an op's arguments is 0-dim (host scalars)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        for b in a if type(a) is list or type(a) is tuple else (a,):
+            if isinstance(b, torch.Tensor) and b.dim():
+                return False
+    return True
+
+
 def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
     """An op with local tensors among its arguments: ``torch.tensor(data)`` (the data
     goes to every rank), local torch (no mesh tensor), or 0-dim values beside mesh

@@ -17,12 +17,13 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-from .dispatch import dispatch, local_only
+from .dispatch import dispatch, local_only, scalars_only
 
 _tls = threading.local()
 # ops about the controller itself (torch.autograd.profiler's record_function)
 _LOCAL_NAMESPACES = frozenset({"profiler"})
 _DEVICE = torch.ops.prim.device.default
+_LIFT = torch.ops.aten.lift_fresh.default
 _guards_tls = getattr(torch._guards, "_TLS", None)
 if isinstance(_guards_tls, threading.local):
 
@@ -63,9 +64,15 @@ class MeshMode(TorchDispatchMode):
             _tls.__dict__.get("local", 0)  # no_mesh(): the thread's own dict, no getattr miss
             or func.namespace in _LOCAL_NAMESPACES
             or _tracing() is not None
-            or (not types and local_only(func, args, kwargs))  # types: mesh tensors' class
         ):
             return func(*args, **(kwargs or {}))
+        if not types and local_only(func, args, kwargs):  # types: mesh tensors' class
+            out = func(*args, **(kwargs or {}))
+            if type(out) is torch.Tensor and out.dim() and scalars_only(args, kwargs):
+                # host scalars made a tensor with dims (generate's eos.unsqueeze(0)): a
+                # mesh tensor, as torch.tensor(data) makes, so it may join mesh tensors
+                return dispatch(_LIFT, (out,), {}, self.mesh)
+            return out
         return dispatch(func, args, kwargs or {}, self.mesh)
 
 
