@@ -272,6 +272,18 @@ def test_bad_input_gives_a_clear_error_and_the_mesh_goes_on(mesh):
         assert mnb.inspect(x @ x.t()).shape == (4, 4)
     torch._dynamo.reset()
     assert mnb.inspect(torch.compile(f, backend=mnb.mesh_backend)(x, x.t())).shape == (4, 4)
+    # inductor's C++ kernels read the shards, which hold no data: the process crashed
+    torch._dynamo.reset()
+    with mesh.activate():
+        lin = torch.nn.Linear(8, 3)
+        with pytest.raises(Exception, match=r"backend 'inductor' .*backend=mnb\.mesh_backend"):
+            torch.compile(lambda a: (a * 2).sin())(x)
+        with pytest.raises(Exception, match=r"backend 'inductor' .*backend=mnb\.mesh_backend"):
+            torch.compile(lin)(x)
+        torch._dynamo.reset()
+        eager = torch.compile(lin, backend="eager")(x)  # torch's own ops: on the mesh
+        assert torch.equal(mnb.inspect(eager), mnb.inspect(lin(x)))
+    torch._dynamo.reset()
 
 
 def test_a_new_batch_size_gives_each_result_its_own_shape(mesh):

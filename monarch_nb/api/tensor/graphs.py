@@ -29,7 +29,7 @@ from .graph_parts import local_part
 from .plans import next_op_id
 from .propagate import layout_of
 from .send import define
-from .traced import owned, value_of
+from .traced import ON_THE_MESH, owned, value_of
 
 __all__ = ["mesh_backend"]
 
@@ -216,3 +216,6 @@ def mesh_backend(gm: torch.fx.GraphModule, example_inputs: list):
     """A ``torch.compile`` backend for functions of mesh tensors: each graph dynamo
     traces runs on the ranks as one command a call (its backward as one more)."""
     return _aot_backend()(gm, example_inputs)
+
+
+setattr(mesh_backend, ON_THE_MESH, True)

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes, return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 
+from ...protocol.wire import RefUseError
 from ..context import RecordingError
 from .propagate import _fake, op_name
 from .tensor import TRACING, Tensor
@@ -108,6 +109,9 @@ def shard_of(t: Tensor) -> torch.Tensor:
     leads back to it (made again when its layout changed)."""
     if t._layout is None:
         return t._traced_shard
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    if convert is not None and convert.tls.__dict__.get("current_tx") is not None:
+        _check_backend(convert.tls.current_tx)
     cached = t.__dict__.get("_shard_cache")
     if cached is not None and cached[0] == t._layout:
         return cached[1]
@@ -116,6 +120,28 @@ def shard_of(t: Tensor) -> torch.Tensor:
     _remember(shard, weakref.ref(t))
     t._shard_cache = (t._layout, shard)
     return shard
+
+
+ON_THE_MESH = "_mnb_on_the_mesh"  # a torch.compile backend whose graphs run on the ranks
+
+
+def _check_backend(tx) -> None:
+    """Dynamo meets a mesh tensor: refused for a backend that would run its graphs
+    here, on the shards, which hold no data (inductor's kernels read them: the process
+    crashed). ``mnb.mesh_backend`` and dynamo's ``eager`` (torch's own ops) run on the
+    mesh."""
+    from torch._dynamo.eval_frame import innermost_backend
+
+    fn = innermost_backend(tx.output.compiler_fn)
+    fn = getattr(fn, "compiler_fn", fn)  # torch.compile's wrapper of a backend
+    if getattr(fn, ON_THE_MESH, False) or getattr(fn, "__name__", "") == "eager":
+        return
+    name = getattr(fn, "compiler_name", None) or getattr(fn, "__name__", type(fn).__name__)
+    raise RefUseError(
+        f"torch.compile's backend {name!r} would run the graph of mesh tensors here, "
+        f"where their values are not: compile functions of mesh tensors with "
+        f"torch.compile(fn, backend=mnb.mesh_backend)"
+    )
 
 
 @functools.cache
