@@ -198,6 +198,30 @@ def test_interrupt_from_the_api(mesh, tmp_path):
     assert mnb.remote(add)(1, 1, mesh=mesh, stream=side).fetch(timeout=10) == [2, 2]
 
 
+async def scaled_later(x, mark=None):
+    import asyncio
+
+    if mark is not None:
+        open(f"{mark}-{mnb.current_rank()}", "w").close()
+        await asyncio.sleep(1000)
+    await asyncio.sleep(0)
+    return x * (mnb.current_rank() + 1)
+
+
+def test_an_async_function_runs_to_its_end_on_the_worker(mesh, tmp_path):
+    """An ``async def`` remote function (as Dask takes one) is awaited on the worker:
+    its result comes back, not "cannot pickle 'coroutine' object"; an interrupt
+    stops one that waits, and the stream serves on."""
+    assert mnb.remote(scaled_later)(5, mesh=mesh).fetch() == [5, 10]
+    mark = tmp_path / "waiting"
+    waiting = mnb.remote(scaled_later)(1, str(mark), mesh=mesh)
+    wait_for(lambda: all(os.path.exists(f"{mark}-{r}") for r in (0, 1)), 30, "both to wait")
+    mesh.interrupt()
+    with pytest.raises(mnb.RemoteError, match="KeyboardInterrupt"):
+        waiting.fetch(timeout=30)
+    assert mnb.remote(scaled_later)(2, mesh=mesh).fetch(timeout=10) == [2, 4]
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from types import CoroutineType
 
 import zmq
 
@@ -35,6 +36,14 @@ from .ref_cell import AUTOGRAD, Cell, DependentOnError, MissingRef, get_value, w
 from .shell_handlers import ShellHandlers
 from .stream import Stream, interruptible_sleep
 
+
+
+def _awaited(coroutine):
+    """An ``async def`` remote function's result: run to its end here, on a loop of its
+    own (the stream's thread runs none), as Dask runs a coroutine function."""
+    import asyncio
+
+    return asyncio.run(coroutine)
 
 class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandlers):
     """One rank: its values (``env``), streams, namespace, and a handler per message."""
@@ -171,7 +180,8 @@ class Worker(Connection, CommHandlers, OpHandlers, InsightHandlers, ShellHandler
             # a user's function sees shards without this rank's graph; ours build it
             raw = resolve is _no_refs or getattr(fn, "__module__", None) == AUTOGRAD
             a, kw = unpack_args(args, resolve if raw else without_graph(resolve))
-            return breakpoints.call(fn, a, kw)
+            out = breakpoints.call(fn, a, kw)
+            return _awaited(out) if type(out) is CoroutineType else out
 
         self._stream(msg.stream).schedule(msg.ident, msg.what, work, (result,))
 
