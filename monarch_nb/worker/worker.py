@@ -37,7 +37,6 @@ from .shell_handlers import ShellHandlers
 from .stream import Stream, interruptible_sleep
 
 
-
 def _awaited(coroutine):
     """An ``async def`` remote function's result: run to its end here, on a loop of its
     own (the stream's thread runs none), as Dask runs a coroutine function."""
