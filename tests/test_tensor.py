@@ -546,6 +546,27 @@ def test_rng_state_under_the_mesh_is_the_ranks_so_checkpoint_redraws_dropout(mes
     assert torch.equal(*same.fetch())
 
 
+def test_distributions_of_host_scalar_parameters_draw_on_the_ranks_in_order(mesh):
+    """A distribution built from 0-dim tensors (host scalars under the mesh) expanded
+    them locally and drew from the controller's generator, while dropout drew from the
+    ranks': the samples, and every random op after them, left local torch's numbers."""
+
+    def draws():
+        torch.manual_seed(0)
+        drop, x = torch.nn.Dropout(0.5), torch.ones(8)
+        first = drop(x)
+        normal = torch.distributions.Normal(torch.tensor(0.0), torch.tensor(1.0)).sample((4,))
+        uniform = torch.distributions.Uniform(torch.tensor(0.0), torch.tensor(2.0)).rsample((3,))
+        return [first, normal, uniform, drop(x)]
+
+    local = draws()
+    with mesh.activate():
+        ours = draws()
+    for a, b in zip(ours, local):
+        assert isinstance(a, mnb.Tensor)
+        assert torch.equal(mnb.inspect(a, dp=1), b)
+
+
 def test_a_local_generator_draws_here_as_local_torch_and_advances(mesh):
     """``generator=`` of a local torch.Generator under the mesh: a copy of it went to
     the ranks and it never advanced here, so every draw repeated the first one's
