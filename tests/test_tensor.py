@@ -922,22 +922,50 @@ def test_the_optimizers_given_foreach_equal_their_per_tensor_path_in_this_torch(
                 assert torch.equal(p, q), (opt_cls.__name__, extra)
 
 
-def test_writing_a_local_tensor_with_mesh_values_is_refused(mesh):
-    """A 0-dim tensor of a Python number stays local under activate(); an op writing
-    it with mesh tensors' values ran on the ranks, on a copy, and left it unchanged
-    without a word (ASGD's foreach path lost its step sizes so)."""
+def _rank_value():
+    return torch.tensor(float(mnb.current_rank()))
+
+
+def test_writing_a_host_scalar_with_mesh_values_takes_the_ranks_value(mesh):
+    """A 0-dim tensor of a Python number stays local under activate(). An op writing
+    it with mesh tensors' values ran on the ranks on a copy and left it unchanged
+    (ASGD's foreach path lost its step sizes so); then it was refused, and ASGD with
+    foreach=True failed. Now it takes the value every rank agrees on (one round trip,
+    as t.item()), so ASGD's foreach path gives local numbers; ranks that disagree are
+    named, and inside mnb.compile it is refused."""
     with mesh.activate():
-        eta = torch.as_tensor(0.01).clone()
+        eta, mu = torch.as_tensor(0.01).clone(), torch.as_tensor(1, dtype=torch.float64)
         value = torch.ones(()) * 0.5
-        with pytest.raises(mnb.RefUseError, match=r"aten.copy_ writes a local tensor"):
-            eta.copy_(value)
-        with pytest.raises(mnb.RefUseError, match=r"_foreach_copy_ writes a local tensor"):
-            torch._foreach_copy_([eta], [value])
-        assert not isinstance(eta, mnb.Tensor) and eta.item() == pytest.approx(0.01)
+        assert eta.copy_(value) is eta
+        assert not isinstance(eta, mnb.Tensor) and eta.item() == 0.5
+        torch._foreach_copy_([eta, mu], [value * 3, torch.full((), 0.25, dtype=torch.float64)])
+        assert (eta.item(), mu.item()) == (1.5, 0.25)
         on_mesh = torch.zeros(())
         on_mesh.copy_(value)  # a mesh tensor takes it; a local value still goes in
         on_mesh.add_(torch.as_tensor(0.25))
+        differs = mnb.remote(_rank_value, propagate=lambda: torch.empty(()))()
+        with pytest.raises(ValueError, match="ranks"):
+            eta.copy_(differs)
+        with pytest.raises(mnb.RecordingError, match="copy_"):
+            mnb.compile(lambda: eta.copy_(value))()
+    assert eta.item() == 1.5  # as it was
     assert mnb.inspect(on_mesh, dp=1).item() == 0.75
+
+    def asgd():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.ASGD(model.parameters(), lr=0.1, t0=1, foreach=True)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            opt.step()
+        return model.weight.detach(), opt.state[model.weight]["ax"]
+
+    local = asgd()
+    with mesh.activate():
+        ours = asgd()
+    for a, b in zip(ours, local):
+        assert torch.equal(mnb.inspect(a, dp=1), b)
 
 
 def test_a_cuda_result_on_a_cpu_mesh_is_refused_at_the_call(mesh):

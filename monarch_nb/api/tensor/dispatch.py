@@ -20,6 +20,7 @@ from ...protocol.wire import RefUseError, function_ref, pack_args
 from ..context import resolve_target
 from ..remote import check_refs
 from . import borrows, from_data
+from .agreed import agreed_shard, check_not_recording
 from .aliases import Holder, join, rename_aliases, rename_written
 from .generators import draw
 from .plans import Plan, key_of, lifts_floats, lookup, plan, written
@@ -36,6 +37,7 @@ _LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.defa
 _COPY = torch.ops.aten.copy_.default  # a local source goes by value (load_state_dict)
 _CUDA = torch.device("cuda")
 _EMPTY = torch.ops.aten.empty_strided.default
+_STACK = torch.ops.aten.stack.default
 _DETACH = torch.ops.aten.detach.default
 _SAVED = function_ref(saved_copy)
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
@@ -192,15 +194,13 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
         for t in local:
             if (t.dim() != 0 and not copy_in) or t.requires_grad:
                 raise _local_error(op_name(func), t, mesh)
-        for t in written(func, args, kwargs):  # the ranks would write a copy of it
-            if isinstance(t, torch.Tensor) and not isinstance(t, Tensor):
-                raise RefUseError(
-                    f"{op_name(func)} writes a local tensor (shape {tuple(t.shape)}, "
-                    f"{t.dtype}) with values of mesh {mesh.name!r}, which the ranks hold: a "
-                    f"0-dim tensor of a Python number (torch.tensor(0.5), torch.as_tensor(lr)) "
-                    f"stays local under mesh.activate(); write a mesh tensor instead "
-                    f"(torch.zeros(()) makes one), or bring the value here with mnb.inspect(t)"
-                )
+        here = [
+            t
+            for t in written(func, args, kwargs)
+            if isinstance(t, torch.Tensor) and not isinstance(t, Tensor)
+        ]
+        if here:  # the ranks would write a copy of it
+            return _written_here(func, args, kwargs, mesh, here)
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)
     mesh, stream, ctrl = target(tensors, mesh, p.what, p.written)
@@ -213,6 +213,37 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
     if to_gpu:
         return dispatch(torch.ops.aten._to_copy.default, (out,), {"device": _CUDA})
     return out
+
+
+def _written_here(func, args, kwargs, mesh, here: list):
+    """An op that writes host scalars (local 0-dim tensors) with mesh tensors' values
+    (ASGD's foreach path copies its step sizes into its own): it runs on the ranks on
+    mesh copies of them, and each takes back the value every rank agrees on, in one
+    round trip (as ``t.item()`` asks; refused inside ``mnb.compile``)."""
+    name = op_name(func)
+    check_not_recording(name)
+    copies = {}
+    for t in here:
+        layout = {"dtype": t.dtype, "device": t.device}
+        copies[id(t)] = dispatch(_COPY, (dispatch(_EMPTY, ((), ()), layout, mesh), t), {})
+
+    def mesh_copy(x):
+        if type(x) is list or type(x) is tuple:
+            return type(x)([copies.get(id(y), y) for y in x])
+        return copies.get(id(x), x)
+
+    out = dispatch(func, tuple(map(mesh_copy, args)), {k: mesh_copy(v) for k, v in kwargs.items()})
+    values = [copies[id(t)] for t in here]
+    if len({v.dtype for v in values}) == 1:  # one fetch for them all
+        values = list(agreed_shard(dispatch(_STACK, (values,), {}), name))
+    else:
+        values = [agreed_shard(v, name) for v in values]
+    back = {id(copies[id(t)]): t for t in here}
+    for t, v in zip(here, values):
+        t.copy_(v)
+    if type(out) is list or type(out) is tuple:
+        return type(out)([back.get(id(o), o) for o in out])
+    return back.get(id(out), out)
 
 
 def target(tensors: list, mesh, what: str, written: tuple) -> tuple:
