@@ -199,7 +199,7 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
             for t in written(func, args, kwargs)
             if isinstance(t, torch.Tensor) and not isinstance(t, Tensor)
         ]
-        if here:  # the ranks would write a copy of it
+        if here:  # the ranks would write a copy of it: each takes the ranks' value back
             return _written_here(func, args, kwargs, mesh, here)
         p = lookup(key) or plan(func, args, kwargs, tensors, key)
         p.check_device(mesh)

@@ -109,9 +109,10 @@ def shard_of(t: Tensor) -> torch.Tensor:
     leads back to it (made again when its layout changed)."""
     if t._layout is None:
         return t._traced_shard
-    convert = sys.modules.get("torch._dynamo.symbolic_convert")
-    if convert is not None and convert.tls.__dict__.get("current_tx") is not None:
-        _check_backend(convert.tls.current_tx)
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")  # loaded once dynamo runs
+    tx = getattr(getattr(convert, "tls", None), "current_tx", None)
+    if tx is not None:  # dynamo traces a frame: with which backend?
+        _check_backend(tx)
     cached = t.__dict__.get("_shard_cache")
     if cached is not None and cached[0] == t._layout:
         return cached[1]
