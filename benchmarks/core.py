@@ -1,6 +1,7 @@
 """Core runtime costs on a one-worker local mesh, each against raw pyzmq.
 
-* ``rtt``      a no-op remote call and a fetch of its result, one at a time
+* ``rtt``      a no-op remote call and a fetch of its result, one at a time (and, as
+  ``cold_*`` fields, one after the processes sat idle, as every notebook action starts)
 * ``dispatch`` many no-op calls pipelined, then ``mesh.wait()``
 * ``dispatch_notebook`` its twin with what a notebook sends: a function defined in
   ``__main__`` (pickled by value) that reads ``torch`` and a global
@@ -14,6 +15,7 @@ reported numbers are medians over the repetitions.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 from ._report import Entry, interleaved
@@ -49,6 +51,12 @@ def bench_rtt(quick: bool) -> list[Entry]:
             return (time.perf_counter() - t0) / n
 
         ours_s, base_s, _, _ = interleaved(ours, lambda: peer.rtt(n), reps)
+        cold = max(10, n // 10)
+        cold_s, cold_base_s, _, _ = interleaved(
+            lambda: _after_idle(lambda: f(mesh=mesh).fetch(rank=0), cold),
+            lambda: _after_idle(lambda: peer.rtt(1), cold),
+            3,
+        )
     return [
         Entry(
             "rtt",
@@ -60,10 +68,32 @@ def bench_rtt(quick: bool) -> list[Entry]:
             note=(
                 f"mnb.remote(noop)(mesh=mesh).fetch(rank=0) on local_mesh(dp=1): CallFunction + "
                 f"SendValue out, FetchResult back (the dropped Ref adds a DeleteRefs to the next "
-                f"batch); median over {reps} reps of the mean of {n} round trips"
+                f"batch); median over {reps} reps of the mean of {n} round trips; cold_*: "
+                f"one round trip after {COLD_GAP * 1e3:g} ms idle, median of {cold}, 3 reps"
             ),
+            extra={
+                "cold_ms": round(cold_s * 1e3, 4),
+                "cold_baseline_ms": round(cold_base_s * 1e3, 4),
+                "cold_ratio": round(cold_s / cold_base_s, 3),
+            },
         )
     ]
+
+
+COLD_GAP = 0.01  # s of idleness before a cold round trip: a person's pause is longer still
+
+
+def _after_idle(round_trip, n: int) -> float:
+    """Median seconds of ``round_trip()``, each after COLD_GAP s idle: the threads and
+    processes it wakes have gone to sleep, as before any notebook action (the hot
+    loop of the row keeps them all awake)."""
+    times = []
+    for _ in range(n):
+        time.sleep(COLD_GAP)
+        t0 = time.perf_counter()
+        round_trip()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 NOTEBOOK_CELL = """
