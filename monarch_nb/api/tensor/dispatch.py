@@ -15,7 +15,7 @@ import torch
 from ...controller import PENDING_INTERRUPT, raise_pending_interrupt
 from ...protocol import messages as m
 from ...protocol.aten import OpSlot
-from ...protocol.autograd import saved_copy
+from ...protocol.autograd import saved_copy, tensors_in
 from ...protocol.wire import RefUseError, function_ref, pack_args
 from ..context import resolve_target
 from ..remote import check_refs
@@ -136,11 +136,16 @@ def _drawn_here(func, args, kwargs, mesh):
     values copied to every rank."""
     value, t = draw(func, args, kwargs)
     if t is None:
-        if not isinstance(value, torch.Tensor):
-            return value
-        layout = {"dtype": value.dtype, "device": value.device}
-        t = dispatch(_EMPTY, (value.shape, value.stride()), layout, mesh)
+        return _sent(value, mesh) if isinstance(value, torch.Tensor) else value
     return dispatch(_COPY, (t, value), {})
+
+
+def _sent(value: torch.Tensor, mesh) -> Tensor:
+    """A new mesh tensor of ``mesh`` holding local ``value`` on every rank (0-dim too,
+    which ``torch.tensor(data)`` keeps here as a host scalar)."""
+    layout = {"dtype": value.dtype, "device": value.device}
+    empty = dispatch(_EMPTY, (value.shape, value.stride()), layout, mesh)
+    return dispatch(_COPY, (empty, value), {})
 
 
 def _saved_copy(t: Tensor) -> Tensor:
@@ -170,11 +175,7 @@ def local_only(func, args, kwargs) -> bool:
 
 def scalars_only(args, kwargs) -> bool:
     """Whether every tensor among an op's arguments is 0-dim (host scalars)."""
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        for b in a if type(a) is list or type(a) is tuple else (a,):
-            if isinstance(b, torch.Tensor) and b.dim():
-                return False
-    return True
+    return not any(t.dim() for t in tensors_in(args, kwargs))
 
 
 def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
@@ -222,10 +223,7 @@ def _written_here(func, args, kwargs, mesh, here: list):
     round trip (as ``t.item()`` asks; refused inside ``mnb.compile``)."""
     name = op_name(func)
     check_not_recording(name)
-    copies = {}
-    for t in here:
-        layout = {"dtype": t.dtype, "device": t.device}
-        copies[id(t)] = dispatch(_COPY, (dispatch(_EMPTY, ((), ()), layout, mesh), t), {})
+    copies = {id(t): _sent(t, mesh) for t in here}
 
     def mesh_copy(x):
         if type(x) is list or type(x) is tuple:

@@ -12,20 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ...protocol.autograd import tensors_in
 from ...protocol.wire import RefUseError
 from ..context import RecordingError, recording_trace
 from .plans import written
 from .propagate import op_name
 from .tensor import Tensor
-
-
-def _mesh_tensors(args: tuple, kwargs: dict) -> list:
-    found = []
-    for a in (*args, *kwargs.values()):
-        for b in a if type(a) in (list, tuple) else (a,):
-            if isinstance(b, Tensor):
-                found.append(b)
-    return found
 
 
 def draw(func, args: tuple, kwargs: dict) -> tuple:
@@ -41,7 +33,8 @@ def draw(func, args: tuple, kwargs: dict) -> tuple:
             f"ranks' generators, seeded by torch.manual_seed under the mesh)"
         )
     writes = [t for t in written(func, args, kwargs) if isinstance(t, Tensor)]
-    reads = [t for t in _mesh_tensors(args, kwargs) if all(t is not w for w in writes)]
+    mesh_tensors = [t for t in tensors_in(args, kwargs) if isinstance(t, Tensor)]
+    reads = [t for t in mesh_tensors if all(t is not w for w in writes)]
     if reads or len(writes) > 1 or gen.device.type != "cpu":
         raise RefUseError(
             f"{name} draws from a local torch.Generator ({gen.device}) "
@@ -54,7 +47,9 @@ def draw(func, args: tuple, kwargs: dict) -> tuple:
         return func(*args, **kwargs), None
     t = writes[0]
     if t.device.type != "cpu":  # local torch's own refusal
-        raise RuntimeError(f"Expected a '{t.device.type}' device type for generator but found 'cpu'")
+        raise RuntimeError(
+            f"Expected a '{t.device.type}' device type for generator but found 'cpu'"
+        )
     local = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
     args = tuple(local if a is t else a for a in args)
     func(*args, **{k: local if v is t else v for k, v in kwargs.items()})
