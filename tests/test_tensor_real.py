@@ -446,17 +446,42 @@ def test_copies_and_loads_of_local_tensors_inside_a_mesh_block_stay_local(mesh, 
     assert not isinstance(twin.module[1].num_batches_tracked, mnb.Tensor)
 
 
-def test_setting_data_of_a_mesh_tensor_is_refused_and_it_stays_as_it_was(mesh):
-    """'p.data = x' (torch.nn.utils.vector_to_parameters does it) changed the shape
-    here and nothing on the ranks, without a word; it is refused, naming copy_."""
+def test_setting_data_of_a_mesh_tensor_does_it_on_the_ranks_as_local_torch_does(mesh):
+    """'p.data = x' (vector_to_parameters, nn.utils.prune.remove do it) swapped the
+    layout here and nothing on the ranks; then it was refused. Now each rank's shard
+    takes x's storage too: the same numbers as local torch, the parameter the same
+    object (its optimizer steps it), sharing x's storage and leaving its old views."""
+
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        vec = torch.nn.utils.parameters_to_vector(model.parameters()) * 2
+        torch.nn.utils.vector_to_parameters(vec, model.parameters())
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        torch.nn.utils.prune.l1_unstructured(model, "weight", amount=0.5)
+        torch.nn.utils.prune.remove(model, "weight")
+        w = torch.nn.Parameter(torch.zeros(2, 3))
+        old_view = w.data[0]
+        x = torch.arange(6.0)
+        w.data = x
+        (w * 3).sum().backward()
+        x.add_(1)  # w shares x's storage
+        old_view.add_(5)  # and no longer its old one
+        w.data = torch.tensor([7.0, 8.0])  # a local value
+        return [model.weight, model.bias, w, w.grad, x, old_view, torch.tensor(w.shape)]
+
+    import torch.nn.utils.prune  # noqa: F401
+
+    local = run()
     with mesh.activate():
-        weight = torch.nn.Parameter(torch.zeros(2, 3))
-        with pytest.raises(mnb.RefUseError, match=r"t\.copy_\(x\)"):
-            weight.data = torch.ones(4)
-        with pytest.raises(mnb.RefUseError, match="vector_to_parameters"):
-            torch.nn.utils.vector_to_parameters(torch.ones(6), [weight])
-        assert weight.shape == (2, 3)
-        with torch.no_grad():
-            weight.copy_(torch.ones(2, 3))
-        weight.data.mul_(2)  # .data reads as before: the same value
-    assert mnb.inspect(weight).tolist() == [[2.0] * 3] * 2
+        ours = run()
+    for a, b in zip(ours, local):
+        assert torch.equal(mnb.inspect(a.detach(), dp=1), b.detach())
+    with mesh.activate():
+        w = torch.zeros(3)
+        with pytest.raises(TypeError, match="must be a tensor"):
+            w.data = 3
+        w.add_(1)
+    assert mnb.inspect(w).tolist() == [1.0] * 3

@@ -99,6 +99,13 @@ def detached(value):
     return value.detach()
 
 
+def data_set(value, new):
+    """A shard's ``t.data = new`` here: ``value`` (same object, graph, grad) now holds
+    ``new``'s storage and layout."""
+    value.data = new
+    return value
+
+
 def shard_value(value):
     """A shard as a fetch sends it: its value, without this rank's graph."""
     return value.detach() if isinstance(value, torch.Tensor) and value.requires_grad else value

@@ -49,6 +49,15 @@ def join(view: Tensor, base: Tensor) -> None:
     view._aliases = group
 
 
+def leave(t: Tensor) -> None:
+    """``t`` no longer shares its group's storage (``t.data = x`` gave it another)."""
+    group = t._aliases
+    if group is not None:
+        group[:] = [r for r in group if r() is not t]
+        t._aliases = None
+        group()
+
+
 def rename_aliases(t: Tensor, mesh, stream) -> None:
     """After an in-place op on ``t``, every live tensor sharing its storage names
     its value anew, after that op: a failure of the op reaches their readers too

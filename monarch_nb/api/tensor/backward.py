@@ -22,14 +22,16 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from ...protocol.aten import OpSlot
-from ...protocol.autograd import backward_shards, detached
+from ...protocol.autograd import backward_shards, data_set, detached
 from ...protocol.wire import function_ref
-from .dispatch import target
+from .aliases import join, leave
+from .dispatch import sent, target
 from .send import aux_template, define, run
-from .tensor import BACKWARD, Tensor
+from .tensor import _TORCH_DATA, BACKWARD, Tensor
 
 _BACKWARD = function_ref(backward_shards)
 _DETACHED = function_ref(detached)
+_DATA_SET = function_ref(data_set)
 HOOKED = "monarch_nb.hooked"  # a graph node's metadata: a hook the ranks cannot run
 _saved_names: dict = {}  # node type -> its _raw_saved_ attributes
 _SAVED_TENSOR = torch._C._autograd.SavedTensor
@@ -203,6 +205,28 @@ def detach_(t: Tensor) -> Tensor:
         template = aux_template(("detached",), (OpSlot(0),), _DETACHED, "detach_")
         t._rebind(*run(ctrl, template, (t,), {}, (t,), mesh, stream, "detach_"))
     return t
+
+
+def set_data(t: Tensor, new) -> None:
+    """``t.data = new``: torch swaps ``t``'s storage and layout for ``new``'s without a
+    dispatch (keeping ``t``'s identity, grad and graph), so each rank's shard does the
+    same; a local ``new`` goes to ``t``'s ranks first. ``t`` then shares ``new``'s
+    storage (and leaves its old views), as in torch."""
+    if not isinstance(new, torch.Tensor):
+        raise TypeError(f"t.data = x: x must be a tensor, not {type(new).__name__}")
+    if t._layout is None:  # a torch.compile trace's wrapper: torch's own
+        _TORCH_DATA.__set__(t, new)
+        return
+    if not isinstance(new, Tensor):
+        new = sent(new, t.mesh)
+    mesh, stream, ctrl = target([t, new], t.mesh, "t.data = x", (t,))
+    template = aux_template(("data_set",), (OpSlot(0), OpSlot(1)), _DATA_SET, "t.data = x")
+    rid, ident = run(ctrl, template, (t, new), {}, (t, new), mesh, stream, "t.data = x")
+    _TORCH_DATA.__set__(t, new)
+    t._layout = new._layout
+    t._rebind(rid, ident)
+    leave(t)
+    join(t, new)
 
 
 BACKWARD.install(sys.modules[__name__])  # mesh tensors' backward() comes here

@@ -136,11 +136,11 @@ def _drawn_here(func, args, kwargs, mesh):
     values copied to every rank."""
     value, t = draw(func, args, kwargs)
     if t is None:
-        return _sent(value, mesh) if isinstance(value, torch.Tensor) else value
+        return sent(value, mesh) if isinstance(value, torch.Tensor) else value
     return dispatch(_COPY, (t, value), {})
 
 
-def _sent(value: torch.Tensor, mesh) -> Tensor:
+def sent(value: torch.Tensor, mesh) -> Tensor:
     """A new mesh tensor of ``mesh`` holding local ``value`` on every rank (0-dim too,
     which ``torch.tensor(data)`` keeps here as a host scalar)."""
     layout = {"dtype": value.dtype, "device": value.device}
@@ -223,7 +223,7 @@ def _written_here(func, args, kwargs, mesh, here: list):
     round trip (as ``t.item()`` asks; refused inside ``mnb.compile``)."""
     name = op_name(func)
     check_not_recording(name)
-    copies = {id(t): _sent(t, mesh) for t in here}
+    copies = {id(t): sent(t, mesh) for t in here}
 
     def mesh_copy(x):
         if type(x) is list or type(x) is tuple:

@@ -15,7 +15,7 @@ import torch
 
 from ...hooks import Hook
 from ...protocol.autograd import shard_value
-from ...protocol.wire import RefUseError, function_ref, register_ref_type
+from ...protocol.wire import function_ref, register_ref_type
 from ..context import recording_trace
 from ..remote import Ref
 from . import borrows
@@ -122,13 +122,7 @@ class Tensor(torch.Tensor, Ref):
 
     @data.setter
     def data(self, new):
-        # torch's setter swaps the metadata of the tensor here only: the ranks kept the
-        # old value while the shape here changed (vector_to_parameters did so silently)
-        raise RefUseError(
-            "'t.data = x' of a mesh tensor would change it here and not on the ranks: "
-            "write it in place, 'with torch.no_grad(): t.copy_(x)' (for each parameter: "
-            "torch.nn.utils.vector_to_parameters sets .data)"
-        )
+        BACKWARD.value.set_data(self, new)
 
     def detach_(self):
         return BACKWARD.value.detach_(self)
@@ -292,6 +286,8 @@ _TORCH_DATA = torch._C.TensorBase.data  # torch's .data, whose getter mesh tenso
 # dispatch.py builds Tensors; it installs itself here when it loads (tensor/__init__)
 DISPATCH = Hook("tensor_dispatch", "the mesh tensor's op dispatch: .dispatch, .rename_aliases")
 # backward.py: a mesh tensor's backward() (.mark_hooked: a hook the ranks cannot run)
-BACKWARD = Hook("tensor_backward", "a mesh tensor's backward() and detach_(), run on its ranks")
+BACKWARD = Hook(
+    "tensor_backward", "a mesh tensor's backward(), detach_() and .data = x, run on its ranks"
+)
 # traced.py: a mesh tensor's shard as torch.compile sees it (.shard_of, .unflatten)
 TRACING = Hook("tensor_tracing", "mesh tensors under torch.compile: their shards")
