@@ -352,34 +352,44 @@ def test_a_transformer_encoders_padding_mask_in_inference_is_refused_or_runs_unn
     assert torch.equal(mnb.inspect(ours, dp=1), local)
 
 
-def _packed_lstm(lstm, x, lengths):
-    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
-    out, _ = lstm(packed)
-    return torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0]
+def _packed_lstm(sort: bool, batch_first: bool):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 5, num_layers=2, bidirectional=True, batch_first=batch_first)
+    x = torch.randn(3, 6, 4) if batch_first else torch.randn(6, 3, 4)
+    lengths = [6, 4, 2] if sort else [4, 6, 2]
+    packed = torch.nn.utils.rnn.pack_padded_sequence(
+        x, torch.tensor(lengths), batch_first=batch_first, enforce_sorted=sort
+    )
+    out, (h, _) = lstm(packed)
+    padded, got_lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=batch_first)
+    (padded.sum() + h.sum()).backward()
+    return [padded, h, lstm.weight_ih_l1.grad, out.data], [got_lengths, out.batch_sizes]
 
 
-def test_a_packed_sequence_is_refused_by_name_and_runs_on_the_shards(mesh):
+@pytest.mark.parametrize("sort,batch_first", [(True, True), (True, False), (False, True)])
+def test_a_packed_sequence_runs_as_local_torch(mesh, sort, batch_first):
     """An LSTM over pack_padded_sequence's result failed inside torch's C++ with "The
     tensor has a non-zero number of elements, but its data is not allocated yet" (the
-    RNN reads batch_sizes here). The packing is refused naming what works: the same
-    code on the shards through mnb.remote gives local torch's numbers."""
-    lengths = [6, 4, 2]
+    RNN reads batch_sizes here); then it was refused. Now batch_sizes are made here
+    from the lengths the ranks agree on, and pack, the RNN, pad_packed_sequence and the
+    backward give local torch's numbers; lengths the ranks disagree on are named."""
     with one_thread():
-        torch.manual_seed(0)
-        lstm, x = torch.nn.LSTM(4, 5, batch_first=True), torch.randn(3, 6, 4)
-        local = _packed_lstm(lstm, x, torch.tensor(lengths))
+        local, local_sizes = _packed_lstm(sort, batch_first)
     with one_thread(), mesh.activate():
-        torch.manual_seed(0)
-        m_lstm, m_x = torch.nn.LSTM(4, 5, batch_first=True), torch.randn(3, 6, 4)
-        with pytest.raises(NotImplementedError, match=r"packed sequence.*mnb\.remote"):
-            torch.nn.utils.rnn.pack_padded_sequence(m_x, torch.tensor(lengths), batch_first=True)
-        ours = m_x * 1  # the mesh goes on
-    assert torch.equal(mnb.inspect(ours, dp=1), x)
-    w = dict(m_lstm.named_parameters())
-    got = mnb.remote(
-        lambda x, w: _packed_lstm(_rebuilt(w), x, torch.tensor(lengths)).detach()
-    )(m_x, w)
-    assert torch.equal(got.fetch(rank=1), local.detach())
+        ours, sizes = _packed_lstm(sort, batch_first)
+        x = torch.randn(2, 3, 4)
+        differs = mnb.remote(_rank_value, propagate=lambda: torch.empty(()))()
+        lengths = torch.stack([torch.tensor(3), differs.long() + 1])
+        with pytest.raises(ValueError, match="ranks"):
+            torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+    for a, b in zip(ours, local):
+        assert torch.equal(mnb.inspect(a.detach(), dp=1), b.detach())
+    for a, b in zip(sizes, local_sizes):  # local tensors, as torch gives
+        assert not isinstance(a, mnb.Tensor) and torch.equal(a, b)
+
+
+def _rank_value():
+    return torch.tensor(float(mnb.current_rank()))
 
 
 def test_a_sparse_embedding_is_refused_by_name_where_it_would_make_a_sparse_grad(mesh):
@@ -399,14 +409,6 @@ def test_a_sparse_embedding_is_refused_by_name_where_it_would_make_a_sparse_grad
         with torch.no_grad():
             got = emb(idx)
     assert torch.equal(mnb.inspect(got, dp=1), want)
-
-
-def _rebuilt(weights):
-    lstm = torch.nn.LSTM(4, 5, batch_first=True)
-    with torch.no_grad():
-        for name, p in lstm.named_parameters():
-            p.copy_(weights[name])
-    return lstm
 
 
 def test_copies_and_loads_of_local_tensors_inside_a_mesh_block_stay_local(mesh, tmp_path):

@@ -11,6 +11,7 @@ import operator
 import sys
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...controller import PENDING_INTERRUPT, raise_pending_interrupt
 from ...protocol import messages as m
@@ -39,6 +40,8 @@ _CUDA = torch.device("cuda")
 _EMPTY = torch.ops.aten.empty_strided.default
 _STACK = torch.ops.aten.stack.default
 _DETACH = torch.ops.aten.detach.default
+_PACK = torch.ops.aten._pack_padded_sequence.default
+_INDEX = torch.ops.aten.index.Tensor
 _SAVED = function_ref(saved_copy)
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 _excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
@@ -100,6 +103,8 @@ def dispatch(func, args, kwargs, mesh=None):
         if not tensors:
             raise RuntimeError(f"{op_name(func)}: no mesh tensor among its arguments")
         mesh = tensors[0].mesh
+    if func is _PACK:
+        return _packed(*args, mesh)
     if local:
         return _with_local(func, args, kwargs, mesh, tensors, local, key)
     p = lookup(key)
@@ -148,6 +153,24 @@ def sent(value: torch.Tensor, mesh) -> Tensor:
     return dispatch(_COPY, (empty, value), {})
 
 
+def _packed(x, lengths, batch_first: bool, mesh) -> tuple:
+    """``_pack_padded_sequence`` (``pack_padded_sequence``): its ``batch_sizes`` are made
+    here from the lengths every rank agrees on, as torch's RNNs and
+    ``pad_packed_sequence`` read them here; its data is gathered on the ranks in one op
+    (a copy of the same values, as torch's)."""
+    if isinstance(lengths, Tensor):
+        lengths = agreed_shard(lengths, "pack_padded_sequence's lengths")
+    with _disable_current_modes():
+        if not isinstance(x, Tensor):
+            return _PACK(x, lengths, batch_first)
+        _, sizes = _PACK(torch.zeros(x.shape[:2]), lengths, batch_first)  # torch's checks
+        counts = sizes.tolist()
+        steps = torch.cat([torch.full((n,), t) for t, n in enumerate(counts)])
+        rows = torch.cat([torch.arange(n) for n in counts])
+    index = [rows, steps] if batch_first else [steps, rows]
+    return dispatch(_INDEX, (x, [sent(i, x.mesh) for i in index]), {}), sizes
+
+
 def _saved_copy(t: Tensor) -> Tensor:
     """torch's copy of a tensor autograd saves: on the ranks the tensor itself."""
     mesh, stream, ctrl = target([t], t.mesh, "detach", ())
@@ -190,6 +213,12 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
         to_gpu = mesh.device_type == "cuda"  # ... and onto each rank's GPU
     elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
         return func(*args, **kwargs)
+    elif func is _INDEX and not isinstance(args[0], Tensor):
+        # a local tensor indexed by mesh tensors (pad_packed_sequence's lengths[order]):
+        # a local result, as torch's, of the indices every rank agrees on
+        index = [agreed_shard(i, "indexing a local tensor") if isinstance(i, Tensor) else i
+                 for i in args[1]]
+        return func(args[0], index)
     else:
         copy_in = func is _COPY and args[0] is tensors[0] and len(args) > 1 and args[1] is local[0]
         for t in local:

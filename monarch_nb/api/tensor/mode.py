@@ -5,6 +5,7 @@ lets torch run locally again inside such a block."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
@@ -24,6 +25,8 @@ _tls = threading.local()
 _LOCAL_NAMESPACES = frozenset({"profiler"})
 _DEVICE = torch.ops.prim.device.default
 _LIFT = torch.ops.aten.lift_fresh.default
+_EMPTY = torch.ops.aten.empty.memory_format
+_PAD_PACKED = torch.nn.utils.rnn.pad_packed_sequence.__code__
 _guards_tls = getattr(torch._guards, "_TLS", None)
 if isinstance(_guards_tls, threading.local):
 
@@ -65,6 +68,10 @@ class MeshMode(TorchDispatchMode):
             or func.namespace in _LOCAL_NAMESPACES
             or _tracing() is not None
         ):
+            return func(*args, **(kwargs or {}))
+        if func is _EMPTY and sys._getframe(1).f_code is _PAD_PACKED:
+            # torch's C++ _pad_packed_sequence makes the lengths it returns and writes
+            # them through a pointer: a local tensor (the padding runs on the mesh)
             return func(*args, **(kwargs or {}))
         if not types and local_only(func, args, kwargs):  # types: mesh tensors' class
             out = func(*args, **(kwargs or {}))

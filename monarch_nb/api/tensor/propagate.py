@@ -29,7 +29,6 @@ from torch.utils._pytree import tree_map
 
 _tls = threading.local()
 _DETACH = torch.ops.aten.detach.default
-_PACK = torch.ops.aten._pack_padded_sequence.default
 # ops whose argument at this place asks for a sparse gradient of the weight
 _SPARSE_GRAD = {torch.ops.aten.embedding.default: 4, torch.ops.aten._embedding_bag.default: 5}
 _grad_on = torch.is_grad_enabled
@@ -138,13 +137,6 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
             f"{name} with sparse=True makes a sparse gradient, which a mesh tensor cannot "
             f"be (mesh tensors are dense): build the embedding with sparse=False (the "
             f"optimizer then steps it as any parameter)"
-        )
-    if func is _PACK:
-        raise NotImplementedError(
-            f"{name}: a packed sequence of mesh tensors cannot run, as torch's RNNs and "
-            f"pad_packed_sequence read its batch_sizes here, where no values are: pass the "
-            f"padded batch (with a mask where the padding matters), or run the packed RNN "
-            f"on the shards in a function given to mnb.remote"
         )
     try:
         with fake_inputs(args, kwargs, tensors, is_mesh) as (fargs, fkwargs, fakes):
