@@ -48,12 +48,21 @@ _excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 
 
 def _local_error(name: str, t: torch.Tensor, mesh) -> RefUseError:
+    if t.dim() == 0 and t.requires_grad:
+        return RefUseError(
+            f"{name} mixes a local 0-dim tensor that requires grad with mesh tensors of mesh "
+            f"{mesh.name!r}: torch.tensor(number) stays a local host scalar under the mesh, "
+            f"and so does an nn.Parameter of one outside a module (one registered on a "
+            f"module built under the mesh goes to the mesh): make it on the mesh with "
+            f"torch.full((), x, requires_grad=True), or as a module's parameter"
+        )
     return RefUseError(
         f"{name} mixes a local tensor (shape {tuple(t.shape)}, {t.dtype}) with mesh "
-        f"tensors of mesh {mesh.name!r}: create it on the mesh instead (factories and "
-        f"torch.tensor(...) inside 'with mesh.activate():' make mesh tensors), or bring "
-        f"the mesh tensor's shard here with mnb.inspect(t) and compute locally "
-        f"(inside 'with mnb.no_mesh():' factories are local too)"
+        f"tensors of mesh {mesh.name!r}: send its values to every rank with "
+        f"mesh.tensor(x) (as x.to(device) moves a batch onto a GPU), or create it on the "
+        f"mesh (factories and torch.tensor(data) inside 'with mesh.activate():' make mesh "
+        f"tensors), or bring the mesh tensor's shard here with mnb.inspect(t) and compute "
+        f"locally (inside 'with mnb.no_mesh():' factories are local too)"
     )
 
 

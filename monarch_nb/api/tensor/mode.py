@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-from .dispatch import dispatch, local_only, scalars_only
+from .dispatch import dispatch, local_only, scalars_only, sent
+from .tensor import Tensor
 
 _tls = threading.local()
 # ops about the controller itself (torch.autograd.profiler's record_function)
@@ -26,7 +27,12 @@ _LOCAL_NAMESPACES = frozenset({"profiler"})
 _DEVICE = torch.ops.prim.device.default
 _LIFT = torch.ops.aten.lift_fresh.default
 _EMPTY = torch.ops.aten.empty.memory_format
+_TO_COPY = torch.ops.aten._to_copy.default
 _PAD_PACKED = torch.nn.utils.rnn.pad_packed_sequence.__code__
+_LAZY = (
+    torch.nn.parameter.UninitializedParameter.__new__.__code__,
+    torch.nn.parameter.UninitializedBuffer.__new__.__code__,
+)
 _guards_tls = getattr(torch._guards, "_TLS", None)
 if isinstance(_guards_tls, threading.local):
 
@@ -69,10 +75,18 @@ class MeshMode(TorchDispatchMode):
             or _tracing() is not None
         ):
             return func(*args, **(kwargs or {}))
-        if func is _EMPTY and sys._getframe(1).f_code is _PAD_PACKED:
-            # torch's C++ _pad_packed_sequence makes the lengths it returns and writes
-            # them through a pointer: a local tensor (the padding runs on the mesh)
-            return func(*args, **(kwargs or {}))
+        if func is _EMPTY:
+            code = sys._getframe(1).f_code
+            if code is _PAD_PACKED:
+                # torch's C++ _pad_packed_sequence makes the lengths it returns and writes
+                # them through a pointer: a local tensor (the padding runs on the mesh)
+                return func(*args, **(kwargs or {}))
+            if code in _LAZY:
+                raise NotImplementedError(
+                    "lazy modules (nn.LazyLinear, nn.LazyConv2d, ...) cannot be built under "
+                    "the mesh: their uninitialized parameters are local placeholders that "
+                    "torch later fills in place; give the input size (nn.Linear(in, out))"
+                )
         if not types and local_only(func, args, kwargs):  # types: mesh tensors' class
             out = func(*args, **(kwargs or {}))
             if type(out) is torch.Tensor and out.dim() and scalars_only(args, kwargs):
@@ -129,3 +143,23 @@ def mesh_mode(mesh):
     finally:
         stack.pop()
         _tls.local = saved
+
+
+def lifted_parameter(module, name: str, param):
+    """A module built under an active mesh gets mesh parameters: a local one registered
+    on it there (``nn.Parameter(torch.tensor(1.0))``, whose number stays a local host
+    scalar; a parameter of a loaded tensor) becomes one on the mesh holding its value.
+    (torch's parameter registration hook; a module's copies and loads register none.)"""
+    mesh = active_mesh()
+    if mesh is None or isinstance(param, Tensor) or torch.nn.parameter.is_lazy(param):
+        return None
+    if param.device.type == "meta" or _tracing() is not None:
+        return None
+    with torch.no_grad():
+        value = sent(param.detach(), mesh)
+        if mesh.device_type == "cuda" and value.device.type != "cuda":
+            value = dispatch(_TO_COPY, (value,), {"device": torch.device("cuda")})
+    return torch.nn.Parameter(value, requires_grad=param.requires_grad)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(lifted_parameter)
