@@ -131,3 +131,42 @@ def test_a_dataloader_of_local_data_trains_with_each_batch_moved_by_mesh_tensor(
     assert torch.equal(mnb.inspect(model.weight.detach(), dp=1), local_model.weight.detach())
     assert mnb.inspect(from_array, dp=1).dtype == torch.float64
     assert mnb.inspect(from_list, dp=1).tolist() == [[1, 2], [3, 4]]
+
+
+def _float64_fit():
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), 1e-2)
+        x = torch.linspace(0, 1, 16)[:, None]
+        y = torch.sin(torch.arange(16)[:, None] / 3)  # an integer tensor / a Python number
+        losses = []
+        for _ in range(3):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses + [model[0].weight.detach(), torch.randn(3), y]
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_the_default_dtype_set_here_holds_on_the_ranks(mesh):
+    """torch.set_default_dtype(torch.float64) under the mesh: the controller planned
+    float64 results while the ranks (processes of their own) made float32 ones, and a
+    factory planned before the change stayed float32 here. The ranks now take this
+    process's default before an op reaches them: a float64 fit gives local torch's
+    numbers, and float32 again once the default is back."""
+    with one_thread():
+        local = _float64_fit()
+    with one_thread(), mesh.activate():
+        torch.ones(2)  # planned under float32
+        ours = _float64_fit()
+        back = torch.ones(2) / 3
+    for a, b in zip(ours, local):
+        assert a.dtype == torch.float64
+        shard = mnb.inspect(a, dp=1)
+        assert shard.dtype == torch.float64 and torch.equal(shard, b)
+    assert back.dtype == torch.float32 and mnb.inspect(back, dp=1).dtype == torch.float32

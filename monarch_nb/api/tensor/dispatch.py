@@ -23,6 +23,7 @@ from ..remote import check_refs
 from . import borrows, from_data
 from .agreed import agreed_shard, check_not_recording
 from .aliases import Holder, join, rename_aliases, rename_written
+from .defaults import follow
 from .generators import draw
 from .plans import Plan, key_of, lifts_floats, lookup, plan, written
 from .propagate import DataDependentError, layout_of, op_name
@@ -293,6 +294,7 @@ def target(tensors: list, mesh, what: str, written: tuple) -> tuple:
             borrows.check(what, tensors, written)
     ctrl = mesh._controller
     ctrl.check_usable(mesh.targets)
+    follow(ctrl, mesh, stream)  # the ranks' default dtype is this process's
     return mesh, stream, ctrl
 
 

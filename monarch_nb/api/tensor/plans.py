@@ -39,6 +39,8 @@ _LONG = 8  # a list longer than this is keyed by ids (a foreach op's: tens of te
 _plans: dict = {}
 _templates: dict = {}  # a template's pickled arguments -> (op id, DefineOp)
 _PLANS_MAX = 100_000
+_default_dtype = torch.get_default_dtype
+_planned = [torch.get_default_dtype()]  # the default dtype the plans were made under
 _op_ids = itertools.count(1)  # a template's id, unique in this process
 
 
@@ -158,7 +160,11 @@ def _long_key(x, tensors: list, local: list, floats: list | None) -> tuple:
 
 
 def lookup(key):
-    """The plan of ``key``, or None (also for an unhashable key)."""
+    """The plan of ``key``, or None (also for an unhashable key). Plans made under
+    another default dtype than torch's now are dropped first (``defaults.py``)."""
+    if _default_dtype() is not _planned[0]:
+        _planned[0] = _default_dtype()
+        _plans.clear()
     try:
         return _plans.get(key)
     except TypeError:
