@@ -58,10 +58,10 @@ def backward(t: Tensor, gradient=None, retain_graph=None, create_graph=False, in
         walked = _walk(t)
     if walked is None:
         return torch.Tensor.backward(t, gradient, retain_graph, create_graph, inputs)
-    leaves, nodes = walked
+    leaves, saved = walked
     _send(t, gradient, bool(retain_graph), leaves)
     if not retain_graph:
-        _free(nodes)
+        _free(saved)
     return None
 
 
@@ -82,11 +82,14 @@ def _same_place(gradient, t: Tensor) -> bool:
 
 
 def _walk(t: Tensor) -> tuple | None:
-    """``(leaves, nodes)`` of ``t``'s graph (each once), or None where the ranks cannot
-    run it."""
+    """``(leaves, saved tensors)`` of ``t``'s graph (each once), or None where the ranks
+    cannot run it: a hook, a custom Function, or a tensor saved through saved-tensor
+    hooks (``saved_tensors_hooks``, ``checkpoint``, ``save_on_cpu``: the unpacked value
+    may differ from the one the ranks saved)."""
     seen = {id(t.grad_fn): t.grad_fn}  # the nodes, kept alive while their ids are keys
     stack = [t.grad_fn]
     leaves: dict = {}
+    saved: list = []
     while stack:
         node = stack.pop()
         meta = node.metadata
@@ -94,6 +97,10 @@ def _walk(t: Tensor) -> tuple | None:
             return None
         if isinstance(node, BackwardCFunction):
             return None
+        for one in _saved(node):
+            if one.unpack_hook is not None:
+                return None
+            saved.append(one)
         v = getattr(node, "variable", None)
         if v is not None:  # AccumulateGrad
             if not _same_leaf(v, t):
@@ -103,22 +110,21 @@ def _walk(t: Tensor) -> tuple | None:
             if nxt is not None and id(nxt) not in seen:
                 seen[id(nxt)] = nxt
                 stack.append(nxt)
-    return list(leaves.values()), list(seen.values())
+    return list(leaves.values()), saved
 
 
-def _free(nodes: list) -> None:
-    """Drop the controller's saved tensors of ``nodes``, as torch's engine does once it
+def _free(saved: list) -> None:
+    """Drop the controller's ``saved`` tensors of a graph, as torch's engine does once it
     ran them without retain_graph: the mesh tensors only the graph held are freed (on
     the ranks too), and a later use of the graph raises torch's error. torch detaches
     each saved tensor it drops: past the Python key, that detach runs no dispatch of
     ours. One torch refuses to drop (hooked at save) stays until the graph goes."""
     with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
-        for node in nodes:
-            for one in _saved(node):
-                try:
-                    one.register_hooks(_drop, _freed)
-                except RuntimeError:  # freed or hooked already
-                    pass
+        for one in saved:
+            try:
+                one.register_hooks(_drop, _freed)
+            except RuntimeError:  # freed or hooked already
+                pass
 
 
 def _saved(node) -> list:
