@@ -195,3 +195,40 @@ def test_saved_tensor_hooks_shape_the_backward_as_locally(mesh):
         ours = _compressed_backward()
     for a, b in zip(ours, local):
         assert torch.equal(mnb.inspect(a, dp=1), b)
+
+
+def test_a_batch_split_over_dp_trains_data_parallel_as_the_whole_batch_locally(mesh):
+    """mesh.tensor(batch, split="dp") gives rank i the i-th of equal chunks of dim 0 (a
+    data-parallel batch from a local DataLoader): with the gradients averaged over dp,
+    the replicas stay equal and follow local training on the whole batch (to float
+    rounding: the mean is summed in another order)."""
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+
+    def run(split):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        for xb, yb in torch.utils.data.DataLoader(data, batch_size=8):
+            loss = F.mse_loss(model(split(xb)), split(yb))
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                if isinstance(p, mnb.Tensor):
+                    p.grad.reduce_("dp", "avg")
+            opt.step()
+        return model
+
+    with one_thread():
+        local = run(lambda t: t)
+    with one_thread(), mesh.activate():
+        ours = run(lambda t: mesh.tensor(t, split="dp"))
+        chunk = mesh.tensor(torch.arange(8).view(4, 2), split="dp")
+        with pytest.raises(ValueError, match=r"size 3 does not split in 2"):
+            mesh.tensor(torch.ones(3), split="dp")
+        with pytest.raises(ValueError, match=r"'tp' names no dims"):
+            mesh.tensor(torch.ones(4), split="tp")
+    assert chunk.shape == (2, 2)
+    assert [mnb.inspect(chunk, dp=r).tolist() for r in (0, 1)] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    w0, w1 = ours.weight.fetch()
+    assert torch.equal(w0, w1)
+    assert torch.allclose(w0, local.weight.detach(), atol=1e-6)

@@ -210,11 +210,11 @@ class DeviceMesh(
         ctrl.send(m.CreatePipe(pipe_id, function, packed, max_messages), self.targets)
         return Pipe(self, pipe_id)
 
-    def tensor(self, source):
-        """An ``mnb.Tensor``: of the workers' variable named ``source``, or of a local
-        tensor, array or list (its values sent to every rank, as ``x.to(device)``)."""
+    def tensor(self, source, split=None):
+        """An ``mnb.Tensor`` of the workers' variable ``source``, or of a local tensor, array
+        or list on every rank (``split="dp"``: dim 0 in a chunk per coordinate)."""
         from .tensor.sources import as_mesh_tensor  # loads torch: only when asked
-        return as_mesh_tensor(self, source)
+        return as_mesh_tensor(self, source, split)
 
     def process_group(self, dims) -> ProcessGroup:
         """A handle that a remote function receives as the torch.distributed group

@@ -16,13 +16,16 @@ from .tensor import Tensor
 from .values import worker_tensor
 
 
-def as_mesh_tensor(mesh, source) -> Tensor:
+def as_mesh_tensor(mesh, source, split=None) -> Tensor:
     """``source`` on ``mesh``: a variable name (``values.worker_tensor``), a mesh tensor
     (itself, or its copy on ``mesh``), or anything ``torch.as_tensor`` takes, whose
-    values every rank of ``mesh`` then holds (same dtype, shape and strides)."""
-    if isinstance(source, str):
+    values every rank of ``mesh`` then holds (same dtype, shape and strides). With
+    ``split`` (a dim name or names), its dim 0 is cut in equal chunks, and the rank at
+    linear coordinate ``i`` of those dims holds chunk ``i`` (DTensor's ``Shard(0)``; a
+    data-parallel batch)."""
+    if isinstance(source, str) and split is None:
         return worker_tensor(mesh, source)
-    if isinstance(source, Tensor):
+    if isinstance(source, Tensor) and split is None:
         return source if source.mesh is mesh else source.to_mesh(mesh)
     try:
         with _disable_current_modes():
@@ -34,4 +37,21 @@ def as_mesh_tensor(mesh, source) -> Tensor:
         ) from None
     if value.requires_grad:
         value = value.detach()
-    return sent(value, mesh)
+    if split is None:
+        return sent(value, mesh)
+    dims = (split,) if isinstance(split, str) else tuple(split)
+    unknown = [d for d in dims if d not in mesh.dims]
+    if unknown or not dims:
+        raise ValueError(f"mesh.tensor(split=...): {split!r} names no dims of {mesh.dims}")
+    n = 1
+    for d in dict.fromkeys(dims):
+        n *= mesh.dims[d]
+    rows = value.shape[0] if value.dim() else 0
+    if rows % n or not rows:
+        raise ValueError(
+            f"mesh.tensor(split={split!r}): dim 0 of size {rows} does not split in {n} "
+            f"equal chunks (one per coordinate of {dims})"
+        )
+    chunks = sent(value.reshape(n, rows // n, *value.shape[1:]), mesh)
+    # a max over equal copies is each of them, exactly: rank i keeps chunk i
+    return chunks.reduce(dims, "max", scatter=True)
