@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -232,3 +231,49 @@ def test_a_batch_split_over_dp_trains_data_parallel_as_the_whole_batch_locally(m
     w0, w1 = ours.weight.fetch()
     assert torch.equal(w0, w1)
     assert torch.allclose(w0, local.weight.detach(), atol=1e-6)
+
+
+def test_a_transformers_clip_trains_as_locally(mesh, monkeypatch):
+    """CLIP of the transformers package from a config: its learnable temperature is
+    nn.Parameter(torch.tensor(number)), which stayed local under the mesh, so the
+    first step failed with "aten.mul.Tensor mixes a local tensor"."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    text = dict(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+    )
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
+
+    def run():
+        torch.manual_seed(0)
+        model = transformers.CLIPModel(config)
+        opt = torch.optim.AdamW(model.parameters(), 1e-3)
+        out = []
+        for _ in range(2):
+            ids, pixels = torch.randint(0, 50, (2, 6)), torch.randn(2, 3, 8, 8)
+            loss = model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out + [model.logit_scale.detach()]
+
+    with one_thread():
+        local = run()
+    with one_thread(), mesh.activate():
+        ours = run()
+    for a, b in zip(ours, local):
+        assert torch.equal(mnb.inspect(a, dp=1), b)
