@@ -76,7 +76,8 @@ class MeshMode(TorchDispatchMode):
         ):
             return func(*args, **(kwargs or {}))
         if func is _EMPTY:
-            code = sys._getframe(1).f_code
+            caller = sys._getframe().f_back  # None on a thread of torch's (autograd's)
+            code = caller.f_code if caller is not None else None
             if code is _PAD_PACKED:
                 # torch's C++ _pad_packed_sequence makes the lengths it returns and writes
                 # them through a pointer: a local tensor (the padding runs on the mesh)
