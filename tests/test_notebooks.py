@@ -361,7 +361,7 @@ def test_tensor_engine_notebook(tmp_path):
     )
     losses = re.search(r"loss: ([\d.]+) -> ([\d.]+)", outputs_text(cells["cell-13"]))
     assert losses and float(losses[2]) < float(losses[1]) / 2, outputs_text(cells["cell-13"])
-    assert "loss after 10 more steps" in outputs_text(cells["cell-13c"])
+    assert "loss after 10 more steps" in outputs_text(cells["cell-15"])
     assert "mnb.Tensor(shape=(4,), dtype=torch.float32" in outputs_text(cells["cell-17"])
 
 

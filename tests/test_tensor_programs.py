@@ -120,6 +120,8 @@ def test_a_dataloader_of_local_data_trains_with_each_batch_moved_by_mesh_tensor(
         ours, model = run(mesh.tensor)
         with pytest.raises(mnb.RefUseError, match=r"mesh\.tensor\(x\)"):
             model(data[0][0])
+        with pytest.raises(mnb.RefUseError, match=r"mesh\.tensor\(x\)"):
+            data.tensors[0][torch.tensor([0, 1])]  # a local table indexed on the mesh
         from_array = mesh.tensor(np.arange(6.0).reshape(2, 3))
         from_list = mesh.tensor([[1, 2], [3, 4]])
         assert mesh.tensor(from_list) is from_list

@@ -223,12 +223,6 @@ def _with_local(func, args, kwargs, mesh, tensors: list, local: list, key):
         to_gpu = mesh.device_type == "cuda"  # ... and onto each rank's GPU
     elif not tensors:  # local tensors only (an inspected shard, its repr): local torch
         return func(*args, **kwargs)
-    elif func is _INDEX and not isinstance(args[0], Tensor):
-        # a local tensor indexed by mesh tensors (pad_packed_sequence's lengths[order]):
-        # a local result, as torch's, of the indices every rank agrees on
-        index = [agreed_shard(i, "indexing a local tensor") if isinstance(i, Tensor) else i
-                 for i in args[1]]
-        return func(args[0], index)
     else:
         copy_in = func is _COPY and args[0] is tensors[0] and len(args) > 1 and args[1] is local[0]
         for t in local:

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
+from .agreed import agreed_shard
 from .dispatch import dispatch, local_only, scalars_only, sent
 from .tensor import Tensor
 
@@ -27,6 +28,7 @@ _LOCAL_NAMESPACES = frozenset({"profiler"})
 _DEVICE = torch.ops.prim.device.default
 _LIFT = torch.ops.aten.lift_fresh.default
 _EMPTY = torch.ops.aten.empty.memory_format
+_INDEX = torch.ops.aten.index.Tensor
 _TO_COPY = torch.ops.aten._to_copy.default
 _PAD_PACKED = torch.nn.utils.rnn.pad_packed_sequence.__code__
 _LAZY = (
@@ -75,12 +77,15 @@ class MeshMode(TorchDispatchMode):
             or _tracing() is not None
         ):
             return func(*args, **(kwargs or {}))
-        if func is _EMPTY:
+        if func is _EMPTY or func is _INDEX:
             caller = sys._getframe().f_back  # None on a thread of torch's (autograd's)
             code = caller.f_code if caller is not None else None
             if code is _PAD_PACKED:
                 # torch's C++ _pad_packed_sequence makes the lengths it returns and writes
-                # them through a pointer: a local tensor (the padding runs on the mesh)
+                # them through a pointer: a local tensor (the padding runs on the mesh),
+                # put in the caller's order by the order every rank agrees on
+                if func is _INDEX:
+                    args = (args[0], [_agreed(i) for i in args[1]])
                 return func(*args, **(kwargs or {}))
             if code in _LAZY:
                 raise NotImplementedError(
@@ -144,6 +149,10 @@ def mesh_mode(mesh):
     finally:
         stack.pop()
         _tls.local = saved
+
+
+def _agreed(index):
+    return agreed_shard(index, "pad_packed_sequence") if isinstance(index, Tensor) else index
 
 
 def lifted_parameter(module, name: str, param):
