@@ -486,4 +486,9 @@ def test_setting_data_of_a_mesh_tensor_does_it_on_the_ranks_as_local_torch_does(
         with pytest.raises(TypeError, match="must be a tensor"):
             w.data = 3
         w.add_(1)
+    _, borrow = mesh.stream("data-lend").borrow(w)
+    with mesh.activate():
+        with pytest.raises(mnb.RefUseError, match="borrowed by stream 'data-lend'"):
+            w.data = torch.zeros(3)  # it writes w: its stream may not while lent
+    borrow.drop()
     assert mnb.inspect(w).tolist() == [1.0] * 3

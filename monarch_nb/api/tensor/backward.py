@@ -225,7 +225,7 @@ def set_data(t: Tensor, new) -> None:
         return
     if not isinstance(new, Tensor):
         new = sent(new, t.mesh)
-    mesh, stream, ctrl = target([t, new], t.mesh, "t.data = x", (t,))
+    mesh, stream, ctrl = target([t, new], t.mesh, "t.data = x", (0,))
     template = aux_template(("data_set",), (OpSlot(0), OpSlot(1)), _DATA_SET, "t.data = x")
     rid, ident = run(ctrl, template, (t, new), {}, (t, new), mesh, stream, "t.data = x")
     _TORCH_DATA.__set__(t, new)
