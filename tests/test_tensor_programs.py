@@ -224,12 +224,17 @@ def test_a_batch_split_over_dp_trains_data_parallel_as_the_whole_batch_locally(m
     with one_thread(), mesh.activate():
         ours = run(lambda t: mesh.tensor(t, split="dp"))
         chunk = mesh.tensor(torch.arange(8).view(4, 2), split="dp")
+        waves = mesh.tensor(torch.tensor([1 + 2j, 3 - 4j]), split="dp")
         with pytest.raises(ValueError, match=r"size 3 does not split in 2"):
             mesh.tensor(torch.ones(3), split="dp")
         with pytest.raises(ValueError, match=r"'tp' names no dims"):
             mesh.tensor(torch.ones(4), split="tp")
     assert chunk.shape == (2, 2)
-    assert [mnb.inspect(chunk, dp=r).tolist() for r in (0, 1)] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert [mnb.inspect(chunk, dp=r).tolist() for r in (0, 1)] == [
+        [[0, 1], [2, 3]],
+        [[4, 5], [6, 7]],
+    ]
+    assert [mnb.inspect(waves, dp=r).tolist() for r in (0, 1)] == [[1 + 2j], [3 - 4j]]
     w0, w1 = ours.weight.fetch()
     assert torch.equal(w0, w1)
     assert torch.allclose(w0, local.weight.detach(), atol=1e-6)

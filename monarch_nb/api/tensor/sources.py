@@ -39,6 +39,8 @@ def as_mesh_tensor(mesh, source, split=None) -> Tensor:
         value = value.detach()
     if split is None:
         return sent(value, mesh)
+    if value.is_complex():  # a max is not defined on complex numbers: split the real view
+        return torch.view_as_complex(as_mesh_tensor(mesh, torch.view_as_real(value), split))
     dims = (split,) if isinstance(split, str) else tuple(split)
     unknown = [d for d in dims if d not in mesh.dims]
     if unknown or not dims:
