@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tensor_helpers import as_locally
 
 import monarch_nb as mnb
 from benchmarks.lm import one_thread
@@ -135,6 +136,7 @@ def test_a_dataloader_of_local_data_trains_with_each_batch_moved_by_mesh_tensor(
 
 
 def _float64_fit():
+    torch.ones(2)  # planned under float32 (on the mesh)
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
@@ -160,16 +162,10 @@ def test_the_default_dtype_set_here_holds_on_the_ranks(mesh):
     factory planned before the change stayed float32 here. The ranks now take this
     process's default before an op reaches them: a float64 fit gives local torch's
     numbers, and float32 again once the default is back."""
-    with one_thread():
-        local = _float64_fit()
-    with one_thread(), mesh.activate():
-        torch.ones(2)  # planned under float32
-        ours = _float64_fit()
+    ours, _ = as_locally(mesh, _float64_fit)  # torch.equal: of the same dtype too
+    assert all(t.dtype == torch.float64 for t in ours)
+    with mesh.activate():
         back = torch.ones(2) / 3
-    for a, b in zip(ours, local):
-        assert a.dtype == torch.float64
-        shard = mnb.inspect(a, dp=1)
-        assert shard.dtype == torch.float64 and torch.equal(shard, b)
     assert back.dtype == torch.float32 and mnb.inspect(back, dp=1).dtype == torch.float32
 
 
@@ -190,12 +186,7 @@ def test_saved_tensor_hooks_shape_the_backward_as_locally(mesh):
     exact values they saved: other gradients than local torch's, without a word. A
     graph with such a saved tensor now runs its backward here, op by op, through the
     hooks."""
-    with one_thread():
-        local = _compressed_backward()
-    with one_thread(), mesh.activate():
-        ours = _compressed_backward()
-    for a, b in zip(ours, local):
-        assert torch.equal(mnb.inspect(a, dp=1), b)
+    as_locally(mesh, _compressed_backward)
 
 
 def test_a_batch_split_over_dp_trains_data_parallel_as_the_whole_batch_locally(mesh):
@@ -246,22 +237,9 @@ def test_a_transformers_clip_trains_as_locally(mesh, monkeypatch):
     first step failed with "aten.mul.Tensor mixes a local tensor"."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
-    text = dict(
-        vocab_size=50,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-    )
-    vision = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=8,
-        patch_size=4,
-    )
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    text = dict(small, vocab_size=50, max_position_embeddings=16)
+    vision = dict(small, image_size=8, patch_size=4)
     config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
 
     def run():
@@ -278,9 +256,4 @@ def test_a_transformers_clip_trains_as_locally(mesh, monkeypatch):
             out.append(loss.detach())
         return out + [model.logit_scale.detach()]
 
-    with one_thread():
-        local = run()
-    with one_thread(), mesh.activate():
-        ours = run()
-    for a, b in zip(ours, local):
-        assert torch.equal(mnb.inspect(a, dp=1), b)
+    as_locally(mesh, run)

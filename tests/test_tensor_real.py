@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+from tensor_helpers import as_locally
 
 import monarch_nb as mnb
 from benchmarks import cnn, lm
@@ -253,12 +254,7 @@ def test_a_transformers_llama_trains_and_generates_as_locally(mesh, monkeypatch)
         made = model.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
         return out.loss.detach(), model.lm_head.weight.detach(), made
 
-    with one_thread():
-        local = run()
-    with one_thread(), mesh.activate():
-        ours = run()
-    for a, b in zip(ours, local):
-        assert torch.equal(mnb.inspect(a, dp=1), b)
+    as_locally(mesh, run)
 
 
 def _casts_and_a_step(model, x):
@@ -363,7 +359,7 @@ def _packed_lstm(sort: bool, batch_first: bool):
     out, (h, _) = lstm(packed)
     padded, got_lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=batch_first)
     (padded.sum() + h.sum()).backward()
-    return [padded, h, lstm.weight_ih_l1.grad, out.data], [got_lengths, out.batch_sizes]
+    return [padded, h, lstm.weight_ih_l1.grad, out.data, got_lengths, out.batch_sizes]
 
 
 @pytest.mark.parametrize("sort,batch_first", [(True, True), (True, False), (False, True)])
@@ -373,19 +369,14 @@ def test_a_packed_sequence_runs_as_local_torch(mesh, sort, batch_first):
     RNN reads batch_sizes here); then it was refused. Now batch_sizes are made here
     from the lengths the ranks agree on, and pack, the RNN, pad_packed_sequence and the
     backward give local torch's numbers; lengths the ranks disagree on are named."""
-    with one_thread():
-        local, local_sizes = _packed_lstm(sort, batch_first)
-    with one_thread(), mesh.activate():
-        ours, sizes = _packed_lstm(sort, batch_first)
+    ours, _ = as_locally(mesh, lambda: _packed_lstm(sort, batch_first))
+    assert not any(isinstance(t, mnb.Tensor) for t in ours[-2:])  # local, as torch's
+    with mesh.activate():
         x = torch.randn(2, 3, 4)
         differs = mnb.remote(_rank_value, propagate=lambda: torch.empty(()))()
         lengths = torch.stack([torch.tensor(3), differs.long() + 1])
         with pytest.raises(ValueError, match="ranks"):
             torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
-    for a, b in zip(ours, local):
-        assert torch.equal(mnb.inspect(a.detach(), dp=1), b.detach())
-    for a, b in zip(sizes, local_sizes):  # local tensors, as torch gives
-        assert not isinstance(a, mnb.Tensor) and torch.equal(a, b)
 
 
 def _rank_value():

@@ -27,7 +27,7 @@ from ...protocol.wire import function_ref
 from .aliases import join, leave
 from .dispatch import sent, target
 from .send import aux_template, define, run
-from .tensor import _TORCH_DATA, BACKWARD, Tensor
+from .tensor import BACKWARD, TORCH_DATA, Tensor
 
 _BACKWARD = function_ref(backward_shards)
 _DETACHED = function_ref(detached)
@@ -221,14 +221,14 @@ def set_data(t: Tensor, new) -> None:
     if not isinstance(new, torch.Tensor):
         raise TypeError(f"t.data = x: x must be a tensor, not {type(new).__name__}")
     if t._layout is None:  # a torch.compile trace's wrapper: torch's own
-        _TORCH_DATA.__set__(t, new)
+        TORCH_DATA.__set__(t, new)
         return
     if not isinstance(new, Tensor):
         new = sent(new, t.mesh)
     mesh, stream, ctrl = target([t, new], t.mesh, "t.data = x", (0,))
     template = aux_template(("data_set",), (OpSlot(0), OpSlot(1)), _DATA_SET, "t.data = x")
     rid, ident = run(ctrl, template, (t, new), {}, (t, new), mesh, stream, "t.data = x")
-    _TORCH_DATA.__set__(t, new)
+    TORCH_DATA.__set__(t, new)
     t._layout = new._layout
     t._rebind(rid, ident)
     leave(t)

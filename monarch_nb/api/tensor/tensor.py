@@ -118,7 +118,7 @@ class Tensor(torch.Tensor, Ref):
 
     @property
     def data(self):
-        return _TORCH_DATA.__get__(self)
+        return TORCH_DATA.__get__(self)
 
     @data.setter
     def data(self, new):
@@ -281,7 +281,9 @@ def _from_ref(ref: Ref, shape: tuple, dtype, device) -> Tensor:
 
 register_ref_type(Tensor, Ref._wire_id)
 
-_TORCH_DATA = torch._C.TensorBase.data  # torch's .data, whose getter mesh tensors keep
+# torch's .data: mesh tensors keep its getter; its setter swaps the metadata here only
+# (backward.set_data runs it once each rank's shard did the same)
+TORCH_DATA = torch._C.TensorBase.data
 
 # dispatch.py builds Tensors; it installs itself here when it loads (tensor/__init__)
 DISPATCH = Hook("tensor_dispatch", "the mesh tensor's op dispatch: .dispatch, .rename_aliases")
