@@ -6,6 +6,7 @@ by name."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -169,6 +170,62 @@ def test_the_default_dtype_set_here_holds_on_the_ranks(mesh):
     assert back.dtype == torch.float32 and mnb.inspect(back, dp=1).dtype == torch.float32
 
 
+def _ranks_settings():
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.benchmark,
+    )
+
+
+def test_torchs_process_settings_set_here_hold_on_the_ranks(mesh):
+    """torch.use_deterministic_algorithms(True), torch.set_float32_matmul_precision
+    ("high") (TF32 on a GPU) and torch.backends.cudnn.benchmark set in the notebook did
+    not reach the ranks, processes of their own: torch.empty gave uninitialised memory
+    where local torch fills NaN, an op without a deterministic kernel ran, and a GPU
+    mesh would have kept full-precision float32 matmuls. Each now holds on the ranks
+    before the next op, and torch's defaults again once set back."""
+    read = mnb.remote(_ranks_settings)
+    torch.use_deterministic_algorithms(True)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.benchmark = True
+    try:
+        with mesh.activate():
+            empty = torch.empty(64)
+            duplicates = torch.zeros(4).put_(torch.tensor([1, 1]), torch.ones(2))
+        assert torch.isnan(mnb.inspect(empty, dp=1)).all()
+        with pytest.raises(Exception, match="does not have a deterministic implementation"):
+            mnb.inspect(duplicates, dp=0)
+        assert read(mesh=mesh).fetch() == [(True, "high", True)] * 2
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.benchmark = False
+    with mesh.activate():
+        again = torch.zeros(4).put_(torch.tensor([1, 1]), torch.ones(2))
+    assert mnb.inspect(again, dp=0).tolist() == [0, 1, 0, 0]
+    assert read(mesh=mesh).fetch() == [(False, "highest", False)] * 2
+
+
+def test_torchs_newer_fp32_precision_api_is_named_and_the_ops_go_on(mesh):
+    """torch's per-backend fp32_precision API keeps a state that the getters of the
+    older one refuse to read once it is used: a warning names it and what to use, the
+    other settings still reach the ranks, and the ops go on."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.warns(UserWarning, match="fp32_precision settings"):
+            with mesh.activate():
+                empty = torch.empty(8)
+        assert torch.isnan(mnb.inspect(empty, dp=0)).all()
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.use_deterministic_algorithms(False)
+    with mesh.activate():
+        assert mnb.inspect(torch.ones(2) * 3, dp=1).tolist() == [3, 3]
+    assert mnb.remote(torch.are_deterministic_algorithms_enabled)(mesh=mesh).fetch() == [False] * 2
+
+
 def _compressed_backward():
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4)
@@ -229,6 +286,41 @@ def test_a_batch_split_over_dp_trains_data_parallel_as_the_whole_batch_locally(m
     w0, w1 = ours.weight.fetch()
     assert torch.equal(w0, w1)
     assert torch.allclose(w0, local.weight.detach(), atol=1e-6)
+
+
+def test_a_split_batch_goes_to_each_rank_as_its_chunk_alone():
+    """mesh.tensor(batch, split=...) sent the whole batch to every rank and scattered it
+    with a collective: n times the bytes, and a reduce_scatter, each step. Each group of
+    ranks now gets its chunk alone, in one command and no collective; with several dims
+    the chunks go in mesh order, as a scatter's members; inside mnb.compile the values
+    are the same."""
+    mesh = mnb.local_mesh(dp=2, tp=2)
+    try:
+        batch = torch.arange(16.0).view(8, 2)
+        since = time.time()
+        by_dp = mesh.tensor(batch, split="dp")
+        both = mesh.tensor(batch, split=("tp", "dp"))
+        assert by_dp.shape == (4, 2) and both.shape == (2, 2)
+        ranks = {r: mesh.coords(r) for r in mesh.ranks}
+        for r, at in ranks.items():
+            assert torch.equal(mnb.inspect(by_dp, **at), batch[at["dp"] * 4 :][:4])
+            i = at["dp"] * 2 + at["tp"]
+            assert torch.equal(mnb.inspect(both, **at), batch[i * 2 :][:2])
+        records = [t for t in mesh.timeline() if t["end"] >= since]
+        assert not [t for t in records if t["kind"] == "collective"]
+        for r in ranks:
+            assert len([t for t in records if t["rank"] == r and t["kind"] == "call"]) == 2
+
+        @mnb.compile
+        def doubled(x):
+            return mesh.tensor(x, split="dp") * 2
+
+        for _ in range(3):
+            out = doubled(batch)
+            for at in ranks.values():
+                assert torch.equal(mnb.inspect(out, **at), batch[at["dp"] * 4 :][:4] * 2)
+    finally:
+        mesh.shutdown()
 
 
 def test_a_transformers_clip_trains_as_locally(mesh, monkeypatch):

@@ -288,7 +288,7 @@ def target(tensors: list, mesh, what: str, written: tuple) -> tuple:
             borrows.check(what, tensors, written)
     ctrl = mesh._controller
     ctrl.check_usable(mesh.targets)
-    follow(ctrl, mesh, stream)  # the ranks' default dtype is this process's
+    follow(ctrl, mesh, stream)  # the ranks' torch settings are this process's
     return mesh, stream, ctrl
 
 

@@ -11,9 +11,15 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .dispatch import sent
+from ...protocol import messages as m
+from ...protocol.wire import function_ref, pack_args
+from ..context import recording_trace
+from .dispatch import sent, target
+from .propagate import layout_of
 from .tensor import Tensor
 from .values import worker_tensor
+
+_CLONE = function_ref(torch.clone)  # the ranks' own copy of the chunk that came
 
 
 def as_mesh_tensor(mesh, source, split=None) -> Tensor:
@@ -54,6 +60,39 @@ def as_mesh_tensor(mesh, source, split=None) -> Tensor:
             f"mesh.tensor(split={split!r}): dim 0 of size {rows} does not split in {n} "
             f"equal chunks (one per coordinate of {dims})"
         )
-    chunks = sent(value.reshape(n, rows // n, *value.shape[1:]), mesh)
-    # a max over equal copies is each of them, exactly: rank i keeps chunk i
-    return chunks.reduce(dims, "max", scatter=True)
+    if recording_trace.active is not None:  # a compiled call: one command for every rank
+        chunks = sent(value.reshape(n, rows // n, *value.shape[1:]), mesh)
+        # a max over equal copies is each of them, exactly: rank i keeps chunk i
+        return chunks.reduce(dims, "max", scatter=True)
+    return _each_its_chunk(value, mesh, dims, n)
+
+
+def _each_its_chunk(value: torch.Tensor, mesh, dims: tuple, n: int) -> Tensor:
+    """A mesh tensor whose value on the ranks at linear coordinate ``i`` of ``dims``
+    (in mesh order, as a scatter's members) is chunk ``i`` of ``value``'s dim 0: one
+    command to each group of ranks, each carrying its chunk alone, all naming one value
+    (a group fails its own ranks' value)."""
+    names = [d for d in mesh.dims if d in dims]
+    groups: list = [[] for _ in range(n)]
+    for rank in mesh.targets:
+        at = mesh.coords(rank)
+        i = 0
+        for d in names:
+            i = i * mesh.dims[d] + at[d]
+        groups[i].append(rank)
+    size = value.shape[0] // n
+    mesh, stream, ctrl = target([], mesh, "mesh.tensor(split=...)", ())
+    result = ctrl.next_id()
+    ident = None
+    for i, ranks in enumerate(groups):
+        chunk = value[i * size : (i + 1) * size].contiguous()
+        if i == 0:
+            layout = layout_of(chunk)
+        packed, _ = pack_args((chunk,), {})
+        ident = ctrl.next_ident()
+        msg = m.CallFunction(ident, result, _CLONE, packed, stream.id, mesh.id, "mesh.tensor")
+        ctrl.send(msg, tuple(ranks), stream.id, "mesh.tensor")
+    out = Tensor(layout, result, mesh, stream, ident)
+    if mesh.device_type == "cuda":  # onto each rank's GPU, as torch.tensor(data)
+        return out.to("cuda")
+    return out
