@@ -302,7 +302,7 @@ def test_a_split_batch_goes_to_each_rank_as_its_chunk_alone():
         both = mesh.tensor(batch, split=("tp", "dp"))
         assert by_dp.shape == (4, 2) and both.shape == (2, 2)
         ranks = {r: mesh.coords(r) for r in mesh.ranks}
-        for r, at in ranks.items():
+        for at in ranks.values():
             assert torch.equal(mnb.inspect(by_dp, **at), batch[at["dp"] * 4 :][:4])
             i = at["dp"] * 2 + at["tp"]
             assert torch.equal(mnb.inspect(both, **at), batch[i * 2 :][:2])
