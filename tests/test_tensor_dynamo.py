@@ -208,6 +208,47 @@ def test_a_backward_outside_the_graph_runs_the_compiled_backward(mesh, inside):
         assert torch.equal(mnb.inspect(ours[name].grad), p.grad), name
 
 
+class _HeadAndLoss(torch.nn.Module):
+    """A model whose loss comes after a graph break, as a transformers model's does
+    (its loss_function logs a warning once): the logits are the first graph's
+    output and the second graph's input, which its backward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 6)
+
+    def forward(self, x, y):
+        logits = torch.tanh(self.head(x))
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(logits * logits, y)
+
+
+def test_a_value_between_two_graphs_lives_for_the_backward_that_reads_it(mesh):
+    """The logits of _HeadAndLoss, dropped once the loss was made, freed their value
+    on the ranks while the second graph's backward still needed it: backward() failed
+    with "a compiled graph's input was freed before the graph ran" (a transformers
+    GPT-2 under torch.compile with labels did). Both shards of such a value now keep
+    it while torch holds them: the loss and the grads are local torch's."""
+
+    def run():
+        torch.manual_seed(0)
+        model = _HeadAndLoss()
+        x, y = torch.randn(5, 4), torch.randint(0, 6, (5,))
+        loss = torch.compile(model, backend=backend)(x, y)
+        loss.backward()
+        return loss.detach(), model.head.weight.grad
+
+    backend = "eager"
+    with one_thread():
+        local = run()
+        torch._dynamo.reset()
+        backend = mnb.mesh_backend
+        with mesh.activate():
+            ours = run()
+    for a, b in zip(ours, local, strict=True):
+        assert torch.equal(mnb.inspect(a, dp=1), b)
+
+
 def test_a_graphs_values_are_freed_on_the_ranks(mesh):
     with mesh.activate():
         model, opt, sched, data = lm.make()

@@ -160,21 +160,38 @@ def _shard_mode() -> FakeTensorMode:
 
 def hand_over(t: Tensor) -> bool:
     """``t``, once shown to torch.compile, is being deleted: its value lives on
-    while its shard's storage does (a copy autograd saved for a compiled backward
-    may read it), held by a new mesh tensor (True: do not free it now)."""
+    while a shard's storage does (a copy autograd saved for a compiled backward
+    may read it), held by a new mesh tensor (True: do not free it now). A graph's
+    output that a later graph took as an input has two shards: both are."""
     if t.generation != t.mesh._controller.generation:
         return False  # the mesh restarted: the value is gone
+    held = _hand_over_shown(t)
     shard = t.__dict__.get("_shard_kept")  # a graph's output (``owned``)
-    alone = _alone
     if shard is None:
-        shard, alone = t._shard_cache[1], None
+        return held is not None
     storage = shard.untyped_storage()
     entry = _LIVE.get(storage._cdata)
-    if entry is None or (alone is not None and alone(shard, storage)):
-        return False
-    entry[1] = _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
-    setattr(shard, _OUTER, entry[1])
+    if entry is None or _alone(shard, storage):
+        return held is not None
+    if held is None:
+        held = _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
+    entry[1] = held
+    setattr(shard, _OUTER, held)
     return True
+
+
+def _hand_over_shown(t: Tensor):
+    """The new holder of ``t``'s value for the shard ``shard_of`` showed torch.compile
+    (a graph's input), while that shard's storage lives; else None."""
+    cached = t.__dict__.get("_shard_cache")
+    if cached is None:
+        return None
+    entry = _LIVE.get(cached[1].untyped_storage()._cdata)
+    if entry is None:
+        return None
+    held = entry[1] = _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
+    setattr(cached[1], _OUTER, held)
+    return held
 
 
 def _alone(shard: torch.Tensor, storage) -> bool:
