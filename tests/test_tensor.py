@@ -891,7 +891,12 @@ def test_torchs_optimizers_give_local_numbers_taking_foreach_where_it_keeps_them
     assert [mnb.inspect(v).item() for v in losses] == [v.item() for v in local_losses]
     for p, q in zip(model.parameters(), local_model.parameters()):
         assert torch.equal(mnb.inspect(p, dp=1), q)
-    assert opt.param_groups[0]["foreach"] is (True if opt_cls in SAME_NUMBERS else None)
+    seen: list = []  # what the step sees (the mesh's pre-hook ran before this one)
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["foreach"]))
+    with mesh.activate():
+        opt.step()
+    assert seen == [True if opt_cls in SAME_NUMBERS else None]
+    assert opt.param_groups[0]["foreach"] is None  # as the user left it (a state_dict too)
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])

@@ -249,6 +249,47 @@ def test_a_value_between_two_graphs_lives_for_the_backward_that_reads_it(mesh):
         assert torch.equal(mnb.inspect(a, dp=1), b)
 
 
+def _optimizer_steps(backend, foreach) -> list:
+    """An eager Adam step, then three under torch.compile (torch's tutorial's way):
+    the weights after each."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), 1e-2, foreach=foreach)
+
+    @torch.compile(backend=backend)
+    def compiled_step():
+        opt.step()
+
+    weights = []
+    for k in range(4):
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+        opt.step() if k == 0 else compiled_step()
+        opt.zero_grad()
+        weights.append(model.weight.detach().clone())
+    assert opt.param_groups[0]["foreach"] is foreach  # as the user left it
+    return weights
+
+
+@pytest.mark.parametrize("foreach", [None, False], ids=["default", "per-tensor"])
+def test_a_compiled_optimizer_step_gives_local_compiled_numbers(mesh, foreach):
+    """A compiled Adam step on the mesh: its graph failed on the ranks (dynamo writes
+    addcmul with a value as inductor's prims.fma, which no rank had imported), the
+    step count it reads by value went to the ranks after the step had written it in
+    place (the IO thread encodes a graph's command later: other numbers, by timing),
+    and an Adam of mesh tensors took the foreach path under torch.compile too, which
+    decomposes otherwise than the per-tensor path local torch takes there (an ulp a
+    step). Each step now equals a local compiled step, and the first (eager) one a
+    local eager step, also after dynamo forgot its graphs."""
+    with one_thread():
+        local = _optimizer_steps("eager", foreach)
+        for _ in range(2):
+            torch._dynamo.reset()
+            with mesh.activate():
+                ours = _optimizer_steps(mnb.mesh_backend, foreach)
+            for a, b in zip(ours, local, strict=True):
+                assert torch.equal(mnb.inspect(a, dp=1), b)
+
+
 def test_a_graphs_values_are_freed_on_the_ranks(mesh):
     with mesh.activate():
         model, opt, sched, data = lm.make()

@@ -226,6 +226,31 @@ def test_torchs_newer_fp32_precision_api_is_named_and_the_ops_go_on(mesh):
     assert mnb.remote(torch.are_deterministic_algorithms_enabled)(mesh=mesh).fetch() == [False] * 2
 
 
+def _fails():
+    raise ValueError("no value")
+
+
+def test_a_write_through_a_detached_copy_that_fails_fails_its_base(mesh):
+    """p.detach().copy_(v) (an EMA update; torch.compile writing a compiled
+    optimizer step's results back into the parameters) writes p on the ranks, but when
+    the write failed p kept its old values without a word: a detached copy joins no
+    alias group here. The ranks now fail every value of the storages an op writes
+    when it fails; a write that works still reaches the base."""
+    with mesh.activate():
+        bad = mnb.remote(_fails, propagate=lambda: torch.ones(3))()
+        p = torch.nn.Parameter(torch.ones(3))
+        with torch.no_grad():
+            p.detach().copy_(bad)
+        plain = torch.ones(3)
+        plain.detach().mul_(bad)
+        good = torch.ones(3)
+        good.detach().mul_(2)
+    for t in (p, plain):
+        with pytest.raises(mnb.RemoteError, match="'_fails', which failed"):
+            mnb.inspect(t, dp=1)
+    assert mnb.inspect(good, dp=1).tolist() == [2, 2, 2]
+
+
 def _compressed_backward():
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4)

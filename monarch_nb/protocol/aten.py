@@ -6,7 +6,15 @@ torch's OpOverload objects do not pickle, so the controller sends the name
 
 from __future__ import annotations
 
+import importlib
+
 _ops: dict = {}
+# torch's own ops that its Python modules register when imported (a graph of
+# torch.compile names them: dynamo writes addcmul with a value as inductor's prims.fma)
+_REGISTERED_IN = {
+    "prims": ("torch._prims", "torch._inductor.inductor_prims"),
+    "rngprims": ("torch._prims.rng_prims",),
+}
 
 
 def resolve_op(name: str):
@@ -17,14 +25,18 @@ def resolve_op(name: str):
     if not sep or not rest:
         raise ValueError(f"not an operator name: {name!r} (expected 'ns::op.overload')")
     base, _, overload = rest.partition(".")
-    try:
-        return getattr(getattr(getattr(torch.ops, ns), base), overload or "default")
-    except AttributeError:
-        raise RuntimeError(
-            f"operator {name} is not registered in this worker: an op defined in Python "
-            f"(torch.library) exists only where its module was imported (or, for some of "
-            f"torch's own, called once); import that module on the workers first"
-        ) from None
+    for module in (None, *_REGISTERED_IN.get(ns, ())):
+        if module is not None:
+            importlib.import_module(module)
+        try:
+            return getattr(getattr(getattr(torch.ops, ns), base), overload or "default")
+        except AttributeError:
+            pass
+    raise RuntimeError(
+        f"operator {name} is not registered in this worker: an op defined in Python "
+        f"(torch.library) exists only where its module was imported (or, for some of "
+        f"torch's own, called once); import that module on the workers first"
+    )
 
 
 def op_callable(name: str):

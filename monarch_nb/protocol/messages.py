@@ -53,8 +53,8 @@ class CallFunction(NamedTuple):
 class DefineOp(NamedTuple):
     """A tensor op named ``op`` from now on; ``aten.OpSlot(i)`` marks an op's i-th Ref.
     ``grad``: the slots of its Refs that require grad (``autograd.run_grad``), or None;
-    ``writes``: those it writes without returning (a foreach op's lists), which fail
-    with it, as do their storages' other values."""
+    ``writes``: those it writes (in place, ``out=``, a foreach op's lists), which fail
+    with it, as do their storages' other values (a view, a detached copy)."""
 
     op: int
     function: Function

@@ -126,7 +126,9 @@ class MeshGraph:
         ctrl = mesh._controller
         ctrl.check_usable(mesh.targets)
         template, by_value, indices, module = self._variant(tuple(local))
-        scalars = tuple(args[i] for i in by_value)
+        # by value as they are now: the IO thread encodes the command later, and a host
+        # scalar (an optimizer's step count) is written in place right after this call
+        scalars = tuple(_now(args[i]) for i in by_value)
         outputs = self._outputs_for(args)
         here = dict(zip(indices, module(*args))) if module is not None else {}
         op = define(ctrl, template)
@@ -148,6 +150,11 @@ class MeshGraph:
             else:
                 results.append(owned(spec, rid, ident, mesh, stream))
         return results
+
+
+def _now(v):
+    """A graph's argument sent by value, copied if a tensor (a host scalar)."""
+    return v.clone() if isinstance(v, torch.Tensor) else v
 
 
 def _host(t) -> bool:

@@ -18,9 +18,15 @@ path local torch takes.
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from torch import optim
 from torch.optim.optimizer import _foreach_supported_types as _optim_types
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._foreach_utils import _foreach_supported_types as _util_types
 
 from .tensor import Tensor
@@ -36,12 +42,17 @@ SAME_NUMBERS = frozenset(
 
 
 def foreach_for_mesh_tensors(optimizer, args, kwargs) -> None:
-    """The step pre-hook: a group of mesh tensors whose ``foreach`` is unset takes it,
-    in an optimizer of ``SAME_NUMBERS`` (its own class, not a subclass: that may step
-    otherwise)."""
-    if type(optimizer) not in SAME_NUMBERS:
+    """The step pre-hook: a group of mesh tensors whose ``foreach`` is unset takes it
+    for this step, in an optimizer of ``SAME_NUMBERS`` (its own class, not a subclass:
+    that may step otherwise). Not in a step torch.compile traces: there torch's choice
+    (the per-tensor path) decomposes otherwise than the foreach path and gives the
+    numbers a local compiled step gives; its graph is one command anyway. (Dynamo
+    does not trace this package: it calls this hook between two graphs, where its
+    frame callback is set.)"""
+    if type(optimizer) not in SAME_NUMBERS or _compiled_call() is not None:
         return
-    for group in optimizer.param_groups:
+    taken = []
+    for i, group in enumerate(optimizer.param_groups):
         if (
             group.get("foreach", False) is not None
             or group.get("fused")
@@ -51,9 +62,30 @@ def foreach_for_mesh_tensors(optimizer, args, kwargs) -> None:
         params = group["params"]
         if params and all(type(p) is Tensor or isinstance(p, Tensor) for p in params):
             group["foreach"] = True
+            taken.append(i)
+    if taken:
+        _taken[optimizer] = taken
 
 
+def _unset_foreach(optimizer, args, kwargs) -> None:
+    """The step post-hook: the groups the pre-hook set back to torch's choice (a
+    state_dict, a later compiled step, see them as the user left them)."""
+    taken = _taken.pop(optimizer, None)
+    if taken:
+        for i in taken:
+            optimizer.param_groups[i]["foreach"] = None
+
+
+try:  # not None within a call of a function torch.compile compiled
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _compiled_call
+except ImportError:  # a torch without it: tracing is all that tells
+
+    def _compiled_call():
+        return True if torch.compiler.is_compiling() else None
+
+_taken: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> groups set
 register_optimizer_step_pre_hook(foreach_for_mesh_tensors)
+register_optimizer_step_post_hook(_unset_foreach)
 
 
 for _types in (_util_types, _optim_types):

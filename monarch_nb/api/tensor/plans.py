@@ -183,14 +183,16 @@ def plan(func, args, kwargs, tensors: list, key, lifted: bool = False, grad=None
         hash(key)
     except TypeError:
         key = None
+    written = _written(entry, mutated)
     template = None
     if key is not None:
         index = {id(t): i for i, t in enumerate(tensors)}
         floats = [len(tensors)] if lifted else None  # the next scalar slot
         skel_kwargs = _skeleton(kwargs, index, floats)
         skel_args = (names[0], *_skeleton(args, index, floats))
-        template = _template(skel_args, skel_kwargs, names[1], grad, mutated)
-    p = Plan(func, entry, mutated, _written(entry, mutated), names, template)
+        # the ranks fail what it writes when it fails, and the rest of their storages
+        template = _template(skel_args, skel_kwargs, names[1], grad, written)
+    p = Plan(func, entry, mutated, written, names, template)
     if key is not None:
         if len(_plans) >= _PLANS_MAX:
             _plans.clear()
