@@ -226,6 +226,45 @@ def test_torchs_newer_fp32_precision_api_is_named_and_the_ops_go_on(mesh):
     assert mnb.remote(torch.are_deterministic_algorithms_enabled)(mesh=mesh).fetch() == [False] * 2
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """Megatron's row-parallel output: all-reduce forward, the same gradient on
+    every rank backward (what follows is replicated)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.reduce("dp", "sum")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_tensor_parallel_mlp_trains_with_local_torchs_gradients(mesh):
+    """A tensor-parallel MLP written as users write one (Megatron): each rank holds
+    rows of the first weight and columns of the second, and an autograd.Function
+    all-reduces the output. reduce() itself is not differentiable (as torch's
+    collectives): a backward through it fails with torch's "does not require grad".
+    The output and each rank's gradient shard are local torch's, to float rounding
+    (the sum over ranks adds in another order)."""
+    torch.manual_seed(0)
+    w1, w2, x = torch.randn(8, 4), torch.randn(3, 8), torch.randn(5, 4)
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    local = F.gelu(x @ a.T) @ b.T
+    local.sum().backward()
+    with mesh.activate():
+        rows = mesh.tensor(w1, split="dp").requires_grad_()
+        cols = mesh.tensor(w2.T.contiguous(), split="dp").requires_grad_()
+        partial = F.gelu(mesh.tensor(x) @ rows.T) @ cols
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            partial.reduce("dp", "sum").sum().backward()
+        out = _SumOverRanks.apply(partial)
+        out.sum().backward()
+    for r in (0, 1):
+        assert torch.allclose(mnb.inspect(out, dp=r), local.detach(), atol=1e-5)
+        assert torch.allclose(mnb.inspect(rows.grad, dp=r), a.grad[4 * r :][:4], atol=1e-5)
+        assert torch.allclose(mnb.inspect(cols.grad, dp=r), b.grad[:, 4 * r :][:, :4].T, atol=1e-5)
+
+
 def _fails():
     raise ValueError("no value")
 
