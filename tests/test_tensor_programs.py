@@ -188,9 +188,12 @@ def test_torchs_process_settings_set_here_hold_on_the_ranks(mesh):
     read = mnb.remote(_ranks_settings)
     torch.use_deterministic_algorithms(True)
     torch.set_float32_matmul_precision("high")
-    torch.backends.cudnn.benchmark = True
+    cudnn = torch.backends.cudnn  # flags(): its attributes refuse a write once torch's
+    benchmark = cudnn.flags(  # test utilities are imported (the OpInfo tests import them)
+        enabled=cudnn.enabled, benchmark=True, deterministic=cudnn.deterministic
+    )
     try:
-        with mesh.activate():
+        with benchmark, mesh.activate():
             empty = torch.empty(64)
             duplicates = torch.zeros(4).put_(torch.tensor([1, 1]), torch.ones(2))
         assert torch.isnan(mnb.inspect(empty, dp=1)).all()
@@ -200,17 +203,19 @@ def test_torchs_process_settings_set_here_hold_on_the_ranks(mesh):
     finally:
         torch.use_deterministic_algorithms(False)
         torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.benchmark = False
     with mesh.activate():
         again = torch.zeros(4).put_(torch.tensor([1, 1]), torch.ones(2))
     assert mnb.inspect(again, dp=0).tolist() == [0, 1, 0, 0]
     assert read(mesh=mesh).fetch() == [(False, "highest", False)] * 2
 
 
-def test_torchs_newer_fp32_precision_api_is_named_and_the_ops_go_on(mesh):
+def test_torchs_newer_fp32_precision_api_is_named_and_the_ops_go_on(mesh, monkeypatch):
     """torch's per-backend fp32_precision API keeps a state that the getters of the
     older one refuse to read once it is used: a warning names it and what to use, the
     other settings still reach the ranks, and the ops go on."""
+    from monarch_nb.api.tensor import defaults
+
+    monkeypatch.setattr(defaults, "_warned", [False])  # once a process: this test's
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     torch.use_deterministic_algorithms(True)
     try:
@@ -288,6 +293,30 @@ def test_a_write_through_a_detached_copy_that_fails_fails_its_base(mesh):
         with pytest.raises(mnb.RemoteError, match="'_fails', which failed"):
             mnb.inspect(t, dp=1)
     assert mnb.inspect(good, dp=1).tolist() == [2, 2, 2]
+
+
+def test_without_a_seed_under_the_mesh_every_rank_draws_the_same_numbers():
+    """Each rank's generator had a seed of its own: a model made under the mesh
+    without torch.manual_seed was another model on every rank (data-parallel
+    replicas apart from the start, without a word). The ranks a first op reaches now
+    draw from one seed, this process's (a torch.manual_seed here before the mesh makes
+    the run repeat local torch's); a torch.manual_seed under the mesh before any op is
+    kept."""
+    for seed_under_the_mesh in (False, True):
+        torch.manual_seed(3 if seed_under_the_mesh else 7)
+        local = [torch.nn.Linear(4, 3).weight.detach(), torch.randn(5)]
+        mesh = mnb.local_mesh(dp=2)  # new: no op has reached its ranks
+        try:
+            torch.manual_seed(7)
+            with mesh.activate():
+                if seed_under_the_mesh:
+                    torch.manual_seed(3)
+                ours = [torch.nn.Linear(4, 3).weight.detach(), torch.randn(5)]
+            for a, b in zip(ours, local):
+                assert torch.equal(mnb.inspect(a, dp=0), b)
+                assert torch.equal(mnb.inspect(a, dp=1), b)
+        finally:
+            mesh.shutdown()
 
 
 def _compressed_backward():
@@ -373,7 +402,8 @@ def test_a_split_batch_goes_to_each_rank_as_its_chunk_alone():
         records = [t for t in mesh.timeline() if t["end"] >= since]
         assert not [t for t in records if t["kind"] == "collective"]
         for r in ranks:
-            assert len([t for t in records if t["rank"] == r and t["kind"] == "call"]) == 2
+            sent = [t for t in records if t["rank"] == r and t["name"] == "mesh.tensor"]
+            assert len(sent) == 2
 
         @mnb.compile
         def doubled(x):

@@ -67,27 +67,17 @@ def _fill(on: bool) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = on
 
 
-def _benchmark(on: bool) -> None:
-    torch.backends.cudnn.benchmark = on
-
-
-def _cudnn_deterministic(on: bool) -> None:
-    torch.backends.cudnn.deterministic = on
-
-
-def _cudnn_tf32(on: bool) -> None:
-    torch.backends.cudnn.allow_tf32 = on
-
-
+# torch.backends.cudnn's attributes refuse a write once torch's test utilities have
+# called disable_global_flags (their flags() writes through these C setters)
 _SETTERS = (
     torch.set_default_dtype,
     _deterministic,
     _warn_only,
     _fill,
-    _benchmark,
-    _cudnn_deterministic,
+    _C._set_cudnn_benchmark,
+    _C._set_cudnn_deterministic,
     torch.set_float32_matmul_precision,
-    _cudnn_tf32,
+    _C._set_cudnn_allow_tf32,
 )
 
 

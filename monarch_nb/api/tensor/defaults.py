@@ -10,6 +10,14 @@ and the ranks disagreed without a word. Now, before an op reaches a group of ran
 whose settings differ from this process's (``protocol.torch_settings``), the ones that
 differ are set on them, in stream order; plans made under another default dtype are
 dropped (``plans.lookup``).
+
+The ranks' random generators, seeded per process by torch, drew different numbers:
+a model made under the mesh without ``torch.manual_seed`` started as another model
+on each rank (data-parallel replicas apart from the first step). As DTensor's RNG
+tracker takes rank 0's seed at its first random op, the ranks a first op reaches
+are seeded with one seed, this process's ``torch.initial_seed()`` (so a seed set
+here before the mesh starts makes a run repeat); ``torch.manual_seed`` under the
+mesh marks its ranks seeded (``seeded_by_user``).
 """
 
 from __future__ import annotations
@@ -17,8 +25,12 @@ from __future__ import annotations
 import warnings
 import weakref
 
-from ...protocol import torch_settings
-from ...protocol.wire import function_ref
+import torch
+
+from ...protocol import aten, torch_settings
+from ...protocol import messages as m
+from ...protocol.wire import function_ref, pack_args
+from ..context import recording_trace
 from .send import aux_template, run
 
 _read = torch_settings.read
@@ -28,10 +40,50 @@ _changed = [False]  # whether this process's settings were ever another than tor
 _warned = [False]  # the fp32_precision API's warning, once a process
 # ctrl -> (its generation, {targets: the settings its ranks hold})
 _told: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SEED = function_ref(aten.manual_seed)
+# ctrl -> (its generation, {the ranks seeded}, the seed); _seen: the last op's
+# controller (weakly), generation and targets, whose ranks are seeded
+_seeded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_seen: list = [lambda: None, -1, None]
+
+
+def seeded_by_user(ctrl, mesh) -> None:
+    """``torch.manual_seed`` under ``mesh``: its ranks keep the user's seed."""
+    _seed_state(ctrl)[1].update(mesh.targets)
+
+
+def _seed_state(ctrl) -> tuple:
+    state = _seeded.get(ctrl)
+    if state is None or state[0] != ctrl.generation:
+        state = _seeded[ctrl] = (ctrl.generation, set(), torch.initial_seed())
+    return state
+
+
+def _seed_new_ranks(ctrl, mesh, stream) -> None:
+    """Before the first op that reaches ranks of this generation: those ranks get
+    the one seed (on the op's stream, so the op draws from it)."""
+    if recording_trace.active is not None:  # a compiled call would seed on every replay
+        return
+    state = _seed_state(ctrl)
+    _seen[:] = [weakref.ref(ctrl), ctrl.generation, mesh.targets]
+    new = tuple(r for r in mesh.targets if r not in state[1])
+    if not new:
+        return
+    state[1].update(new)
+    packed, _ = pack_args((state[2],), {})
+    ident, result = ctrl.next_ident(), ctrl.next_id()
+    what = "torch.manual_seed"
+    msg = m.CallFunction(ident, result, _SEED, packed, stream.id, mesh.id, what)
+    ctrl.send(msg, new, stream.id, what)
+    ctrl.delete_ref(result)
 
 
 def follow(ctrl, mesh, stream) -> None:
-    """Before an op is sent to ``mesh``'s ranks: their settings are this process's."""
+    """Before an op is sent to ``mesh``'s ranks: their settings are this process's
+    (and their generators seeded, at the first op that reaches them)."""
+    seen = _seen
+    if seen[2] is not mesh.targets or seen[0]() is not ctrl or seen[1] != ctrl.generation:
+        _seed_new_ranks(ctrl, mesh, stream)
     now = _read()
     if not _changed[0]:
         if now == _FRESH:

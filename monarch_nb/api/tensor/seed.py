@@ -23,6 +23,7 @@ import torch
 
 from ...protocol import aten
 from ..remote import remote
+from .defaults import seeded_by_user
 from .mode import active_mesh
 from .tensor import Tensor
 
@@ -42,6 +43,7 @@ def manual_seed(seed):
     mesh = active_mesh()
     if mesh is not None:
         # on the active stream: ops sent after it draw from the new seed
+        seeded_by_user(mesh._controller, mesh)
         _seed_remote(int(seed), mesh=mesh).delete()
     return _torch_manual_seed(seed)
 
