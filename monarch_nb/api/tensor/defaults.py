@@ -28,10 +28,9 @@ import weakref
 import torch
 
 from ...protocol import aten, torch_settings
-from ...protocol import messages as m
-from ...protocol.wire import function_ref, pack_args
+from ...protocol.wire import function_ref
 from ..context import recording_trace
-from .send import aux_template, run
+from .send import aux_template, define, run
 
 _read = torch_settings.read
 _FRESH = torch_settings.FRESH
@@ -70,11 +69,11 @@ def _seed_new_ranks(ctrl, mesh, stream) -> None:
     if not new:
         return
     state[1].update(new)
-    packed, _ = pack_args((state[2],), {})
-    ident, result = ctrl.next_ident(), ctrl.next_id()
+    # a tensor op (RunOps), as the op after it: a rank without torch refuses it unread
     what = "torch.manual_seed"
-    msg = m.CallFunction(ident, result, _SEED, packed, stream.id, mesh.id, what)
-    ctrl.send(msg, new, stream.id, what)
+    op = define(ctrl, aux_template(("seed", state[2]), (state[2],), _SEED, what))
+    ident, result = ctrl.next_ident(), ctrl.next_id()
+    ctrl.send_op((ident, result, op, (), stream.id, ()), new, what)
     ctrl.delete_ref(result)
 
 
