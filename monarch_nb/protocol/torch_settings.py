@@ -32,27 +32,18 @@ FRESH = (torch.float32, False, False, True, False, False, "highest", True)  # a 
 def read() -> tuple:
     """This process's settings, in the order of NAMES."""
     try:
-        return (
-            torch.get_default_dtype(),
-            _C._get_deterministic_algorithms(),
-            _C._get_deterministic_algorithms_warn_only(),
-            _C._get_deterministic_fill_uninitialized_memory(),
-            _C._get_cudnn_benchmark(),
-            _C._get_cudnn_deterministic(),
-            _C._get_float32_matmul_precision(),
-            _C._get_cudnn_allow_tf32(),
-        )
+        tf32 = (_C._get_float32_matmul_precision(), _C._get_cudnn_allow_tf32())
     except RuntimeError:  # the fp32_precision API was used: the old getters refuse
-        return (
-            torch.get_default_dtype(),
-            _C._get_deterministic_algorithms(),
-            _C._get_deterministic_algorithms_warn_only(),
-            _C._get_deterministic_fill_uninitialized_memory(),
-            _C._get_cudnn_benchmark(),
-            _C._get_cudnn_deterministic(),
-            None,
-            None,
-        )
+        tf32 = (None, None)
+    return (
+        torch.get_default_dtype(),
+        _C._get_deterministic_algorithms(),
+        _C._get_deterministic_algorithms_warn_only(),
+        _C._get_deterministic_fill_uninitialized_memory(),
+        _C._get_cudnn_benchmark(),
+        _C._get_cudnn_deterministic(),
+        *tf32,
+    )
 
 
 def _deterministic(on: bool) -> None:

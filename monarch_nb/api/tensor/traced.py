@@ -174,7 +174,7 @@ def hand_over(t: Tensor) -> bool:
     if entry is None or _alone(shard, storage):
         return held is not None
     if held is None:
-        held = _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
+        held = _holder(t)
     entry[1] = held
     setattr(shard, _OUTER, held)
     return True
@@ -189,9 +189,14 @@ def _hand_over_shown(t: Tensor):
     entry = _LIVE.get(cached[1].untyped_storage()._cdata)
     if entry is None:
         return None
-    held = entry[1] = _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
+    held = entry[1] = _holder(t)
     setattr(cached[1], _OUTER, held)
     return held
+
+
+def _holder(t: Tensor) -> _Strong:
+    """A new mesh tensor naming ``t``'s value, held by a shard's entry."""
+    return _Strong(Tensor(t._layout, t.id, t.mesh, t.stream, t.ident))
 
 
 def _alone(shard: torch.Tensor, storage) -> bool:
