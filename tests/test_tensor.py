@@ -69,6 +69,27 @@ def test_repr_names_layout_never_values(mesh):
     assert "mnb.inspect" in str(t)
 
 
+def test_a_number_format_of_a_0_dim_tensor_gives_its_value_as_torch_does(mesh):
+    """f"{loss:.4f}", the logging line of every training loop: torch formats a 0-dim
+    tensor as its number; a mesh tensor formatted its repr, and ".4f" of a str failed."""
+
+    def per_rank():
+        import torch.distributed as dist
+
+        return torch.tensor(1.0 + dist.get_rank())
+
+    with mesh.activate():
+        loss = torch.tensor([1.0, 2.5]).mean()
+        t = torch.zeros(2, 3)
+        ranks_differ = mnb.remote(per_rank, propagate=lambda: torch.empty(()))()
+    assert f"{loss:.4f} {loss:.1e} {loss:>8.2f}" == "1.7500 1.8e+00     1.75"
+    assert f"{loss}" == str(loss)  # no spec: the repr, as before
+    assert f"{t:>200}".strip() == str(t)  # a tensor of dims: a spec pads the repr
+    with pytest.raises(ValueError, match="the ranks hold different values"):
+        f"{ranks_differ:.2f}"
+    assert f"{loss * 2:.1f}" == "3.5"  # and the mesh goes on
+
+
 def test_views_share_the_base_storage_and_inplace_ops(mesh):
     with mesh.activate():
         base = torch.zeros(3, 4)

@@ -443,3 +443,90 @@ def test_a_transformers_clip_trains_as_locally(mesh, monkeypatch):
         return out + [model.logit_scale.detach()]
 
     as_locally(mesh, run)
+
+
+def test_grouped_mm_runs_in_float32_as_torchs_cpu_kernel_does(mesh):
+    """torch._grouped_mm (a MoE layer's experts): torch's meta kernel, written for
+    CUDA's, takes only bfloat16, so the layout of a float32 result could not be known
+    here, while the CPU kernel runs it."""
+
+    def run():
+        torch.manual_seed(0)
+        tokens = torch.randn(6, 4, requires_grad=True)
+        experts = torch.randn(3, 4, 8, requires_grad=True)
+        offs = torch.tensor([2, 2, 6], dtype=torch.int32)
+        out = torch._grouped_mm(tokens, experts, offs=offs)
+        out.square().sum().backward()
+        return [out, tokens.grad, experts.grad]
+
+    as_locally(mesh, run)
+    with mesh.activate():  # the meta kernel's own checks still speak for other devices
+        with pytest.raises(RuntimeError, match="aten._grouped_mm: .*"):
+            torch._grouped_mm(torch.randn(6, 4), torch.randn(3, 5, 8), offs=torch.tensor([6]))
+
+
+def test_a_transformers_mixture_of_experts_trains_as_locally(mesh, monkeypatch):
+    """Mixtral of the transformers package from a config: its experts run as one
+    torch._grouped_mm, which failed at the first step ("Expected inputs of BF16")."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True,
+    )
+
+    def run():
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config)
+        opt = torch.optim.AdamW(model.parameters(), 1e-3)
+        out = []
+        for _ in range(2):
+            ids = torch.randint(0, 50, (2, 8))
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out + [p.detach() for p in model.parameters()]
+
+    as_locally(mesh, run)
+
+
+def test_an_op_a_package_defines_in_python_runs_on_ranks_that_never_imported_it(mesh):
+    """transformers defines its MoE fallback as torch.library.custom_op at import; a
+    graph of torch.compile (Mixtral in float32) calls it, and a rank, which never
+    imported that module, failed: "operator transformers::grouped_mm_fallback is not
+    registered in this worker". The op now travels with the module that defines it."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations import moe
+
+    def eager():
+        torch.manual_seed(0)
+        tokens, experts = torch.randn(6, 4), torch.randn(3, 4, 8)
+        offs = torch.tensor([2, 2, 6], dtype=torch.int32)
+        return [torch.ops.transformers.grouped_mm_fallback(tokens, experts, offs)]
+
+    assert moe.__name__ == "transformers.integrations.moe"
+    as_locally(mesh, eager)
+    config = transformers.MixtralConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+    def compiled():
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config)
+        inside = isinstance(model.lm_head.weight, mnb.Tensor)
+        forward = torch.compile(model, backend=mnb.mesh_backend if inside else "aot_eager")
+        ids = torch.randint(0, 50, (2, 8))
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach(), model.lm_head.weight.grad]
+
+    torch._dynamo.reset()
+    try:
+        as_locally(mesh, compiled)
+    finally:
+        torch._dynamo.reset()

@@ -1,7 +1,9 @@
 """Worker side of mesh tensors: an aten op called by its qualified name.
 
 torch's OpOverload objects do not pickle, so the controller sends the name
-("aten::add.Tensor") and ``run_op`` resolves it once per worker process.
+("aten::add.Tensor", ``wire_name``) and ``run_op`` resolves it once per worker
+process. An op a Python module defines (``torch.library.custom_op``) travels as
+"ns::op from package.module": a worker imports that module to find it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,45 @@ _REGISTERED_IN = {
 }
 
 
+_BUILT_IN = frozenset(("aten", "prims", "rngprims", "quantized", "_c10d_functional"))
+_wire_names: dict = {}
+
+
+def wire_name(func) -> str:
+    """The name ``resolve_op`` takes for OpOverload ``func`` (made on the controller)."""
+    name = _wire_names.get(func)
+    if name is None:
+        name = _wire_names[func] = _with_module(func.name())
+    return name
+
+
+def defining_module(name: str) -> str | None:
+    """The importable module whose import defines op ``name`` ("ns::op[.overload]"),
+    where torch knows it (``torch.library.custom_op``); None for torch's own ops and
+    for ops a notebook defines (``__main__`` is not importable on a worker)."""
+    ns, _, rest = name.partition("::")
+    if ns in _BUILT_IN:
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    init = getattr(OPDEFS.get(f"{ns}::{rest.partition('.')[0]}"), "_init_fn", None)
+    module = getattr(init, "__module__", None)
+    return module if module and module != "__main__" else None
+
+
+def _with_module(name: str) -> str:
+    module = defining_module(name)
+    return name if module is None else f"{name} from {module}"
+
+
 def resolve_op(name: str):
-    """The OpOverload called ``name`` ("ns::op" for the default overload, "ns::op.overload")."""
+    """The OpOverload called ``name`` ("ns::op" for the default overload, "ns::op.overload";
+    "... from package.module": that module defines it, imported first)."""
     import torch
 
+    name, _, module = name.partition(" from ")
+    if module:
+        importlib.import_module(module)
     ns, sep, rest = name.partition("::")
     if not sep or not rest:
         raise ValueError(f"not an operator name: {name!r} (expected 'ns::op.overload')")
@@ -35,7 +72,8 @@ def resolve_op(name: str):
     raise RuntimeError(
         f"operator {name} is not registered in this worker: an op defined in Python "
         f"(torch.library) exists only where its module was imported (or, for some of "
-        f"torch's own, called once); import that module on the workers first"
+        f"torch's own, called once); import that module on the workers first (an op "
+        f"defined in the notebook: define it in a %%monarch cell too)"
     )
 
 

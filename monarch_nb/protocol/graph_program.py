@@ -12,7 +12,7 @@ import importlib
 import re
 from types import ModuleType, SimpleNamespace
 
-from .aten import op_callable
+from .aten import defining_module, op_callable
 
 # an op call in FX's source: torch.ops.<namespace>.<op>.<overload>(
 _OP_CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
@@ -24,6 +24,9 @@ class GraphProgram:
 
     def __init__(self, src: str, globals_: dict, constants: dict, name: str):
         self.src, self.globals, self.constants, self.name = src, globals_, constants, name
+        # the modules that define the Python-defined ops it calls (transformers' MoE op)
+        ops = {f"{ns}::{op}" for ns, op, _ in _OP_CALL.findall(src)}
+        self.imports = sorted({m for op in ops if (m := defining_module(op)) is not None})
         self._forward = None
 
     @classmethod
@@ -56,6 +59,8 @@ class GraphProgram:
         return forward(*inputs)
 
     def _load(self):
+        for module in self.imports:
+            importlib.import_module(module)
         scope = {
             k: importlib.import_module(v.name) if type(v) is _Module else v
             for k, v in self.globals.items()

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...controller import PENDING_INTERRUPT, raise_pending_interrupt
 from ...protocol import messages as m
-from ...protocol.aten import OpSlot
+from ...protocol.aten import OpSlot, wire_name
 from ...protocol.autograd import saved_copy, tensors_in
 from ...protocol.wire import RefUseError, function_ref, pack_args
 from ..context import resolve_target
@@ -293,7 +293,7 @@ def target(tensors: list, mesh, what: str, written: tuple) -> tuple:
 
 
 def _names(func) -> tuple:
-    return (func.name(), op_name(func))
+    return (wire_name(func), op_name(func))
 
 
 def _finish(

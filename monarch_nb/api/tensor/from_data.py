@@ -63,7 +63,7 @@ def run(func, args, kwargs, tensors: list, mesh, grad: bool = False):
     mesh, stream = resolve_target(mesh, None)
     if borrows.live[0]:
         borrows.check(name, tensors, ())
-    function, call = call_of(func.name(), args, kwargs, grad)
+    function, call = call_of(aten.wire_name(func), args, kwargs, grad)
     ref = _run_op._send(call, kwargs, mesh, stream, function._replace(name=name))
     try:
         made = _outcome._send((ref,), {}, mesh, stream).fetch()

@@ -20,7 +20,7 @@ import pickle
 import torch
 
 from ...protocol import messages as m
-from ...protocol.aten import OpSlot, run_op
+from ...protocol.aten import OpSlot, run_op, wire_name
 from ...protocol.wire import RefUseError, function_ref
 from .propagate import op_name, propagate
 from .tensor import Tensor
@@ -178,7 +178,7 @@ def plan(func, args, kwargs, tensors: list, key, lifted: bool = False, grad=None
     tensors that require grad (it runs with autograd on the ranks), or None."""
     entry = propagate(func, args, kwargs, tensors, _is_mesh)
     mutated = _mutated_inputs(func, args, kwargs, tensors, entry)
-    names = (func.name(), op_name(func))
+    names = (wire_name(func), op_name(func))
     try:
         hash(key)
     except TypeError:

@@ -157,6 +157,8 @@ class Tensor(torch.Tensor, Ref):
         return f"{self.__repr__()}  [values: mnb.inspect(t)]"
 
     def __format__(self, spec: str) -> str:
+        if spec and self.dim() == 0:  # f"{loss:.4f}": the number, as torch formats it
+            return format(self.item(), spec)
         return self.__str__() if not spec else format(self.__str__(), spec)
 
     # ------------------------------------------- values: the one every rank holds
