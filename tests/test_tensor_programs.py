@@ -136,6 +136,33 @@ def test_a_dataloader_of_local_data_trains_with_each_batch_moved_by_mesh_tensor(
     assert mnb.inspect(from_list, dp=1).tolist() == [[1, 2], [3, 4]]
 
 
+def test_random_split_and_a_dataloaders_worker_processes_train_as_locally(mesh):
+    """random_split draws with generator=torch.default_generator, named: it drew here,
+    so the ranks' generators did not advance and the model made after it had other
+    weights than locally. A DataLoader with num_workers forks processes that inherit
+    the mesh's mode: they failed collating ("set the storage of a tensor on device
+    meta"); they now run torch locally."""
+    data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randn(20, 1))
+
+    def run(move, workers):
+        torch.manual_seed(0)
+        train, _ = torch.utils.data.random_split(data, [16, 4])
+        model = torch.nn.Linear(3, 1)
+        loader = torch.utils.data.DataLoader(
+            train, batch_size=4, shuffle=True, num_workers=workers
+        )
+        return _fit(loader, model, torch.optim.SGD(model.parameters(), 0.1), move), model
+
+    for workers in (0, 2):
+        with one_thread():
+            local, local_model = run(lambda t: t, workers)
+        with one_thread(), mesh.activate():
+            ours, model = run(mesh.tensor, workers)
+        for a, b in zip(ours, local, strict=True):
+            assert torch.equal(mnb.inspect(a, dp=1), b), workers
+        assert torch.equal(mnb.inspect(model.weight.detach(), dp=1), local_model.weight.detach())
+
+
 def _float64_fit():
     torch.ones(2)  # planned under float32 (on the mesh)
     torch.set_default_dtype(torch.float64)

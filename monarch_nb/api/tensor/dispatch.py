@@ -24,7 +24,7 @@ from . import borrows, from_data
 from .agreed import agreed_shard, check_not_recording
 from .aliases import Holder, join, rename_aliases, rename_written
 from .defaults import follow
-from .generators import draw
+from .generators import draw, is_default_generator
 from .plans import Plan, key_of, lifts_floats, lookup, plan, written
 from .propagate import DataDependentError, layout_of, op_name
 from .send import aux_template, call_of, run
@@ -73,7 +73,11 @@ def dispatch(func, args, kwargs, mesh=None):
     if PENDING_INTERRUPT:  # a Ctrl-C a finalizer dropped: raised in the user's loop
         raise_pending_interrupt()
     if kwargs and kwargs.get("generator") is not None:
-        return _drawn_here(func, args, kwargs, mesh)
+        if not is_default_generator(kwargs["generator"]):
+            return _drawn_here(func, args, kwargs, mesh)
+        # torch's default generator, named (random_split's default): under the mesh the
+        # default is the ranks' own, which advance as it does locally
+        kwargs = {**kwargs, "generator": None}
     if func is _DETACH:
         t = args[0]
         if (

@@ -4,8 +4,8 @@
 given ``generator=``, ``nn.init.normal_(w, generator=g)``) used to send a copy of
 ``g`` to the ranks: ``g`` did not advance here, so the next draw repeated the last
 one's numbers. Such an op now runs here on ``g`` (which advances as it would
-locally), and its values go to every rank. The ops without ``generator=`` use the
-ranks' own generators, as before.
+locally), and its values go to every rank. The ops without ``generator=``, or
+with torch's default generator named, use the ranks' own generators.
 """
 
 from __future__ import annotations
@@ -18,6 +18,23 @@ from ..context import RecordingError, recording_trace
 from .plans import written
 from .propagate import op_name
 from .tensor import Tensor
+
+
+def is_default_generator(gen: torch.Generator) -> bool:
+    """Whether ``gen`` is torch's default CPU generator. An op's ``generator=``
+    reaches a dispatch mode as a new Python object, so identity cannot tell: the
+    default generator is changed for a moment, and ``gen`` follows it if it is it."""
+    default = torch.default_generator
+    if gen.device.type != "cpu":
+        return False
+    state = default.get_state()
+    if not torch.equal(gen.get_state(), state):
+        return False
+    default.manual_seed(default.initial_seed() ^ 0x5EED)
+    try:
+        return not torch.equal(gen.get_state(), state)
+    finally:
+        default.set_state(state)
 
 
 def draw(func, args: tuple, kwargs: dict) -> tuple:

@@ -5,6 +5,7 @@ lets torch run locally again inside such a block."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 
@@ -122,6 +123,15 @@ def no_mesh():
         for mode in reversed(off):
             _push_mode(mode)
         _tls.local -= 1
+
+
+def _local_after_fork() -> None:
+    """A process forked under an active mesh (a DataLoader's workers, collating
+    batches) runs torch locally: it has no controller, only a copy of its modes."""
+    _tls.local = getattr(_tls, "local", 0) + 1
+
+
+os.register_at_fork(after_in_child=_local_after_fork)
 
 
 def active_mesh():
