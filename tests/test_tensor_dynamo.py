@@ -372,6 +372,27 @@ def test_bad_input_gives_a_clear_error_and_the_mesh_goes_on(mesh):
     torch._dynamo.reset()
 
 
+def test_a_higher_order_op_on_mesh_tensors_is_refused_naming_it_and_what_works(mesh):
+    """torch.cond and flex_attention run eagerly by compiling a wrapper of theirs;
+    dynamo's tracer failed on mesh tensors with an assertion about FakeTensors (a
+    2,000-character message naming neither the op nor a way out)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    with mesh.activate():
+        x = torch.randn(4)
+        q = torch.randn(1, 2, 8, 4)
+        with pytest.raises(Exception, match=r"torch.cond on mesh tensors: .*pred.item\(\)"):
+            torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+        with pytest.raises(Exception, match=r"flex_attention on mesh tensors: .*scaled_dot_prod"):
+            flex_attention(q, q, q, score_mod=lambda score, b, h, i, j: score + (i - j))
+        assert mnb.inspect(x * 2).shape == (4,)  # the engine works on, dynamo too
+        lin = torch.nn.Linear(4, 2)
+        compiled = torch.compile(lin, backend=mnb.mesh_backend)
+        assert torch.equal(mnb.inspect(compiled(x)), mnb.inspect(lin(x)))
+    torch._dynamo.reset()
+
+
 def test_a_new_batch_size_gives_each_result_its_own_shape(mesh):
     """dynamo makes the batch dim symbolic on a second size: the results' layouts
     are worked out per call from the sizes the call has."""

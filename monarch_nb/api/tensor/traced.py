@@ -126,6 +126,18 @@ def shard_of(t: Tensor) -> torch.Tensor:
 ON_THE_MESH = "_mnb_on_the_mesh"  # a torch.compile backend whose graphs run on the ranks
 
 
+_TORCH_DIR = torch.__file__.rpartition("/")[0]
+# the frames torch compiles to run a higher-order op eagerly: (what it is, what to do)
+_HIGHER_ORDER = {
+    "_cond_op_wrapper": ("torch.cond", "choose the branch with pred.item() or torch.where"),
+    "_while_loop_op_wrapper": ("torch while_loop", "loop in Python, reading the condition"),
+    "_flex_attention_hop_wrapper": (
+        "flex_attention",
+        "use F.scaled_dot_product_attention with attn_mask (the score_mod as a bias or mask)",
+    ),
+}
+
+
 def _check_backend(tx) -> None:
     """Dynamo meets a mesh tensor: refused for a backend that would run its graphs
     here, on the shards, which hold no data (inductor's kernels read them: the process
@@ -133,6 +145,13 @@ def _check_backend(tx) -> None:
     mesh."""
     from torch._dynamo.eval_frame import innermost_backend
 
+    hop = _HIGHER_ORDER.get(tx.f_code.co_name)
+    if hop is not None and tx.f_code.co_filename.startswith(_TORCH_DIR):
+        raise NotImplementedError(
+            f"{hop[0]} on mesh tensors: torch runs it by tracing it with torch.compile, whose "
+            f"tracer cannot run a higher-order op on mesh tensors (inside a compiled function "
+            f"either); {hop[1]}, or call it on the shards inside mnb.remote(fn, propagate=...)"
+        )
     fn = innermost_backend(tx.output.compiler_fn)
     fn = getattr(fn, "compiler_fn", fn)  # torch.compile's wrapper of a backend
     if getattr(fn, ON_THE_MESH, False) or getattr(fn, "__name__", "") == "eager":
