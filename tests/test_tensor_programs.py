@@ -557,3 +557,42 @@ def test_an_op_a_package_defines_in_python_runs_on_ranks_that_never_imported_it(
         as_locally(mesh, compiled)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_torchscript_module_and_a_channels_last_cnn_train_as_locally(mesh):
+    """torch.jit.script: from its second call TorchScript runs a differentiable graph
+    whose ops read detached inputs, so the ranks' own backward reached no parameter
+    and every grad was None there. channels_last parameters: the grads' layout was
+    asked of a torch function 2.13 renamed (AttributeError at the first backward)."""
+
+    def scripted():
+        torch.manual_seed(0)
+        model = torch.jit.script(
+            torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        )
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        out = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 3)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out + [p.detach() for p in model.parameters()]
+
+    def channels_last():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()
+        ).to(memory_format=torch.channels_last)
+        x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+        y = model(x)
+        y.square().mean().backward()
+        grad = model[0].weight.grad
+        assert grad.stride() == model[0].weight.stride()  # the leaf's layout, as torch's
+        return [y, grad]
+
+    with one_thread():
+        scripted()  # TorchScript's first calls profile (a plain graph): its numbers differ
+    as_locally(mesh, scripted)
+    as_locally(mesh, channels_last)

@@ -8,7 +8,7 @@ its shards. The controller walks its graph only to find the leaves, sends one
 of the layout torch gives a leaf's grad. Where the ranks cannot do what torch on
 the controller would, the controller's engine runs the backward op by op, as
 before: ``create_graph``, ``inputs``, a custom ``autograd.Function`` (its
-backward is Python on the controller), a hook on a tensor of the graph
+backward is Python on the controller), TorchScript's graphs, a hook on a tensor of the graph
 (``register_hook``, ``retain_grad``, a leaf's post-accumulate hook), a leaf of
 another mesh or stream. A second backward through a freed
 graph fails on the ranks, with torch's own error.
@@ -95,7 +95,9 @@ def _walk(t: Tensor) -> tuple | None:
         meta = node.metadata
         if meta and HOOKED in meta:
             return None
-        if isinstance(node, BackwardCFunction):
+        if isinstance(node, BackwardCFunction) or type(node).__name__ == "CppFunction":
+            # a custom Function; a C++ node without its own Python type (TorchScript's
+            # differentiable graph: the ranks' graph of its ops reads detached inputs)
             return None
         for one in _saved(node):
             if one.unpack_hook is not None:
@@ -164,11 +166,17 @@ def _same_leaf(v, t: Tensor) -> bool:
     )
 
 
+# torch 2.13 named it ..._or_false (a symbolic size answers False)
+_dense = getattr(torch._prims_common, "is_non_overlapping_and_dense_or_false", None) or getattr(
+    torch._prims_common, "is_non_overlapping_and_dense", None
+)
+
+
 def _grad_layout(leaf: Tensor) -> tuple:
     """``(size, stride)`` torch gives a leaf's grad: the leaf's strides where it is
     dense and non-overlapping, else contiguous."""
     size = tuple(leaf.shape)
-    if leaf.is_contiguous() or torch._prims_common.is_non_overlapping_and_dense(leaf):
+    if leaf.is_contiguous() or _dense(leaf):
         return size, tuple(leaf.stride())
     stride, acc = [], 1
     for n in reversed(size):
