@@ -263,3 +263,20 @@ def test_the_re_raiser_hands_back_only_the_ctrl_c_it_was_given():
         assert PENDING_INTERRUPT == [True]
     finally:
         PENDING_INTERRUPT.clear()
+
+
+@pytest.mark.unit
+def test_a_ranks_backward_that_reaches_no_leaf_fails_naming_it_not_a_silent_none():
+    """A rank runs torch's engine on its own graph for the leaves the controller's graph
+    reaches. Where the two graphs differed (TorchScript's read detached inputs), a leaf
+    got no grad there while the controller named one: its value was None, silently."""
+    from monarch_nb.protocol.autograd import backward_shards
+
+    reached, missed = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    loss = (reached * 2).sum() + (missed.detach() * 3).sum()
+    leaves = ((False, (2,), (1,)), (False, (3,), (1,)))
+    with pytest.raises(RuntimeError, match=r"gave 1 of the graph's leaves no gradient \(shapes \(3,\)\).*torch.autograd.backward\(loss\)"):
+        backward_shards((False, False, leaves), loss, reached, missed)
+    loss = (reached * 2).sum() + (missed * 3).sum()
+    grads = backward_shards((False, False, leaves), loss, reached, missed)
+    assert [g.tolist() for g in grads] == [[2.0, 2.0], [3.0, 3.0, 3.0]]

@@ -132,6 +132,14 @@ def backward_shards(spec: tuple, *values):
             "called: an op on its way did not run with autograd here"
         )
     torch.autograd.backward(loss, gradient, retain_graph=retain)
+    missed = [tuple(s.shape) for s in shards if s.grad is None]
+    if missed:  # else the controller would name a grad this rank does not hold
+        raise RuntimeError(
+            f"this rank's backward gave {len(missed)} of the graph's leaves no gradient "
+            f"(shapes {', '.join(map(str, missed[:4]))}), which the controller's graph "
+            f"reaches: its graph differs from this rank's; torch.autograd.backward(loss) "
+            f"runs torch's engine on the controller instead"
+        )
     out = []
     for shard, (_, size, stride) in zip(shards, leaves):
         g = shard.grad
