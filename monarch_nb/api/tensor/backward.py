@@ -8,9 +8,9 @@ its shards. The controller walks its graph only to find the leaves, sends one
 of the layout torch gives a leaf's grad. Where the ranks cannot do what torch on
 the controller would, the controller's engine runs the backward op by op, as
 before: ``create_graph``, ``inputs``, a custom ``autograd.Function`` (its
-backward is Python on the controller), TorchScript's graphs, a hook on a tensor of the graph
-(``register_hook``, ``retain_grad``, a leaf's post-accumulate hook), a leaf of
-another mesh or stream. A second backward through a freed
+backward is Python on the controller), TorchScript's graphs, a hook on a tensor
+of the graph (``register_hook``, ``retain_grad``, a leaf's post-accumulate hook),
+a leaf of another mesh or stream. A second backward through a freed
 graph fails on the ranks, with torch's own error.
 """
 
@@ -168,7 +168,7 @@ def _same_leaf(v, t: Tensor) -> bool:
 
 # torch 2.13 named it ..._or_false (a symbolic size answers False)
 _dense = getattr(torch._prims_common, "is_non_overlapping_and_dense_or_false", None) or getattr(
-    torch._prims_common, "is_non_overlapping_and_dense", None
+    torch._prims_common, "is_non_overlapping_and_dense", lambda t: False
 )
 
 
