@@ -59,7 +59,7 @@ class GraphProgram:
         return forward(*inputs)
 
     def _load(self):
-        for module in self.imports:
+        for module in self.__dict__.get("imports", ()):  # (a program pickled before it)
             importlib.import_module(module)
         scope = {
             k: importlib.import_module(v.name) if type(v) is _Module else v
