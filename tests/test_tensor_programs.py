@@ -603,3 +603,24 @@ def test_a_torchscript_module_and_a_channels_last_cnn_train_as_locally(mesh):
         scripted()  # TorchScript's first calls profile (a plain graph): its numbers differ
     as_locally(mesh, scripted)
     as_locally(mesh, channels_last)
+
+
+def test_results_are_laid_out_as_torchs_cpu_kernels_lay_them_out(mesh):
+    """Where torch's meta kernel lays a result out otherwise than its CPU kernel
+    (batch_norm of a transposed input: contiguous on the CPU, the input's strides in
+    the meta kernel), the controller took the meta kernel's layout, so a `.view` that
+    runs locally failed here, and a transformers PatchTST failed on the ranks."""
+
+    def run():
+        torch.manual_seed(0)
+        x = torch.randn(6, 4, 16).transpose(1, 2).requires_grad_()
+        normed = F.batch_norm(x, None, None, training=True)
+        floored = torch.div(torch.randn(5, 10).t(), 0.3, rounding_mode="floor")
+        logits = torch.randn(3, 7).t().requires_grad_()
+        loss = F.mse_loss(normed, torch.randn(6, 16, 4)) + F.cross_entropy(logits, torch.arange(7) % 3)
+        grads = torch.autograd.grad(loss, [x, logits])
+        return [normed, normed.view(6, 64), floored, *grads]
+
+    ours, local = as_locally(mesh, run)
+    assert [t.stride() for t in ours] == [t.stride() for t in local]
+

@@ -27,6 +27,8 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
+from .cpu_layouts import run_fake
+
 _tls = threading.local()
 _DETACH = torch.ops.aten.detach.default
 # ops whose argument at this place asks for a sparse gradient of the weight
@@ -120,41 +122,6 @@ def needs_values_error(what: str, cls=RuntimeError) -> RuntimeError:
     )
 
 
-def _grouped_mm_on_cpu(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """``aten._grouped_mm``'s result on the CPU, whose kernel takes float32 and
-    float16 too (torch's meta kernel, written for CUDA's, takes only bfloat16): the
-    experts of a MoE layer (``transformers``' Mixtral, Qwen-MoE). None: the meta
-    kernel speaks."""
-    if mat_a.device.type != "cpu" or mat_a.dtype == torch.bfloat16:
-        return None
-    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
-    if not (a2 and b2) and mat_a.size(-1) != mat_b.size(-2):
-        raise RuntimeError(
-            f"contraction dimension of mat_a and mat_b must match (mat_a {tuple(mat_a.shape)}, "
-            f"mat_b {tuple(mat_b.shape)})"
-        )
-    if a2 and b2:
-        size = (offs.size(0), mat_a.size(0), mat_b.size(1))
-    elif a2:
-        size = (mat_a.size(0), mat_b.size(-1))
-    elif b2:
-        size = (mat_a.size(1), mat_b.size(1))
-    else:
-        size = (mat_a.size(0), mat_a.size(1), mat_b.size(-1))
-    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
-
-
-# ops whose meta kernel refuses what their CPU kernel runs: the layout of the CPU
-# kernel's result, asked before the meta kernel (whose refusal torch logs as an error)
-_CPU_LAYOUTS = {torch.ops.aten._grouped_mm.default: _grouped_mm_on_cpu}
-
-
-def _run_fake(func, fargs, fkwargs):
-    stand_in = _CPU_LAYOUTS.get(func)
-    out = None if stand_in is None else stand_in(*fargs, **fkwargs)
-    return func(*fargs, **fkwargs) if out is None else out
-
-
 def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
     """The description of ``func``'s outputs for mesh tensors ``tensors`` (in the
     order the dispatcher numbered them) among ``args`` / ``kwargs``."""
@@ -175,7 +142,7 @@ def propagate(func, args, kwargs, tensors: list, is_mesh) -> tuple:
         )
     try:
         with fake_inputs(args, kwargs, tensors, is_mesh) as (fargs, fkwargs, fakes):
-            out = _run_fake(func, fargs, fkwargs)
+            out = run_fake(func, fargs, fkwargs)
     except (DataDependentOutputException, DynamicOutputShapeException):
         raise needs_values_error(f"{name} (its result depends on the data)", DataDependentError) from None
     except UnsupportedOperatorException:
