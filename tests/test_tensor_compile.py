@@ -115,6 +115,33 @@ def test_a_step_that_differs_on_every_call_runs_uncompiled_with_a_warning(mesh):
     assert mnb.inspect(w).tolist() == torch.roll(torch.arange(6.0), 21).tolist()
 
 
+def test_a_call_that_asks_the_ranks_runs_op_by_op_and_the_others_replay(mesh):
+    """A log line's ``t.item()`` every third call inside a compiled step: that call
+    runs op by op (what it held first, in order), with one warning naming where; the
+    other calls replay as one message. It raised RecordingError."""
+    with mesh.activate():
+        acc, x = torch.zeros(3), torch.ones(3)
+    calls, seen = [], []
+
+    def step():
+        calls.append(1)
+        acc.add_(x)
+        y = acc * 2
+        if len(calls) % 3 == 0:
+            seen.append(y.sum().item())
+        return y + 1
+
+    step = mnb.compile(step)
+    with pytest.warns(RuntimeWarning, match=r"t.item\(\), at test_tensor_compile.py:\d+ in step"):
+        outs = [step() for _ in range(6)]
+    before = _commands_done(mesh)
+    outs.append(step())
+    assert _commands_done(mesh) - before == 1  # the seventh call asks nothing: a replay
+    assert seen == [18.0, 36.0]
+    assert [mnb.inspect(o, dp=1).tolist() for o in outs] == [[2.0 * k + 1] * 3 for k in range(1, 8)]
+    assert mnb.inspect(acc, dp=0).tolist() == [7.0] * 3
+
+
 @pytest.mark.parametrize("pure", [False, True], ids=["checked", "pure"])
 def test_a_replay_after_the_captured_tensor_is_replaced_records_again(mesh, pure):
     """A checked call reads the new tensor; a pure replay, whose input is gone, records."""

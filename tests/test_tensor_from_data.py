@@ -1,9 +1,11 @@
 """Values and data-dependent results come from the ranks when they agree: ``t.item()``,
 ``bool(t)``, ``nonzero``, ``x[mask]``, ``unique`` on a real dp=2 mesh, equal to local
-torch; ranks that disagree, and a compiled function asking, get a clear error, and the
-next op works."""
+torch; ranks that disagree get a clear error, and the next op works; a compiled
+function that asks runs op by op, with a warning."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -101,14 +103,24 @@ def test_ranks_that_disagree_are_named_and_the_mesh_goes_on(mesh):
     assert torch.equal(mnb.inspect(after, dp=1), torch.arange(4.0) * 2 + 1)
 
 
-def test_a_compiled_function_that_asks_the_ranks_is_refused(mesh):
+def test_a_compiled_function_that_asks_the_ranks_runs_op_by_op_and_says_where(mesh):
+    """A value asked of the ranks inside mnb.compile (a data-dependent op, bool(t)):
+    the call runs op by op from there, as torch.compile breaks its graph, with one
+    warning naming what asked and where; it raised RecordingError, so a transformers
+    T5 with an attention mask could not be compiled."""
     asks = mnb.compile(lambda x: x[x > 0] * 2)
     branches = mnb.compile(lambda x: x * 2 if bool(x.sum() > 0) else x)
     with mesh.activate():
         x = torch.arange(5.0) - 2
-        with pytest.raises(mnb.RecordingError, match=r"aten.index.Tensor needs values from the workers"):
-            asks(x)
-        with pytest.raises(mnb.RecordingError, match=r"bool\(t\) needs values from the workers"):
-            branches(x)
-        y = x[x > 0] * 2  # uncompiled, the same works; the mesh and its caches go on
+        for f, what in ((asks, "aten.index.Tensor"), (branches, r"bool\(t\)")):
+            with pytest.warns(RuntimeWarning, match=rf"asks the workers for a value \({what}, at test_tensor_from_data.py:\d+ in <lambda>\)"):
+                first = f(x)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # once per place
+                second = f(x)
+            assert torch.equal(mnb.inspect(first, dp=1), mnb.inspect(second, dp=0))
+        results = asks(x), branches(x + 1)
+        y = x[x > 0] * 2  # uncompiled, the same; the mesh and its caches go on
+    _same_everywhere(mesh, results[0], torch.tensor([2.0, 4.0]))
+    _same_everywhere(mesh, results[1], (torch.arange(5.0) - 1) * 2)
     _same_everywhere(mesh, y, torch.tensor([2.0, 4.0]))

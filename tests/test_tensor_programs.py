@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -624,3 +625,34 @@ def test_results_are_laid_out_as_torchs_cpu_kernels_lay_them_out(mesh):
     ours, local = as_locally(mesh, run)
     assert [t.stride() for t in ours] == [t.stride() for t in local]
 
+
+def test_a_transformers_t5_with_an_attention_mask_runs_under_mnb_compile(mesh, monkeypatch):
+    """transformers' mask code asks ``padding_mask.all()`` (which it skips under
+    torch.compile): under mnb.compile that raised RecordingError at the first call.
+    Such a call now runs op by op from there, with local torch's numbers, and says
+    where it asked, once."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0,
+    )
+
+    def run():
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(config)
+        ids, labels = torch.randint(1, 50, (2, 6)), torch.randint(1, 50, (2, 4))
+        loss_of = lambda: model(  # noqa: E731
+            input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels
+        ).loss
+        if isinstance(ids, mnb.Tensor):
+            loss_of = mnb.compile(loss_of)
+        losses = [loss_of() for _ in range(3)]
+        losses[-1].backward()
+        return losses + [model.shared.weight.grad]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        as_locally(mesh, run)
+    asked = [str(w.message) for w in caught if "asks the workers" in str(w.message)]
+    assert len(asked) == 1 and "bool(t), at masking_utils.py:" in asked[0], asked

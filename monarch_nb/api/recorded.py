@@ -17,11 +17,14 @@ differ only in them are replayed with each call's own.
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import traceback
 import weakref
 
 from ..protocol.pickling import unpack_args
-from .context import RecordingError
+from .context import RecordingError, recording_trace
 from .remote import Ref
 
 RECORDABLE = ("CallFunction", "Reduce", "RunCode")
@@ -34,6 +37,8 @@ class Trace:
     def __init__(self, ctrl, hold: bool = False):
         self.ctrl = ctrl
         self.hold = hold
+        self.thread = threading.get_ident()
+        self.left: tuple | None = None  # (what, where): the call left the recording
         self.commands: list = []
         self.deletes: list[int] = []  # value ids freed meanwhile (held)
         self.refs: dict[int, Ref] = {}  # every Ref the recorded commands name
@@ -45,10 +50,27 @@ class Trace:
         if type(command) is not tuple:
             kind = type(command).__name__
             if kind not in RECORDABLE:
-                what = {"SendValue": "fetch()", "Pull": "pull()"}.get(kind, kind)
-                raise RecordingError(f"{what} cannot be used inside a compiled function")
+                name = {"SendValue": "fetch()", "Pull": "pull()"}.get(kind, kind)
+                if kind not in ("SendValue", "Pull"):
+                    raise RecordingError(f"{name} cannot be used inside a compiled function")
+                self.leave(name)
+                return False
         self.commands.append((command, tuple(targets), what))
         return self.hold
+
+    def leave(self, what: str) -> None:
+        """The call asks the workers for a value (``what``), which a replay cannot
+        stop to do: it goes on uncompiled, as eagerly (what was held leaves first, in
+        order), and records nothing. Another thread's ask is refused."""
+        if threading.get_ident() != self.thread:
+            raise RecordingError(
+                f"{what} cannot be used on another thread while a compiled function records"
+            )
+        self.left = (what, _user_frame())
+        recording_trace.active = None
+        if self.hold:
+            self.flush()
+        self.commands = []
 
     def holds_delete(self, ref_id: int) -> bool:
         if self.hold:
@@ -82,6 +104,18 @@ class Trace:
             if rid not in defined:
                 ctrl.delete_ref(rid)
         self.deletes = []
+
+
+def _user_frame() -> str:
+    """``file:line in function`` of the innermost frame outside monarch_nb and torch:
+    where the program asked."""
+    skip = [os.path.dirname(os.path.dirname(__file__))]
+    if "torch" in sys.modules:
+        skip.append(os.path.dirname(sys.modules["torch"].__file__))
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(tuple(skip)):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return "an unknown place"
 
 
 def results_of(result) -> tuple:

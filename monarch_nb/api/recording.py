@@ -1,24 +1,22 @@
 """``mnb.compile``: record the remote commands a function issues once, then replay
 them with one message per call.
 
-The first call with a given shape of arguments runs normally and records every
-command it sends (remote calls, ``exec``, reductions, on any streams). Later
-calls send one CallRecording that each worker replays locally with the new
-Refs; values made inside the function and not returned never reach the
-workers' env. Arguments that are not Refs are part of the recording: calling
-with different ones records again (like a guard). Fetching inside a compiled
-function is an error: a replay cannot stop to talk to the controller.
-Mesh tensors a call leaves behind (parameters updated in place, gradients,
-optimizer state: the recording's *state*) are rebound to the replay's new
-values, so the controller's tensors name what the workers hold. A function
-with state is replayed only once two recorded calls in a row sent the same
-commands (an optimizer's first step, which creates its state, differs from the
-next); one that never settles runs uncompiled, with a warning. Each later call
-runs the function's Python with its commands held back, then sends them as one
-CallRecording (a *checked* call): a scheduler's step, an optimizer's step count,
-a counter and a global the function reads advance as eagerly, and the lifted
-floats they feed are each call's own. Only ``pure=True`` (the caller's promise
-that the Python has no other effect and reads nothing that changes) lets a call
+The first call with a given shape of arguments runs normally and records every command
+it sends (remote calls, ``exec``, reductions, on any streams). Later calls send one
+CallRecording that each worker replays locally with the new Refs; values made inside the
+function and not returned never reach the workers' env. Arguments that are not Refs are
+part of the recording: calling with different ones records again (like a guard). A call
+that fetches (``t.item()``, ``fetch()``) runs op by op from there (torch.compile's graph
+break). Mesh tensors a call leaves behind (parameters updated in place, gradients,
+optimizer state: the recording's *state*) are rebound to the replay's new values, so the
+controller's tensors name what the workers hold. A function with state is replayed only
+once two recorded calls in a row sent the same commands (an optimizer's first step,
+which creates its state, differs from the next); one that never settles runs uncompiled,
+with a warning. Each later call runs the function's Python with its commands held back,
+then sends them as one CallRecording (a *checked* call): a scheduler's step, an
+optimizer's step count, a counter and a global the function reads advance as eagerly,
+and the lifted floats they feed are each call's own. Only ``pure=True`` (the caller's
+promise that the Python has no other effect and reads nothing that changes) lets a call
 replay without running it, as a CUDA graph replays.
 """
 
@@ -174,6 +172,7 @@ class Compiled:
         self._recorded: dict = {}  # key -> _Recorded, the most recent last
         self._attempts: dict = {}  # key -> recordings in a row that did not settle
         self._why = ""  # how the last two recordings of a key differed
+        self._left: set = set()  # (what, where) a call asked the workers, warned once
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -246,6 +245,18 @@ class Compiled:
             stacklevel=4,
         )
 
+    def _warn_left(self, left: tuple) -> None:
+        if left not in self._left:
+            self._left.add(left)
+            warnings.warn(
+                f"mnb.compile: {getattr(self._fn, '__qualname__', 'the function')} asks the workers for a value ({left[0]}, at {left[1]}), "
+                f"which a replay cannot stop for, so each call that asks runs op by op (with "
+                f"the same numbers); for every call to replay, read the value outside "
+                f"the compiled function (return the tensor)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
     def _record(self, args, kwargs, refs: list[Ref]):
         from .mesh import get_mesh
 
@@ -256,6 +267,9 @@ class Compiled:
             result = self._fn(*args, **kwargs)
         finally:
             recording_trace.active = None
+        if trace.left is not None:
+            self._warn_left(trace.left)
+            return result, None
         if not trace.commands:
             return result, None
         out_refs = _refs_in(result, [])
@@ -339,6 +353,9 @@ class Compiled:
             trace.flush()
             raise
         recording_trace.active = None
+        if trace.left is not None:
+            self._warn_left(trace.left)
+            return True, result
         sig = Signature(trace.commands)
         if not rec.usable() or not rec.signature.same_as(sig, floats=False):
             self._why = rec.signature.difference(sig)

@@ -12,17 +12,15 @@ import math
 
 import torch
 
-from ..context import RecordingError, recording_trace
+from ..context import recording_trace
 
 
-def check_not_recording(what: str) -> None:
-    """``what`` asks the ranks for values: refused inside ``mnb.compile``."""
-    if recording_trace.active is not None:
-        raise RecordingError(
-            f"{what} needs values from the workers, which a compiled function cannot ask "
-            f"for (its Python control flow would depend on them): compute it outside the "
-            f"compiled function, or keep it a mesh tensor"
-        )
+def leave_recording(what: str) -> None:
+    """``what`` asks the ranks for values: inside ``mnb.compile`` the call goes on
+    uncompiled from here (``Trace.leave``)."""
+    trace = recording_trace.active
+    if trace is not None:
+        trace.leave(what)
 
 
 def same_value(a, b) -> bool:
@@ -65,7 +63,7 @@ def agreed(values: list, ranks, what: str, hint: str):
 
 def agreed_shard(t, what: str) -> torch.Tensor:
     """``t``'s shard, the same on every rank of its mesh (fetched from each)."""
-    check_not_recording(what)
+    leave_recording(what)
     return agreed(
         t.fetch(),
         list(t.mesh.targets),

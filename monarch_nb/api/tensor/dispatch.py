@@ -21,7 +21,7 @@ from ...protocol.wire import RefUseError, function_ref, pack_args
 from ..context import resolve_target
 from ..remote import check_refs
 from . import borrows, from_data
-from .agreed import agreed_shard, check_not_recording
+from .agreed import agreed_shard, leave_recording
 from .aliases import Holder, join, rename_aliases, rename_written
 from .defaults import follow
 from .generators import draw, is_default_generator
@@ -257,9 +257,9 @@ def _written_here(func, args, kwargs, mesh, here: list):
     """An op that writes host scalars (local 0-dim tensors) with mesh tensors' values
     (ASGD's foreach path copies its step sizes into its own): it runs on the ranks on
     mesh copies of them, and each takes back the value every rank agrees on, in one
-    round trip (as ``t.item()`` asks; refused inside ``mnb.compile``)."""
+    round trip (as ``t.item()`` asks)."""
     name = op_name(func)
-    check_not_recording(name)
+    leave_recording(name)
     copies = {id(t): sent(t, mesh) for t in here}
 
     def mesh_copy(x):

@@ -15,7 +15,7 @@ from ...protocol import aten
 from ..context import resolve_target
 from ..remote import remote
 from . import borrows
-from .agreed import agreed, check_not_recording
+from .agreed import agreed, leave_recording
 from .propagate import needs_values_error, op_name
 from .send import call_of
 from .values import outputs
@@ -59,7 +59,7 @@ def run(func, args, kwargs, tensors: list, mesh, grad: bool = False):
     name = op_name(func)
     if func._schema.is_mutable:  # what it writes would need renaming by a layout unknown
         raise needs_values_error(f"{name} (it writes a tensor, and its result depends on the data)")
-    check_not_recording(name)
+    leave_recording(name)
     mesh, stream = resolve_target(mesh, None)
     if borrows.live[0]:
         borrows.check(name, tensors, ())
