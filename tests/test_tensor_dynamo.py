@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
+from connect_helpers import TESTS_ENV
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from worker_probes import env_sizes
 
@@ -483,3 +486,37 @@ def test_a_torch_compiled_function_inside_mnb_compile_replays(mesh):
     outs = [recorded() for _ in range(4)]
     assert all(torch.equal(mnb.inspect(o), want) for o in outs)
     assert _commands(mesh, recorded) == 1
+
+
+_MODULE_COMPILE_FIRST = """
+import torch, monarch_nb as mnb
+torch.set_num_threads(1)
+def run(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    model.compile(backend=backend)
+    model(torch.randn(3, 4)).sum().backward()
+    return model[0].weight.grad
+local = run("eager")
+mesh = mnb.local_mesh(dp=2)
+try:
+    with mesh.activate():
+        grad = run(mnb.mesh_backend)
+    assert torch.equal(mnb.inspect(grad, dp=1), local)
+finally:
+    mesh.shutdown()
+print("as locally")
+"""
+
+
+def test_module_compile_as_a_process_first_compile_of_mesh_tensors_trains_as_locally():
+    """``model.compile(backend=mnb.mesh_backend)`` as the first compile of mesh tensors in
+    a process (a fresh one: which package dynamo skips is the process's): torch runs
+    its own module frames eagerly, so dynamo compiled the mesh's dispatch frames
+    instead, a graph of them ran on the ranks apart from autograd, and the backward
+    failed ("gave 1 of the graph's leaves no gradient")."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MODULE_COMPILE_FIRST],
+        capture_output=True, text=True, timeout=300, env=TESTS_ENV,
+    )
+    assert out.returncode == 0 and "as locally" in out.stdout, out.stderr[-3000:]

@@ -7,7 +7,8 @@ the CPU kernel runs (``_grouped_mm`` in float32), or lays the result out otherwi
 (``native_batch_norm`` of a transposed input: the CPU kernel's result is
 contiguous, the meta kernel's takes the input's strides). A layout the controller
 gets wrong makes a later ``view`` fail on the ranks where it runs locally, or the
-reverse. For these ops the controller asks the CPU kernel itself, once per plan:
+reverse. For these ops, given inputs that are not all contiguous (for contiguous
+ones the kernels agree), the controller asks the CPU kernel itself, once per plan:
 it runs it on zeros of the inputs' layouts (the generator's state kept) and takes
 its results' strides.
 """
@@ -20,9 +21,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
 
-# ops whose CPU kernel lays its result out otherwise than its meta kernel, found by
-# running torch's OpInfo samples (forward and backward) on transposed, sliced,
-# permuted and channels_last inputs and comparing the two
+# ops whose CPU kernel lays its result out otherwise than its meta kernel, for inputs
+# that are not contiguous (for contiguous ones the two agree): found by running every
+# sample of torch's OpInfo database, forward and backward, on transposed, sliced,
+# permuted and channels_last inputs and comparing the two (strides of size-1 dims aside)
 STRIDES_FROM_CPU_KERNEL = frozenset(
     {
         aten._batch_norm_with_update.default,
@@ -32,21 +34,37 @@ STRIDES_FROM_CPU_KERNEL = frozenset(
         aten._native_batch_norm_legit.no_stats,
         aten._native_batch_norm_legit_no_training.default,
         aten.batch_norm_backward.default,
+        aten.channel_shuffle.default,
         aten.copysign.Tensor,
-        aten.div.Scalar,
         aten.div.Tensor_mode,
         aten.floor_divide.default,
+        aten.glu_backward.default,
+        aten.heaviside.default,
         aten.huber_loss_backward.default,
+        aten.ldexp.Tensor,
         aten.log_sigmoid_forward.default,
+        aten.logaddexp.default,
+        aten.logical_and.default,
+        aten.logical_or.default,
+        aten.logical_xor.default,
+        aten.max_pool1d.default,
+        aten.max_unpool2d.default,
         aten.mse_loss_backward.default,
-        aten.mul.Scalar,
         aten.native_batch_norm.default,
         aten.native_batch_norm_backward.default,
         aten.native_dropout_backward.default,
         aten.native_layer_norm_backward.default,
         aten.normal.Tensor_Tensor,
         aten.pow.Scalar,
+        aten.reflection_pad2d_backward.default,
+        aten.reflection_pad3d.default,
+        aten.reflection_pad3d_backward.default,
+        aten.replication_pad2d_backward.default,
+        aten.replication_pad3d.default,
+        aten.replication_pad3d_backward.default,
         aten.smooth_l1_loss_backward.default,
+        aten.special_xlog1py.default,
+        aten.xlogy.Tensor,
     }
 )
 
@@ -88,9 +106,11 @@ def _zeros_of(fake: torch.Tensor) -> torch.Tensor:
     return base.as_strided(size, stride, offset)
 
 
-def _on_cpu(flat: list) -> bool:
+def _cpu_not_contiguous(flat: list) -> bool:
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+    return all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors) and not all(
+        t.is_contiguous() for t in tensors
+    )
 
 
 def _cpu_strides(func, fargs, fkwargs, out):
@@ -126,6 +146,6 @@ def run_fake(func, fargs, fkwargs):
     out = None if stand_in is None else stand_in(*fargs, **fkwargs)
     if out is None:
         out = func(*fargs, **fkwargs)
-    if func in STRIDES_FROM_CPU_KERNEL and _on_cpu(tree_flatten((fargs, fkwargs))[0]):
+    if func in STRIDES_FROM_CPU_KERNEL and _cpu_not_contiguous(tree_flatten((fargs, fkwargs))[0]):
         out = _cpu_strides(func, fargs, fkwargs, out)
     return out

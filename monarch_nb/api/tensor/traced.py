@@ -60,9 +60,7 @@ class Place:
         self.mesh, self.stream = mesh, stream
 
     def __eq__(self, other) -> bool:
-        return (
-            type(other) is Place and other.mesh is self.mesh and other.stream.id == self.stream.id
-        )
+        return type(other) is Place and (other.mesh, other.stream.id) == (self.mesh, self.stream.id)
 
     def __hash__(self) -> int:
         return hash((id(self.mesh), self.stream.id))
@@ -127,14 +125,13 @@ ON_THE_MESH = "_mnb_on_the_mesh"  # a torch.compile backend whose graphs run on 
 
 
 _TORCH_DIR = torch.__file__.rpartition("/")[0]
+_OUR_DIR = __file__.rpartition("/api/")[0] + "/"
 # the frames torch compiles to run a higher-order op eagerly: (what it is, what to do)
 _HIGHER_ORDER = {
     "_cond_op_wrapper": ("torch.cond", "choose the branch with pred.item() or torch.where"),
     "_while_loop_op_wrapper": ("torch while_loop", "loop in Python, reading the condition"),
-    "_flex_attention_hop_wrapper": (
-        "flex_attention",
-        "use F.scaled_dot_product_attention with attn_mask (the score_mod as a bias or mask)",
-    ),
+    "_flex_attention_hop_wrapper": ("flex_attention", "use F.scaled_dot_product_attention "
+                                    "with attn_mask (the score_mod as a bias or mask)"),
 }
 
 
@@ -144,7 +141,13 @@ def _check_backend(tx) -> None:
     crashed). ``mnb.mesh_backend`` and dynamo's ``eager`` (torch's own ops) run on the
     mesh."""
     from torch._dynamo.eval_frame import innermost_backend
+    from torch._dynamo.exc import SkipFrame
 
+    if tx.output.root_tx.f_code.co_filename.startswith(_OUR_DIR):
+        # our dispatch's frame, met before any mesh tensor (nn.Module.compile runs torch's
+        # frames eagerly): run as it is; _shard_mode skips this package from now on
+        _shard_mode()
+        raise SkipFrame("monarch_nb's dispatch of mesh tensors runs as it is")
     hop = _HIGHER_ORDER.get(tx.f_code.co_name)
     if hop is not None and tx.f_code.co_filename.startswith(_TORCH_DIR):
         raise NotImplementedError(
@@ -167,10 +170,8 @@ def _check_backend(tx) -> None:
 @functools.cache
 def _shard_mode() -> FakeTensorMode:
     """The mode of the shards mesh tensors show torch.compile (one for every thread:
-    dynamo makes fakes of its own of them), made when torch.compile meets its first
-    mesh tensor. Then (dynamo is tracing) dynamo is told not to trace into this
-    package: the dispatch of the ops between graphs is ours, not the user's, and it
-    would otherwise compile it frame by frame."""
+    dynamo makes fakes of its own), made when torch.compile meets its first mesh
+    tensor; dynamo then skips this package (our dispatch, not the user's code)."""
     from torch._dynamo import trace_rules
 
     trace_rules.add("monarch_nb")
