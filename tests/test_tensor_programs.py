@@ -622,6 +622,15 @@ def test_results_are_laid_out_as_torchs_cpu_kernels_lay_them_out(mesh):
         grads = torch.autograd.grad(loss, [x, logits])
         return [normed, normed.view(6, 64), floored, *grads]
 
+    # first met inside mnb.compile (a CNN's BatchNorm): asking the CPU kernel touches no
+    # generator (the ranks' state was asked for, which a recording cannot)
+    normed = mnb.compile(lambda x: F.batch_norm(x.transpose(1, 2), None, None, training=True))
+    with mesh.activate():
+        torch.manual_seed(1)  # the ranks' generators: get_rng_state here asks them
+        x = torch.randn(5, 3, 7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert normed(x).view(5, 21).shape == (5, 21)
     ours, local = as_locally(mesh, run)
     assert [t.stride() for t in ours] == [t.stride() for t in local]
 

@@ -9,8 +9,8 @@ contiguous, the meta kernel's takes the input's strides). A layout the controlle
 gets wrong makes a later ``view`` fail on the ranks where it runs locally, or the
 reverse. For these ops, given inputs that are not all contiguous (for contiguous
 ones the kernels agree), the controller asks the CPU kernel itself, once per plan:
-it runs it on zeros of the inputs' layouts (the generator's state kept) and takes
-its results' strides.
+it runs it on zeros of the inputs' layouts (a random op with a generator of its own)
+and takes its results' strides.
 """
 
 from __future__ import annotations
@@ -117,9 +117,13 @@ def _cpu_strides(func, fargs, fkwargs, out):
     """``out`` (the meta kernel's fakes) with each tensor's strides those of the CPU
     kernel's result; ``out`` itself where the CPU kernel fails on zeros."""
     flat, spec = tree_flatten((fargs, fkwargs))
-    with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
+    with unset_fake_temporarily():
         real_flat = [_zeros_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
         rargs, rkwargs = tree_unflatten(real_flat, spec)
+        if any(a.name == "generator" for a in func._schema.arguments):
+            # a random op draws from a generator of its own: the default one (under a
+            # mesh, the ranks') is not touched
+            rkwargs = {**rkwargs, "generator": torch.Generator()}
         try:
             real = func(*rargs, **rkwargs)
         except Exception:  # a kernel that checks the values (the meta one spoke)
