@@ -99,7 +99,10 @@ def test_every_opinfo_sample_is_laid_out_as_the_cpu_kernel_lays_it_out():
 
 def _forward_backward(op, inp, args: tuple, kwargs: dict) -> None:
     out = op(inp, *args, **kwargs)
-    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
-    leaves = [x for x in tree_flatten((inp, args))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+    outs, leaves = _requiring_grad(out), _requiring_grad((inp, args))
     if outs and leaves:
         torch.autograd.grad(sum(o.sum() for o in outs), leaves, allow_unused=True)
+
+
+def _requiring_grad(x) -> list:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -20,14 +20,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import traceback
 import weakref
 
+from ..controller.frames import user_place
 from ..protocol.pickling import unpack_args
 from .context import RecordingError, recording_trace
 from .remote import Ref
 
 RECORDABLE = ("CallFunction", "Reduce", "RunCode")
+_ASKS = {"SendValue": "fetch()", "Pull": "pull()"}  # a call that sends one leaves the recording
 _ID_FIELDS = frozenset({"result", "source", "out"})
 
 
@@ -49,12 +50,11 @@ class Trace:
         """Take note of ``command`` on its way; True when it is held back."""
         if type(command) is not tuple:
             kind = type(command).__name__
-            if kind not in RECORDABLE:
-                name = {"SendValue": "fetch()", "Pull": "pull()"}.get(kind, kind)
-                if kind not in ("SendValue", "Pull"):
-                    raise RecordingError(f"{name} cannot be used inside a compiled function")
-                self.leave(name)
+            if kind in _ASKS:
+                self.leave(_ASKS[kind])
                 return False
+            if kind not in RECORDABLE:
+                raise RecordingError(f"{kind} cannot be used inside a compiled function")
         self.commands.append((command, tuple(targets), what))
         return self.hold
 
@@ -66,7 +66,8 @@ class Trace:
             raise RecordingError(
                 f"{what} cannot be used on another thread while a compiled function records"
             )
-        self.left = (what, _user_frame())
+        torch = sys.modules.get("torch")  # its frames too: the place is the caller's
+        self.left = (what, user_place((os.path.dirname(torch.__file__),) if torch else ()))
         recording_trace.active = None
         if self.hold:
             self.flush()
@@ -104,18 +105,6 @@ class Trace:
             if rid not in defined:
                 ctrl.delete_ref(rid)
         self.deletes = []
-
-
-def _user_frame() -> str:
-    """``file:line in function`` of the innermost frame outside monarch_nb and torch:
-    where the program asked."""
-    skip = [os.path.dirname(os.path.dirname(__file__))]
-    if "torch" in sys.modules:
-        skip.append(os.path.dirname(sys.modules["torch"].__file__))
-    for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(tuple(skip)):
-            return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
-    return "an unknown place"
 
 
 def results_of(result) -> tuple:

@@ -249,10 +249,10 @@ class Compiled:
         if left not in self._left:
             self._left.add(left)
             warnings.warn(
-                f"mnb.compile: {getattr(self._fn, '__qualname__', 'the function')} asks the workers for a value ({left[0]}, at {left[1]}), "
-                f"which a replay cannot stop for, so each call that asks runs op by op (with "
-                f"the same numbers); for every call to replay, read the value outside "
-                f"the compiled function (return the tensor)",
+                f"mnb.compile: {getattr(self._fn, '__qualname__', 'the function')} asks the "
+                f"workers for a value ({left[0]}, at {left[1]}), which a replay cannot stop "
+                f"for, so each call that asks runs op by op (with the same numbers); for every "
+                f"call to replay, read the value outside the compiled function (return it)",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -47,6 +47,16 @@ def is_internal(filename: str) -> bool:
     return any(f.startswith(d + os.sep) for d in _hidden_dirs())
 
 
+def user_place(skip: tuple = ()) -> str:
+    """``file:line in function`` of the innermost frame of the running stack that is the
+    user's (not internal, nor under a directory of ``skip``), its file under its front-end
+    name: where the program did what a message is about."""
+    for f in reversed(traceback.extract_stack()):
+        if not is_internal(f.filename) and not f.filename.startswith(skip):
+            return f"{_label(f.filename) or os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+    return "an unknown place"
+
+
 def user_frames(tb) -> list[str]:
     """The frames of local traceback ``tb`` that are the user's, formatted."""
     try:

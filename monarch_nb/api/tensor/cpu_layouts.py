@@ -98,14 +98,6 @@ def _grouped_mm_on_cpu(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 _STAND_INS = {aten._grouped_mm.default: _grouped_mm_on_cpu}
 
 
-def _zeros_of(fake: torch.Tensor) -> torch.Tensor:
-    """A real CPU tensor of ``fake``'s layout, filled with zeros."""
-    size, stride, offset = tuple(fake.shape), tuple(fake.stride()), fake.storage_offset()
-    extent = sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
-    base = torch.zeros((offset + extent,), dtype=fake.dtype)
-    return base.as_strided(size, stride, offset)
-
-
 def _cpu_not_contiguous(flat: list) -> bool:
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     return all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors) and not all(
@@ -118,7 +110,13 @@ def _cpu_strides(func, fargs, fkwargs, out):
     kernel's result; ``out`` itself where the CPU kernel fails on zeros."""
     flat, spec = tree_flatten((fargs, fkwargs))
     with unset_fake_temporarily():
-        real_flat = [_zeros_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        # zeros of each input's size and strides (a kernel's result strides follow its
+        # inputs' strides, not where they start in their storage)
+        real_flat = [
+            torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).zero_()
+            if isinstance(x, torch.Tensor) else x
+            for x in flat
+        ]
         rargs, rkwargs = tree_unflatten(real_flat, spec)
         if any(a.name == "generator" for a in func._schema.arguments):
             # a random op draws from a generator of its own: the default one (under a
